@@ -1,0 +1,305 @@
+"""Batched text generation with a KV cache: greedy, temperature, top-k and top-p sampling.
+
+Prompts of different lengths are LEFT-padded into one batch so every row's next token sits in the last
+column. Padding is expressed with the model's own document mechanism instead of a separate attention mask:
+pad positions get document id 0 and real tokens document id 1, so pads never attend real tokens (and vice
+versa) and no softmax row is ever fully masked. Explicit position ids restart at 0 at each row's first real
+token, so a padded row computes what the prompt alone would.
+
+Flow: one prefill forward over the padded prompts fills the cache, then one-token decode steps append to
+it. ``use_cache=False`` recomputes the whole sequence every step with the same ids, positions and masking:
+the slow reference path that tests and the benchmark compare against.
+
+Log-prob semantics (PPO relies on these): the log-prob returned for a sampled token is
+``log_softmax(logits / temperature)`` at that token, taken BEFORE top-k/top-p filtering; the filtered
+distribution is only used to draw the sample. Greedy decoding (temperature 0) reports
+``log_softmax(logits)``, i.e. temperature 1. This is exactly what ``sequence_logprobs`` recomputes in a
+training pass with the same temperature, so the PPO ratio starts at 1.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.model import Transformer
+
+PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
+
+
+@dataclass
+class GenerationOutput:
+    """New tokens only (the prompt is not repeated). N <= max_new_tokens: the loop ends once every row stopped."""
+
+    tokens: Tensor  # (B, N) long; pad_id after a row stopped
+    mask: Tensor  # (B, N) bool; True for real generated tokens, the stop token included
+    logprobs: Tensor  # (B, N) float32; log-prob of each sampled token (see module docstring), 0 where mask is False
+    lengths: Tensor  # (B,) long; number of real generated tokens per row (mask.sum(1))
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """Left-pad prompts into (B, T) token ids plus a (B, T) bool mask that is True on real tokens."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros((len(prompts), width), dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
+            real[row, width - len(prompt) :] = True
+    return input_ids, real
+
+
+def ids_and_positions(real: Tensor) -> tuple[Tensor, Tensor]:
+    """Document ids (0 on padding, 1 on real tokens) and position ids (0, 1, 2 ... from each row's first real token).
+
+    Pad positions get position 0 (the clamp); they only ever attend other pads, so their value is irrelevant.
+    """
+    document_ids = real.long() * REAL_DOCUMENT
+    position_ids = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+    return document_ids, position_ids
+
+
+def sequence_logprobs(
+    model: Transformer,
+    input_ids: Tensor,
+    *,
+    real_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Log-prob of token t+1 from the logits at position t: (B, T-1) float32, the alignment PPO trains with.
+
+    Give either ``real_mask`` (B, T) bool, True on real tokens of a left-padded batch (document and position ids
+    are derived exactly as ``generate`` does), or explicit ``document_ids``/``position_ids``, or neither (plain
+    causal rows). ``temperature`` 0 means greedy generation and is scored at temperature 1, like ``generate``.
+    Runs with whatever grad mode the caller is in (a PPO step needs gradients), and does not touch train/eval.
+    Entries whose target token is padding are meaningless; mask them with ``real_mask[:, 1:]``.
+    """
+    if real_mask is not None:
+        if document_ids is not None or position_ids is not None:
+            raise ValueError("pass either real_mask or document_ids/position_ids, not both")
+        document_ids, position_ids = ids_and_positions(real_mask.bool())
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logprobs = F.log_softmax(logits, dim=-1)
+    return logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set every token outside the top-k / top-p (nucleus) set to -inf. Applied in that order, as in HF.
+
+    top_k keeps exactly the k largest logits (ties broken by torch.topk). top_p keeps the smallest set of tokens,
+    taken in order of decreasing probability, whose cumulative probability reaches top_p; the top-1 always stays.
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Probability mass strictly before each token: once it already reaches top_p, the token is not needed.
+        # The top-1 has 0 mass before it, so it is always kept (top_p > 0).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """Next token (B,) and its log-prob (B,) from last-position logits (B, V); log-prob is pre-filtering."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = F.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / temperature
+        logprobs = F.log_softmax(scaled, dim=-1)
+        probs = filter_logits(scaled, top_k, top_p).softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _last_logits(model: Transformer, input_ids: Tensor, **kwargs) -> Tensor:
+    """Logits (B, V) of the last position only: the LM head over the full sequence would be wasted work."""
+    hidden = model.hidden_states(input_ids, **kwargs)
+    return model.logits(hidden[:, -1:])[:, 0]
+
+
+def _as_prompt_list(prompts: list[list[int]] | Tensor) -> list[list[int]]:
+    if isinstance(prompts, Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if prompts.dim() != 2:
+            raise ValueError(f"prompt tensor must be (T,) or (B, T), got shape {tuple(prompts.shape)}")
+        if prompts.is_floating_point() or prompts.is_complex():
+            raise ValueError(f"prompt tensor must hold integer token ids, got {prompts.dtype}")
+        return prompts.tolist()
+    return [_as_ids(p, f"prompt {row}") for row, p in enumerate(prompts)]
+
+
+def _as_ids(values: Iterable[int], what: str) -> list[int]:
+    """Plain Python ints; operator.index accepts numpy/torch integers but rejects floats and strings."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError as error:
+        raise ValueError(f"{what} must hold integer token ids: {error}") from None
+
+
+def _validate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_ids: list[int],
+    pad_id: int,
+) -> None:
+    config = model.config
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    for row, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
+        for token in prompt:
+            if not 0 <= token < config.vocab_size:
+                raise ValueError(f"prompt {row} holds token id {token}, outside the vocabulary [0, {config.vocab_size})")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds max_seq_len {config.max_seq_len}"
+        )
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    for token in [*stop_ids, pad_id]:
+        if not 0 <= token < config.vocab_size:
+            raise ValueError(f"stop/pad id {token} is outside the vocabulary [0, {config.vocab_size})")
+
+
+def generate(
+    model: Transformer,
+    prompts: list[list[int]] | Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Iterable[int] = (),
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> GenerationOutput:
+    """Generate up to ``max_new_tokens`` tokens after each prompt.
+
+    prompts: a list of token-id lists (any lengths; left-padded into one batch), or a (B, T) / (T,) tensor whose
+        tokens are all real. temperature 0 is greedy; top_k / top_p filter the sampling distribution (ignored by
+        greedy). A row stops after emitting any id in ``stop_ids`` (the stop token is kept, mask True); from then
+        on it yields ``pad_id`` with mask False. The loop ends once every row has stopped.
+
+    Log-probs: ``log_softmax(logits / temperature)`` at the sampled token, computed before top-k/top-p filtering
+    (the filtered distribution is only used to draw the sample); greedy uses ``log_softmax(logits)``. A training
+    pass recomputes the same numbers with ``sequence_logprobs(..., temperature=temperature)``.
+
+    use_cache=False recomputes the full sequence every step (the reference path, same masking and positions).
+    Runs under ``torch.inference_mode()`` with the model in eval mode; its previous train/eval mode is restored.
+    """
+    prompts = _as_prompt_list(prompts)
+    stop_ids = _as_ids(stop_ids, "stop_ids")
+    pad_id = _as_ids([pad_id], "pad_id")[0]
+    _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            out = _generate(
+                model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, use_cache
+            )
+    finally:
+        model.train(was_training)
+    # Clone outside inference mode: inference tensors cannot be saved for backward, and PPO builds its loss
+    # from these (old log-probs, masks).
+    return GenerationOutput(*(t.clone() for t in (out.tokens, out.mask, out.logprobs, out.lengths)))
+
+
+def _generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+    use_cache: bool,
+) -> GenerationOutput:
+    device = model.tok_embeddings.weight.device
+    input_ids, real = left_pad(prompts, pad_id, device)
+    document_ids, position_ids = ids_and_positions(real)
+    batch, prompt_width = input_ids.shape
+    n_real = real.sum(dim=1)  # real prompt tokens per row: the position of the first generated token
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+
+    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    # The last generated token is never fed back, hence the -1.
+    kv_cache = model.new_kv_cache(batch, prompt_width + max_new_tokens - 1) if use_cache else None
+    logits = _last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
+    new_document = torch.full((batch, 1), REAL_DOCUMENT, dtype=torch.long, device=device)
+
+    steps = 0
+    for step in range(max_new_tokens):
+        next_token, next_logprob = sample_next(logits, temperature, top_k, top_p, generator)
+        # Stopped rows keep emitting pad_id; sampling for them is wasted but keeps the batch rectangular.
+        next_token = torch.where(done, pad_id, next_token)
+        tokens[:, step] = next_token
+        mask[:, step] = ~done
+        logprobs[:, step] = torch.where(done, 0.0, next_logprob)
+        done = done | torch.isin(next_token, stop)
+        steps = step + 1
+        if steps == max_new_tokens or bool(done.all()):
+            break
+
+        # Feed the token back: it is real (document 1) at position = real tokens before it. Stopped rows feed
+        # pads the same way; their outputs are discarded, so what they attend to does not matter.
+        next_position = (n_real + step)[:, None]
+        if use_cache:
+            logits = _last_logits(
+                model, next_token[:, None], position_ids=next_position, document_ids=new_document, kv_cache=kv_cache
+            )
+        else:
+            input_ids = torch.cat([input_ids, next_token[:, None]], dim=1)
+            document_ids = torch.cat([document_ids, new_document], dim=1)
+            position_ids = torch.cat([position_ids, next_position], dim=1)
+            logits = _last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
+
+    mask = mask[:, :steps]
+    return GenerationOutput(tokens=tokens[:, :steps], mask=mask, logprobs=logprobs[:, :steps], lengths=mask.sum(dim=1))

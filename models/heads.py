@@ -1,0 +1,79 @@
+"""A scalar head over the decoder's final hidden states: the reward model and the PPO critic."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from models.model import ModelConfig, Transformer
+
+
+class ScalarHead(nn.Module):
+    """Linear(dim → 1). ``normal`` init uses std 1/sqrt(dim+1) (as in OpenAI's lm-human-preferences), so
+    initial rewards have unit scale; ``zeros`` gives a critic that starts by predicting 0 everywhere."""
+
+    def __init__(self, dim: int, init: Literal["normal", "zeros"] = "normal") -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=True)
+        self.init = init
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.init == "normal":
+            nn.init.normal_(self.proj.weight, std=1 / math.sqrt(self.proj.in_features + 1))
+        elif self.init == "zeros":
+            nn.init.zeros_(self.proj.weight)
+        else:
+            raise ValueError(f"ScalarHead init must be 'normal' or 'zeros', got {self.init!r}")
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.proj(hidden).squeeze(-1).float()
+
+
+class ScalarModel(nn.Module):
+    """The decoder with a scalar head: one score per position, (B, T). The LM head is kept but unused, so
+    the backbone stays a plain ``Transformer`` that loads and saves like any other."""
+
+    def __init__(self, config: ModelConfig, init: Literal["normal", "zeros"] = "normal") -> None:
+        super().__init__()
+        self.backbone = Transformer(config)
+        self.head = ScalarHead(config.dim, init)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.backbone.config
+
+    @classmethod
+    def from_backbone(cls, backbone: Transformer, init: Literal["normal", "zeros"] = "normal") -> "ScalarModel":
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model.backbone = backbone
+        model.head = ScalarHead(backbone.config.dim, init).to(backbone.tok_embeddings.weight.device)
+        return model
+
+    def forward(
+        self, input_ids: Tensor, *, position_ids: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
+        hidden = self.backbone.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
+        return self.head(hidden)
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index (B,) of the last True position of each row of a (B, T) mask: where a sequence's score is read.
+
+    Works for left and right padding alike; a row with no True position is an error, not index -1.
+    """
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("every row needs at least one real token to read a score from")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
+
+
+def gather_last(values: Tensor, mask: Tensor) -> Tensor:
+    """values (B, T) read at each row's last real token → (B,)."""
+    return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)

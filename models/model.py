@@ -1,0 +1,431 @@
+"""The Llama 3 decoder: one readable file, a dataclass config, no framework magic.
+
+Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...),
+so Meta checkpoints load without renaming and the Hugging Face mapping lives in one table
+(``models/checkpoint.py``). RoPE rotates interleaved pairs (Meta's convention); Hugging Face's rotate-half
+layout is handled by permuting wq/wk on import/export.
+
+Packed rows: ``document_ids`` (B, T) mark which document each token belongs to. Attention never crosses a
+document boundary and positions restart at 0 in each document, so a packed row computes exactly what running
+each document alone would. Left padding is the same mechanism: padding is simply another "document".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.loss import chunked_cross_entropy, cross_entropy
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 4096
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None  # explicit hidden size (imported checkpoints); overrides the rule above
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        positive = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.norm_eps <= 0:
+            raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(f"ModelConfig.ffn_dim_multiplier must be > 0, got {self.ffn_dim_multiplier}")
+        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
+            raise ValueError(f"ModelConfig.ffn_hidden_dim must be > 0, got {self.ffn_hidden_dim}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
+        scaling = self.rope_scaling
+        if scaling is not None and (scaling.factor < 1 or scaling.high_freq_factor <= scaling.low_freq_factor):
+            raise ValueError(
+                "ModelConfig.rope_scaling needs factor >= 1 and high_freq_factor > low_freq_factor, "
+                f"got {scaling}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden size, computed exactly as Meta's reference does."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A named preset from ``configs/model/NAME.yaml`` (or a path to such a YAML file)."""
+        from omegaconf import OmegaConf
+
+        path = Path(name) if str(name).endswith((".yaml", ".yml")) else CONFIG_DIR / f"{name}.yaml"
+        if not path.is_file():
+            available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            raise FileNotFoundError(f"no model preset {name!r} (looked for {path}); presets: {available}")
+        values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        ffn = 3 * self.dim * self.hidden_dim
+        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + ffn + norms) + self.dim + embeddings
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 x matmul weights + attention's 12·L·d·T (PaLM, app. B).
+
+        The embedding lookup is no matmul; the output projection is, tied or not.
+        """
+        matmul_params = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 for bf16 stability, as Meta's reference does.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(config: ModelConfig, device: torch.device | None = None) -> Tensor:
+    """Inverse frequencies (head_dim / 2,) in fp32, with Llama 3.1 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended))
+    return inv_freq.float()
+
+
+def rope_cos_sin(config: ModelConfig, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (B, T, head_dim / 2) for the given positions, computed in fp32.
+
+    Computed per forward from positions rather than stored as a buffer: it costs B·T·head_dim/2 multiplies,
+    stays fp32 whatever precision the module is cast to, and needs no re-init after meta-device construction.
+    """
+    inv_freq = rope_frequencies(config, position_ids.device)
+    angles = position_ids.float()[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, T, H, D) by the position angles."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    x_even, x_odd = x_pairs[..., 0], x_pairs[..., 1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class KVCache:
+    """Pre-allocated keys/values for every layer, plus the document id of every cached position.
+
+    Cached document ids let the same masking rule serve packed rows, left padding and decoding: a query
+    attends to a cached key only if both belong to the same document and the key is not in its future.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        if max_len > config.max_seq_len:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's max_seq_len {config.max_seq_len}")
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.document_ids = torch.full((batch_size, max_len), -1, device=device, dtype=torch.long)
+        self.max_len = max_len
+        self.length = 0  # positions filled so far (the same for every row)
+
+    def update(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Write (B, Hkv, T, D) keys/values at the current length; return everything cached so far."""
+        end = self.length + keys.shape[2]
+        self.keys[layer][:, :, self.length : end] = keys
+        self.values[layer][:, :, self.length : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def attention_mask(document_ids: Tensor | None, kv_cache: KVCache | None, seq_len: int) -> Tensor | None:
+    """Boolean (B, 1, T, S) mask: causal and within one document. None means plain causal attention.
+
+    Plain causal (no documents, no cache) returns None so SDPA can take its ``is_causal`` fast path.
+    """
+    if document_ids is None and kv_cache is None:
+        return None
+    offset = kv_cache.length if kv_cache is not None else 0
+    device = document_ids.device if document_ids is not None else kv_cache.document_ids.device
+    query_pos = torch.arange(offset, offset + seq_len, device=device)
+    key_pos = torch.arange(offset + seq_len, device=device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # (T, S)
+    if document_ids is None:
+        return causal[None, None]
+    key_docs = document_ids
+    if kv_cache is not None:
+        kv_cache.document_ids[:, offset : offset + seq_len] = document_ids
+        key_docs = kv_cache.document_ids[:, : offset + seq_len]
+    same_doc = document_ids[:, :, None] == key_docs[:, None, :]  # (B, T, S)
+    return (causal[None] & same_doc)[:, None]
+
+
+def positions_from_documents(document_ids: Tensor) -> Tensor:
+    """Position of each token within its document: 0, 1, 2, ... restarting where the document id changes."""
+    batch, seq_len = document_ids.shape
+    index = torch.arange(seq_len, device=document_ids.device).expand(batch, seq_len)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        kv_cache: KVCache | None = None,
+        layer_index: int = 0,
+    ) -> Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_index, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)
+        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm block; its own module so FSDP2 and activation checkpointing can wrap it alone."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer_index)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """std 0.02 everywhere; residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) (GPT-2)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states (B, T, dim). The LM head, reward/value heads and chunked loss start here."""
+        batch, seq_len = input_ids.shape
+        start = kv_cache.length if kv_cache is not None else 0
+        if start + seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + seq_len} tokens exceeds the model's max_seq_len {self.config.max_seq_len}"
+            )
+        if kv_cache is not None and start + seq_len > kv_cache.max_len:
+            raise ValueError(f"sequence of {start + seq_len} tokens exceeds the KV cache length {kv_cache.max_len}")
+        if position_ids is None:
+            if document_ids is not None and kv_cache is None:
+                position_ids = positions_from_documents(document_ids)
+            else:
+                position_ids = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
+        cos, sin = rope_cos_sin(self.config, position_ids)
+        mask = attention_mask(document_ids, kv_cache, seq_len)
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += seq_len
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        logits = self.output(hidden)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """Logits (B, T, vocab_size).
+
+        ``document_ids`` (B, T): tokens attend only within their document; positions restart per document
+        unless ``position_ids`` are given. With a ``kv_cache``, the tokens are appended after the cached ones.
+        """
+        hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
+        return self.logits(hidden)
+
+    def token_losses(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        z_loss: float = 0.0,
+        chunk_size: int | None = 1024,
+    ) -> Tensor:
+        """Per-token cross entropy (B, T) in fp32, 0 where targets are IGNORE_INDEX (-100).
+
+        With ``chunk_size`` the (B, T, V) logits are never materialised (see ``models/loss.py``); None computes
+        full logits. Under FSDP2 the training code registers this method as a forward method.
+        """
+        hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
+        if chunk_size is None:
+            return cross_entropy(self.logits(hidden), targets, z_loss=z_loss, reduction="none")
+        return chunked_cross_entropy(
+            hidden,
+            self.output.weight,
+            targets,
+            chunk_size=chunk_size,
+            softcap=self.config.logit_softcap,
+            z_loss=z_loss,
+            reduction="none",
+        )
+
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        weight = self.tok_embeddings.weight
+        return KVCache(self.config, batch_size, max_len, weight.device, weight.dtype)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

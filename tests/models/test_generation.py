@@ -1,0 +1,259 @@
+"""Generation: KV cache vs recomputation, left padding, log-prob semantics, stopping, sampling filters, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.generation import (
+    GenerationOutput,
+    filter_logits,
+    generate,
+    left_pad,
+    sample_next,
+    sequence_logprobs,
+)
+from models.model import ModelConfig, RopeScaling, Transformer
+
+VARIANTS = {
+    "base": {},
+    # original_max_position_embeddings small enough that the scaling changes frequencies our positions reach.
+    "rope_scaling+qk_norm": {
+        "rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=32),
+        "qk_norm": True,
+    },
+}
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7, 2], [100, 1, 64, 33]]  # different lengths: rows 1 and 2 get left-padded
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=128, **overrides
+    )
+    model = Transformer(config)
+    # The default std 0.02 gives near-uniform next-token distributions, where greedy could flip on a 1e-7
+    # numerical difference. Larger weights give peaked, more LM-like distributions and stable argmaxes.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """The tiny model's ops are too small to gain from intra-op threads; one thread avoids the sync overhead
+    (and thrashing when other processes share the 2 CPU cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def model(request) -> Transformer:
+    return tiny_model(**VARIANTS[request.param])
+
+
+@pytest.fixture(scope="module")
+def base_model() -> Transformer:
+    return tiny_model()
+
+
+def full_sequence(prompts: list[list[int]], out: GenerationOutput, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt + generated tokens, and the real-token mask over both."""
+    prompt_ids, prompt_real = left_pad(prompts, pad_id)
+    return torch.cat([prompt_ids, out.tokens], dim=1), torch.cat([prompt_real, out.mask], dim=1)
+
+
+def test_greedy_cache_matches_recompute(model):
+    cached = generate(model, PROMPTS, max_new_tokens=24, temperature=0)
+    recomputed = generate(model, PROMPTS, max_new_tokens=24, temperature=0, use_cache=False)
+    assert cached.tokens.shape == (len(PROMPTS), 24)
+    assert torch.equal(cached.tokens, recomputed.tokens)
+    assert cached.mask.all() and torch.equal(cached.lengths, torch.full((len(PROMPTS),), 24))
+    torch.testing.assert_close(cached.logprobs, recomputed.logprobs, atol=1e-5, rtol=0)
+
+
+def test_sampling_cache_matches_recompute(model):
+    kwargs = dict(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.95)
+    cached = generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kwargs)
+    recomputed = generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), use_cache=False, **kwargs)
+    assert torch.equal(cached.tokens, recomputed.tokens)
+    torch.testing.assert_close(cached.logprobs, recomputed.logprobs, atol=1e-5, rtol=0)
+
+
+def test_left_padded_batch_matches_single_prompts(model):
+    batched = generate(model, PROMPTS, max_new_tokens=20, temperature=0)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], max_new_tokens=20, temperature=0)
+        assert torch.equal(batched.tokens[row], alone.tokens[0]), f"row {row} differs from its prompt run alone"
+        torch.testing.assert_close(batched.logprobs[row], alone.logprobs[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.7, top_k=20, top_p=0.8)],
+    ids=["greedy", "t0.7", "t0.7-topk-topp"],
+)
+def test_logprobs_match_fresh_forward(model, sampling):
+    """Returned log-probs == a training-style forward over prompt + generation (pre-filter, same temperature)."""
+    out = generate(model, PROMPTS, max_new_tokens=16, generator=torch.Generator().manual_seed(0), **sampling)
+    input_ids, real = full_sequence(PROMPTS, out)
+    width = input_ids.shape[1] - out.tokens.shape[1]
+    recomputed = sequence_logprobs(model, input_ids, real_mask=real, temperature=sampling["temperature"])
+    assert recomputed.shape == (len(PROMPTS), input_ids.shape[1] - 1)
+    # The logit at position t scores token t+1, so generated token j is scored at column width - 1 + j.
+    recomputed = recomputed[:, width - 1 :]
+    torch.testing.assert_close(recomputed[out.mask], out.logprobs[out.mask], atol=1e-5, rtol=0)
+    assert (out.logprobs <= 0).all()
+
+
+def test_logprobs_with_stops_match_fresh_forward(base_model):
+    """Rows that stopped early (trailing pads) still score correctly in a fresh forward."""
+    free = generate(base_model, PROMPTS, max_new_tokens=12, temperature=0)
+    stop_id = int(free.tokens[0, 4])
+    out = generate(base_model, PROMPTS, max_new_tokens=12, temperature=0, stop_ids=[stop_id])
+    assert not out.mask.all()  # the stop really happened
+    input_ids, real = full_sequence(PROMPTS, out)
+    width = input_ids.shape[1] - out.tokens.shape[1]
+    recomputed = sequence_logprobs(base_model, input_ids, real_mask=real, temperature=0)[:, width - 1 :]
+    torch.testing.assert_close(recomputed[out.mask], out.logprobs[out.mask], atol=1e-5, rtol=0)
+
+
+def test_per_row_stop(base_model):
+    steps = 16
+    free = generate(base_model, PROMPTS, max_new_tokens=steps, temperature=0)
+    # A stop id that row 0 emits first at step k and that row 1 never emits: row 0 stops, row 1 runs to the end.
+    row0, row1 = free.tokens[0].tolist(), set(free.tokens[1].tolist())
+    k = next(k for k in range(2, steps - 2) if row0[k] not in row0[:k] and row0[k] not in row1)
+    stop_id = row0[k]
+    pad_id = 127
+    out = generate(base_model, PROMPTS, max_new_tokens=steps, temperature=0, stop_ids=[stop_id], pad_id=pad_id)
+
+    assert out.tokens.shape == (len(PROMPTS), steps)  # row 1 kept the loop going
+    assert out.tokens[0, : k + 1].tolist() == row0[: k + 1]  # the stop token itself is kept...
+    assert out.mask[0, : k + 1].all()  # ...and is real
+    assert not out.mask[0, k + 1 :].any()
+    assert (out.tokens[0, k + 1 :] == pad_id).all()
+    assert (out.logprobs[0, k + 1 :] == 0).all()
+    assert out.lengths[0] == k + 1
+    assert torch.equal(out.tokens[1], free.tokens[1]) and out.mask[1].all() and out.lengths[1] == steps
+
+
+def test_loop_ends_when_every_row_stopped(base_model):
+    free = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0)
+    out = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, stop_ids=free.tokens[:, 1].tolist())
+    last_stop = max(int(out.lengths.max()), 1)
+    assert out.tokens.shape[1] == last_stop <= 2
+    assert torch.equal(out.lengths, out.mask.sum(dim=1))
+
+
+def test_top_k_1_equals_greedy(model):
+    greedy = generate(model, PROMPTS, max_new_tokens=12, temperature=0)
+    top1 = generate(model, PROMPTS, max_new_tokens=12, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(top1.tokens, greedy.tokens)
+
+
+def test_filter_logits_hand_made():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])  # sorted: 0.5 (id 1), 0.3 (id 3), 0.15 (id 0), 0.05 (id 2)
+    logits = probs.log()
+
+    def kept(**kwargs) -> set[int]:
+        return set(torch.isfinite(filter_logits(logits, **kwargs))[0].nonzero().flatten().tolist())
+
+    assert kept(top_p=0.75) == {1, 3}  # 0.5 < 0.75, 0.5 + 0.3 >= 0.75
+    assert kept(top_p=0.85) == {0, 1, 3}
+    assert kept(top_p=0.97) == {0, 1, 2, 3}
+    assert kept(top_p=1.0) == {0, 1, 2, 3}
+    assert kept(top_p=0.1) == {1}  # the top-1 is always kept
+    assert kept(top_k=1) == {1}
+    assert kept(top_k=2) == {1, 3}
+    assert kept(top_k=10) == {0, 1, 2, 3}
+    # top-k first, then top-p over the renormalised survivors: 0.5/0.95 = 0.53 < 0.6 -> the second stays too.
+    assert kept(top_k=3, top_p=0.6) == {1, 3}
+    # Kept logits are unchanged (filtering only removes).
+    filtered = filter_logits(logits, top_p=0.75)
+    assert torch.equal(filtered[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_sampling_stays_in_nucleus_and_reports_unfiltered_logprob():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log().expand(2000, 4)
+    tokens, logprobs = sample_next(logits, 1.0, None, 0.75, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {1, 3}
+    # Log-prob is from the unfiltered distribution, not the renormalised nucleus.
+    torch.testing.assert_close(logprobs, logits[0].log_softmax(-1)[tokens])
+    # Frequencies follow the renormalised nucleus: 0.5 / 0.8 = 0.625.
+    assert abs((tokens == 1).float().mean().item() - 0.625) < 0.05
+
+
+def test_sampling_reproducible_with_seeded_generator(base_model):
+    kwargs = dict(max_new_tokens=12, temperature=1.0, top_p=0.9)
+    first = generate(base_model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)
+    second = generate(base_model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)
+    other = generate(base_model, PROMPTS, generator=torch.Generator().manual_seed(8), **kwargs)
+    assert torch.equal(first.tokens, second.tokens)
+    assert torch.equal(first.logprobs, second.logprobs)
+    assert not torch.equal(first.tokens, other.tokens)
+
+
+def test_tensor_prompts_and_outputs_usable_in_autograd(base_model):
+    prompts = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    out = generate(base_model, prompts, max_new_tokens=5, temperature=0)
+    assert torch.equal(out.tokens, generate(base_model, prompts.tolist(), max_new_tokens=5, temperature=0).tokens)
+    assert out.tokens.dtype == torch.long and out.mask.dtype == torch.bool and out.logprobs.dtype == torch.float32
+    assert out.lengths.dtype == torch.long
+    # Not inference tensors: PPO may save them for backward.
+    assert not any(t.is_inference() for t in (out.tokens, out.mask, out.logprobs, out.lengths))
+    weight = torch.ones((), requires_grad=True)
+    (weight * out.logprobs).sum().backward()
+
+
+def test_prompt_filling_max_seq_len_exactly(base_model):
+    max_len = base_model.config.max_seq_len
+    out = generate(base_model, [[1] * (max_len - 4), [2, 3]], max_new_tokens=4, temperature=0)
+    assert out.tokens.shape == (2, 4)
+
+
+def test_errors(base_model):
+    max_len, vocab = base_model.config.max_seq_len, base_model.config.vocab_size
+    with pytest.raises(ValueError, match=f"prompt of 120 tokens \\+ max_new_tokens 9 exceeds max_seq_len {max_len}"):
+        generate(base_model, [[1] * 120, [2]], max_new_tokens=9)
+    with pytest.raises(ValueError, match=f"prompt of {max_len + 1} tokens \\+ max_new_tokens 1 exceeds max_seq_len"):
+        generate(base_model, [[1] * (max_len + 1)], max_new_tokens=1)
+    with pytest.raises(ValueError, match=f"token id {vocab}"):
+        generate(base_model, [[1, 2], [3, vocab]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="token id -1"):
+        generate(base_model, [[-1]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(base_model, [], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(base_model, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="integer token ids"):
+        generate(base_model, [[1.5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(base_model, [[1]], max_new_tokens=0)
+    for bad in (dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            generate(base_model, [[1]], max_new_tokens=2, **bad)
+    with pytest.raises(ValueError, match=f"stop/pad id {vocab}"):
+        generate(base_model, [[1]], max_new_tokens=2, stop_ids=[vocab])
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_training_mode_restored(base_model, training):
+    base_model.train(training)
+    seen = []
+    hook = base_model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    try:
+        generate(base_model, [[1, 2]], max_new_tokens=3, temperature=0.5)
+    finally:
+        hook.remove()
+    assert seen and not any(seen)  # generation ran in eval mode
+    assert base_model.training is training
+    assert all(m.training is training for m in base_model.modules())
+    base_model.eval()

@@ -1,0 +1,234 @@
+import math
+
+import pytest
+import torch
+
+from models.heads import ScalarHead, ScalarModel, gather_last, last_token_index
+from models.loss import chunked_cross_entropy, cross_entropy
+from models.model import (
+    ModelConfig,
+    RopeScaling,
+    Transformer,
+    positions_from_documents,
+    rope_frequencies,
+)
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=128)
+
+
+def tiny_model(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**TINY, **overrides})).eval()
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(dim=65), "dim"),
+        (dict(n_kv_heads=3), "n_kv_heads"),
+        (dict(n_heads=0), "n_heads"),
+        (dict(vocab_size=-1), "vocab_size"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(ffn_dim_multiplier=-1.0), "ffn_dim_multiplier"),
+        (dict(dim=60, n_heads=4, n_kv_heads=4), "dim / n_heads"),  # odd head_dim breaks RoPE pairs
+        (dict(rope_scaling=dict(factor=0.5)), "rope_scaling"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field.replace("/", "/")):
+        ModelConfig(**{**TINY, **overrides})
+
+
+def test_unknown_config_key_is_rejected():
+    with pytest.raises(ValueError, match="unknown ModelConfig keys \\['n_layer'\\]"):
+        ModelConfig.from_dict({**TINY, "n_layer": 3})
+
+
+@pytest.mark.parametrize(
+    "preset, hidden, params_billions",
+    [("llama3.2-1b", 8192, 1.236), ("llama3.2-3b", 8192, 3.213), ("llama3.1-8b", 14336, 8.030), ("llama3.1-70b", 28672, 70.554)],
+)
+def test_real_presets_match_meta_shapes(preset, hidden, params_billions):
+    config = ModelConfig.from_preset(preset)
+    assert config.hidden_dim == hidden
+    assert config.num_params() / 1e9 == pytest.approx(params_billions, abs=1e-3)
+    assert config.rope_scaling is not None and config.vocab_size == 128256
+
+
+@pytest.mark.parametrize("preset, low, high", [("tiny", 1e6, 3e6), ("small", 20e6, 30e6)])
+def test_cpu_presets_sizes(preset, low, high):
+    config = ModelConfig.from_preset(preset)
+    model = Transformer(config)
+    assert model.num_params() == config.num_params()
+    assert low <= model.num_params() <= high
+
+
+def test_unknown_preset_lists_available():
+    with pytest.raises(FileNotFoundError, match="tiny"):
+        ModelConfig.from_preset("no-such-model")
+
+
+def test_forward_shapes_and_no_biases():
+    model = tiny_model()
+    logits = model(torch.randint(0, 97, (3, 11)))
+    assert logits.shape == (3, 11, 97)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+
+
+def test_scaled_init():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY, "dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8}))
+    residual = 0.02 / math.sqrt(2 * 8)
+    assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.layers[0].attention.wo.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert model.layers[3].feed_forward.w2.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(model.norm.weight == 1)
+
+
+def test_tied_embeddings_share_storage():
+    model = tiny_model(tie_embeddings=True)
+    assert model.output.weight is model.tok_embeddings.weight
+    untied = tiny_model()
+    assert untied.num_params() - model.num_params() == 97 * 64
+
+
+def test_causality():
+    """Changing a future token never changes earlier logits."""
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 20))
+    changed = ids.clone()
+    changed[0, 12] = (changed[0, 12] + 1) % 97
+    a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 1},  # MQA
+        {"qk_norm": True, "logit_softcap": 30.0},
+        {"rope_scaling": {"factor": 8.0, "original_max_position_embeddings": 16}},
+    ],
+)
+def test_packed_row_equals_documents_alone(overrides):
+    """A packed row of 3 documents gives the same logits as each document run alone (fp32, atol 1e-5)."""
+    model = tiny_model(**overrides)
+    lengths = [7, 12, 5]
+    docs = [torch.randint(0, 97, (1, n)) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    document_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
+    packed_logits = model(packed, document_ids=document_ids)
+    alone = torch.cat([model(doc) for doc in docs], dim=1)
+    torch.testing.assert_close(packed_logits, alone, atol=1e-5, rtol=0)
+    # Without document masking the later documents see the earlier ones: the test can fail.
+    assert not torch.allclose(model(packed)[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)
+
+
+def test_positions_restart_per_document():
+    document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5]])
+    expected = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert torch.equal(positions_from_documents(document_ids), expected)
+
+
+def test_llama31_rope_scaling_matches_reference_formula():
+    """Check the three frequency bands of Meta's apply_scaling against a direct per-frequency computation."""
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    config = ModelConfig(dim=4096, n_layers=1, n_heads=32, vocab_size=8, rope_scaling=scaling)
+    scaled = rope_frequencies(config)
+    plain = rope_frequencies(ModelConfig(dim=4096, n_layers=1, n_heads=32, vocab_size=8))
+    for freq, new in zip(plain.double().tolist(), scaled.double().tolist()):
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4:
+            expected = freq
+        elif wavelen > 8192:
+            expected = freq / 8
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            expected = (1 - smooth) * freq / 8 + smooth * freq
+        assert new == pytest.approx(expected, rel=1e-6)
+    assert scaled[0].item() == plain[0].item()
+    assert scaled[-1].item() == pytest.approx(plain[-1].item() / 8, rel=1e-6)
+
+
+def test_too_long_sequence_is_a_clear_error():
+    model = tiny_model(max_seq_len=16)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_cross_entropy_matches_torch_with_ignore_index():
+    logits = torch.randn(2, 6, 11)
+    targets = torch.randint(0, 11, (2, 6))
+    targets[0, :2] = -100
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, 11), targets.view(-1), ignore_index=-100)
+    torch.testing.assert_close(cross_entropy(logits, targets), expected)
+    per_token = cross_entropy(logits, targets, reduction="none")
+    assert torch.all(per_token[0, :2] == 0)
+
+
+def test_z_loss_adds_squared_log_partition():
+    logits = torch.randn(4, 9)
+    targets = torch.randint(0, 9, (4,))
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    torch.testing.assert_close(cross_entropy(logits, targets, z_loss=1e-3), cross_entropy(logits, targets) + 1e-3 * z)
+
+
+def test_all_ignored_batch_gives_zero_not_nan():
+    loss = cross_entropy(torch.randn(3, 5, requires_grad=True), torch.full((3,), -100))
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_chunked_cross_entropy_matches_full_values_and_gradients(softcap):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 13, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 13))
+    targets[1, 5:] = -100
+    logits = hidden @ weight.t()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    full = cross_entropy(logits, targets, z_loss=1e-4)
+    full_grads = torch.autograd.grad(full, (hidden, weight))
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_size=5, softcap=softcap, z_loss=1e-4)
+    chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
+    torch.testing.assert_close(chunked, full)
+    for a, b in zip(chunked_grads, full_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_model_token_losses_chunked_equals_full_logits():
+    model = tiny_model(logit_softcap=20.0)
+    ids = torch.randint(0, 97, (2, 16))
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, -1] = -100
+    full = model.token_losses(ids, targets, chunk_size=None)
+    chunked = model.token_losses(ids, targets, chunk_size=7)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    reference = cross_entropy(model(ids), targets, reduction="none")
+    torch.testing.assert_close(full, reference)
+
+
+def test_scalar_head_init_and_last_token_read():
+    torch.manual_seed(0)
+    head = ScalarHead(4095)
+    assert head.proj.weight.std().item() == pytest.approx(1 / math.sqrt(4096), rel=0.05)
+    assert torch.all(ScalarHead(8, init="zeros").proj.weight == 0)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert last_token_index(mask).tolist() == [2, 4, 0]
+    values = torch.arange(15.0).view(3, 5)
+    assert gather_last(values, mask).tolist() == [2.0, 9.0, 10.0]
+    with pytest.raises(ValueError, match="at least one real token"):
+        last_token_index(torch.zeros(1, 3, dtype=torch.bool))
+
+
+def test_scalar_model_scores_each_position():
+    torch.manual_seed(0)
+    model = ScalarModel(ModelConfig(**TINY))
+    scores = model(torch.randint(0, 97, (2, 9)))
+    assert scores.shape == (2, 9) and scores.dtype == torch.float32
+    wrapped = ScalarModel.from_backbone(model.backbone, init="zeros")
+    assert torch.all(wrapped(torch.randint(0, 97, (2, 9))) == 0)

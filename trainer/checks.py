@@ -1,0 +1,22 @@
+"""Checks run before any compute, where two independently configured pieces meet."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from models.model import ModelConfig
+
+
+class HasVocab(Protocol):
+    vocab_size: int
+
+
+def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, model_name: str = "the model") -> None:
+    """A tokenizer may be smaller than the embedding table (padded vocabularies are common), never larger:
+    its top ids would index past the embeddings."""
+    if tokenizer.vocab_size > config.vocab_size:
+        source = getattr(tokenizer, "path", "the tokenizer")
+        raise ValueError(
+            f"tokenizer {source} has {tokenizer.vocab_size} tokens but {model_name} has vocab_size "
+            f"{config.vocab_size}: use a matching tokenizer or set model.vocab_size >= {tokenizer.vocab_size}"
+        )
