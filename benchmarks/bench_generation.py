@@ -66,8 +66,8 @@ def main() -> None:
         print(f"  batch {batch}: cache {cached_s:.2f}s, recompute {recompute_s:.2f}s", flush=True)
 
     print()
-    print(f"| batch | KV cache tok/s | recompute tok/s | speed-up | cache s | recompute s | same tokens |")
-    print(f"|------:|---------------:|----------------:|---------:|--------:|------------:|:-----------:|")
+    print("| batch | KV cache tok/s | recompute tok/s | speed-up | cache s | recompute s | same tokens |")
+    print("|------:|---------------:|----------------:|---------:|--------:|------------:|:-----------:|")
     for batch, cached_tps, recompute_tps, ratio, cached_s, recompute_s, same in rows:
         print(
             f"| {batch:5d} | {cached_tps:14.1f} | {recompute_tps:15.1f} | {ratio:7.1f}x | {cached_s:7.2f} | "

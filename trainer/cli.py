@@ -10,6 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
+from trainer.errors import LanternError
+
 log = logging.getLogger("lantern")
 
 
@@ -83,6 +85,48 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"wrote {args.dst_format} checkpoint to {out}")
 
 
+def _prepare(args: argparse.Namespace) -> None:
+    from data.prepare import prepare
+    from trainer.config import PretrainConfig, load_config
+
+    config = load_config(PretrainConfig, args.config, args.overrides)
+    manifest = prepare(config.data)
+    splits = ", ".join(f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents" for name, split in manifest["splits"].items())
+    print(f"prepared {config.data.out_dir} ({splits})")
+
+
+def _pretrain(args: argparse.Namespace) -> None:
+    from trainer.config import PretrainConfig, load_config
+    from trainer.pretrain import run_pretrain
+
+    run_dir = run_pretrain(load_config(PretrainConfig, args.config, args.overrides))
+    _print_run_summary(run_dir)
+
+
+def _print_run_summary(run_dir: Path) -> None:
+    lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
+    if (run_dir / "loss.png").exists():
+        lines.append(f"loss curve:  {run_dir / 'loss.png'}")
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    if wandb_runs:
+        lines.append(f"W&B (offline): {wandb_runs[-1]}  (upload with: wandb sync {wandb_runs[-1]})")
+    print("\n".join(lines))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from trainer.export import export_training_checkpoint
+
+    out = export_training_checkpoint(args.checkpoint, args.out)
+    print(f"wrote native checkpoint to {out}")
+
+
+def _add_stage(commands, name: str, help: str, handler) -> None:
+    stage = commands.add_parser(name, help=help)
+    stage.add_argument("config", help="YAML config (e.g. configs/pretrain/shakespeare.yaml)")
+    stage.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=100")
+    stage.set_defaults(handler=handler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantern", description="Train Llama-style language models end to end.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -116,15 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", dest="dst_format", choices=["hf", "native"], required=True)
     convert.add_argument("dst", help="destination folder")
     convert.set_defaults(handler=_convert)
+
+    _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
+    _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
+
+    export = commands.add_parser("export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder")
+    export.add_argument("checkpoint")
+    export.add_argument("out")
+    export.set_defaults(handler=_export)
     return parser
+
+
+def _configure_logging(level: int) -> None:
+    """Our packages log to stderr; Lightning keeps its own handler (configuring the root would print its
+    messages twice)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("lantern", "trainer", "data", "models", "alignment"):
+        package_logger = logging.getLogger(name)
+        package_logger.setLevel(level)
+        if not package_logger.handlers:
+            package_logger.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, LanternError) as error:
         # Input errors are the user's to fix: one clear line, not a traceback.
         print(f"lantern {args.command}: error: {error}", file=sys.stderr)
         return 2

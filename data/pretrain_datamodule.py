@@ -1,0 +1,196 @@
+"""
+LightningDataModule for pretraining on prepared token shards (data/prepare.py).
+
+The datamodule shards the data itself: build the Trainer with `use_distributed_sampler=False`, or
+Lightning would replace the StreamSampler with a DistributedSampler and lose the resumable stream.
+
+The training loop must report what it trained on: call `datamodule.mark_consumed()` once per
+micro-batch, inside training_step (before any checkpoint of that step is written), so the
+checkpointed position is exactly the next unseen sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+from data.packed import PackedDataset, StreamSampler
+from data.prepare import read_manifest
+
+log = logging.getLogger("lantern.data")
+
+
+class _ShardedRange(Sampler[int]):
+    """Indices rank, rank + W, rank + 2W, ... below `total`: a fixed, unshuffled validation shard."""
+
+    def __init__(self, total: int, rank: int, world_size: int):
+        self.total, self.rank, self.world_size = total, rank, world_size
+
+    def __iter__(self):
+        return iter(range(self.rank, self.total, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.total, self.world_size))
+
+
+class PretrainDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        data_dir: str,
+        seq_len: int,
+        micro_batch_size: int,
+        *,
+        document_masking: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        val_batches: int | None = None,
+    ):
+        super().__init__()
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if val_batches is not None and val_batches < 0:
+            raise ValueError(f"val_batches must be >= 0 or None, got {val_batches}")
+        self.data_dir = str(data_dir)
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.document_masking = document_masking
+        self.seed = seed
+        self.num_workers = num_workers
+        self.val_batches = val_batches
+        self.train_dataset: PackedDataset | None = None
+        self.val_dataset: PackedDataset | None = None
+        self.train_sampler: StreamSampler | None = None
+        # Sampler state restored before the sampler exists (Lightning restores checkpoints after
+        # setup() but before train_dataloader()); applied when the sampler is built.
+        self._pending_state: dict | None = None
+
+    # --- distributed ---------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.global_rank) if trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.world_size) if trainer is not None else 1
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens in one micro-batch on one rank (multiply by world_size for the global count)."""
+        return self.micro_batch_size * self.seq_len
+
+    # --- setup -----------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        read_manifest(self.data_dir)  # a clear error when the data was never prepared
+        if stage in (None, "fit") and self.train_dataset is None:
+            self.train_dataset = self._dataset("train")
+            per_step = self.micro_batch_size * self.world_size
+            if len(self.train_dataset) < per_step:
+                raise ValueError(
+                    f"train split in {self.data_dir} has {len(self.train_dataset)} sequences of {self.seq_len} tokens, "
+                    f"fewer than one global micro-batch ({self.micro_batch_size} x {self.world_size} ranks); "
+                    "lower seq_len / micro_batch_size or add data"
+                )
+        if stage in (None, "fit", "validate") and self.val_dataset is None:
+            val_info = read_manifest(self.data_dir)["splits"].get("val", {})
+            if val_info.get("tokens", 0) == 0:
+                log.info("no validation split in %s (val_fraction was 0): validation disabled", self.data_dir)
+            else:
+                self.val_dataset = self._dataset("val")  # too few tokens -> ValueError naming the split
+
+    def _dataset(self, split: str) -> PackedDataset:
+        return PackedDataset(Path(self.data_dir) / split, self.seq_len, document_masking=self.document_masking)
+
+    # --- loaders ---------------------------------------------------------------
+
+    def _loader(self, dataset: PackedDataset, **kwargs: Any) -> DataLoader:
+        return DataLoader(
+            dataset,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        sampler = StreamSampler(
+            len(self.train_dataset), rank=self.rank, world_size=self.world_size, shuffle=True, seed=self.seed
+        )
+        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
+            sampler.load_state_dict(self.train_sampler.state_dict())
+        if self._pending_state is not None:
+            sampler.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.train_sampler = sampler
+        batches = BatchSampler(sampler, self.micro_batch_size, drop_last=True)
+        return self._loader(self.train_dataset, batch_sampler=batches)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return []  # Lightning skips validation for an empty list
+        world, batch = self.world_size, self.micro_batch_size
+        total = len(self.val_dataset)
+        if self.val_batches is not None:
+            total = min(total, self.val_batches * batch * world)
+        # Every rank must run the same number of batches (collectives would hang otherwise): full
+        # global batches when there is at least one, else an equal share per rank.
+        total = total // (batch * world) * (batch * world) if total >= batch * world else total // world * world
+        if total == 0:
+            raise ValueError(
+                f"val split in {self.data_dir} has {len(self.val_dataset)} sequences, fewer than the {world} ranks; "
+                "lower seq_len or prepare with a larger val_fraction"
+            )
+        sampler = _ShardedRange(total, self.rank, world)
+        return self._loader(self.val_dataset, sampler=sampler, batch_size=batch, shuffle=False, drop_last=False)
+
+    # --- stream position -------------------------------------------------------
+
+    def mark_consumed(self, micro_batches: int = 1) -> None:
+        """Report that every rank trained on `micro_batches` more micro-batches."""
+        if self.train_sampler is None:
+            raise RuntimeError("mark_consumed() before train_dataloader(): there is no stream to advance")
+        self.train_sampler.advance(micro_batches * self.micro_batch_size * self.world_size)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples trained on so far (summed over ranks)."""
+        if self.train_sampler is not None:
+            return self.train_sampler.consumed
+        return int(self._pending_state["consumed"]) if self._pending_state else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints under this class's name."""
+        if self.train_sampler is not None:
+            sampler_state = self.train_sampler.state_dict()
+        elif self._pending_state is not None:
+            sampler_state = dict(self._pending_state)
+        else:
+            return {}  # nothing trained yet; Lightning stores nothing for an empty dict
+        return {"sampler": sampler_state, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "sampler" not in state_dict:
+            return
+        if state_dict.get("seq_len", self.seq_len) != self.seq_len:
+            raise ValueError(
+                f"checkpoint data stream was built with seq_len {state_dict['seq_len']}, now {self.seq_len}: "
+                "the stream position cannot be carried over"
+            )
+        if self.train_sampler is not None:
+            self.train_sampler.load_state_dict(state_dict["sampler"])
+        else:
+            self._pending_state = dict(state_dict["sampler"])

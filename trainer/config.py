@@ -1,0 +1,209 @@
+"""Typed YAML configs: OmegaConf files checked against dataclass schemas, with ``key=value`` overrides.
+
+Every stage config is a dataclass built from the sections below. Loading fails before any compute on an
+unknown key or a wrong type, naming the full key path (and the nearest valid key). YAML is read with a safe
+loader and no custom resolvers, so a config never executes code.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data.prepare import PrepareConfig
+from models.model import ModelConfig
+from trainer.errors import ConfigError
+
+CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
+
+Strategy = Literal["single", "ddp", "fsdp"]
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"  # the run writes to OUT_DIR/NAME
+    seed: int = 1234
+
+
+@dataclass
+class LoaderConfig:
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    document_masking: bool = True  # False: plain causal over packed windows, as nanoGPT
+    num_workers: int = 0
+    val_batches: int | None = 8  # validation batches per rank each time it runs; None = whole split
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    decay_embeddings_and_norms: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    z_loss: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    strategy: Strategy = "single"
+    precision: Precision = "32-true"
+    accelerator: str = "auto"  # auto | cpu | gpu
+    devices: int = 1
+    num_nodes: int = 1
+    max_steps: int = 1000  # optimizer steps
+    accumulate_grad_batches: int = 1
+    val_every_n_steps: int = 100
+    log_every_n_steps: int = 10
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = 2  # selective: checkpoint every k-th block
+    compile: bool = False  # torch.compile each block
+    cpu_offload: bool = False  # FSDP2 parameter/gradient offload to CPU
+    loss_chunk_size: int | None = 1024  # tokens per LM-head chunk; None materialises full logits
+    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs by name, measured on CPU
+    init_device: Literal["cpu", "meta"] = "cpu"  # meta: allocate weights only after sharding (large models)
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 500
+    keep_last: int = 3
+    resume: str = "auto"  # auto (latest in the run folder, if any) | none | PATH
+
+
+@dataclass
+class LoggerConfig:
+    kind: Literal["wandb", "csv", "none"] = "wandb"
+    project: str = "lantern"
+    mode: Literal["auto", "offline", "online"] = "auto"  # auto: online only with an API key
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = ""  # printed with a generated continuation at the end of training ("" = skip)
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+
+
+@dataclass
+class PretrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: PrepareConfig = field(default_factory=PrepareConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+Schema = TypeVar("Schema")
+
+
+def _model_preset(value: Any, source: str) -> DictConfig:
+    """``model: small`` (a preset name) or ``model: path/to/model.yaml`` becomes that preset's fields."""
+    name = str(value)
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIG_ROOT / "model" / f"{name}.yaml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in (CONFIG_ROOT / "model").glob("*.yaml"))
+        raise ConfigError(f"{source}: model preset {name!r} not found (looked for {path}); presets: {presets}")
+    return OmegaConf.load(path)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    key, _, raw = item.partition("=")
+    if not key:
+        raise ConfigError(f"override {item!r} has no key")
+    # The value is YAML (numbers, bools, [lists], {maps}) as it would be written in the file; anything that
+    # only YAML's block syntax would turn into a mapping ("ROMEO:") stays the plain string typed.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        value = raw
+    return key.strip(), value
+
+
+def _explain(error: OmegaConfBaseException, schema: type, source: str) -> ConfigError:
+    key = getattr(error, "full_key", None) or "?"
+    message = str(error).splitlines()[0]
+    hint = ""
+    if "Did you mean" not in message and isinstance(error, Exception) and "not in" in message:
+        parent_type = _type_at(schema, key.split(".")[:-1])
+        if parent_type is not None:
+            names = [f.name for f in fields(parent_type)]
+            close = difflib.get_close_matches(key.split(".")[-1], names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else f" Valid keys: {names}"
+    return ConfigError(f"{source}: invalid config key {key!r}: {message}{hint}")
+
+
+def _type_at(schema: type, path: list[str]) -> type | None:
+    current: Any = schema
+    for part in path:
+        match = [f for f in fields(current) if f.name == part] if is_dataclass(current) else []
+        if not match:
+            return None
+        current = match[0].default_factory() if callable(match[0].default_factory) else match[0].default  # type: ignore[misc]
+        current = type(current)
+    return current if is_dataclass(current) else None
+
+
+def load_config(schema: type[Schema], path: str | Path | None = None, overrides: list[str] | None = None) -> Schema:
+    """Read YAML ``path`` (optional), apply ``key=value`` overrides, check against ``schema``, return it."""
+    source = str(path) if path else "<defaults>"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = OmegaConf.load(path)
+        except Exception as error:  # yaml errors carry the line number in their text
+            raise ConfigError(f"{path}: cannot parse YAML: {error}") from error
+        if not isinstance(raw, DictConfig):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    else:
+        raw = OmegaConf.create({})
+    if isinstance(raw.get("model"), str):
+        raw.model = _model_preset(raw.model, source)
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        if key == "model" and isinstance(value, str):
+            value = _model_preset(value, f"override {item!r}")
+        try:
+            OmegaConf.update(raw, key, value, merge=True, force_add=True)
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"override {item!r}: {error}") from error
+    if overrides:
+        source = f"{source} (with overrides)"
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as error:
+        raise _explain(error, schema, source) from error
+    except ValueError as error:  # a dataclass's own check, e.g. "ModelConfig.dim ..." → "model.dim ..."
+        raise ConfigError(f"{source}: {str(error).replace('ModelConfig.', 'model.')}") from error
+
+
+def to_yaml(config: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]

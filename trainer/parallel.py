@@ -1,0 +1,120 @@
+"""Parallelism applied from outside the model (torchtitan's order): activation checkpointing, then
+``torch.compile`` per block, then FSDP2 ``fully_shard`` per block and at the root.
+
+The model definition knows nothing of this: it only guarantees that each transformer block is its own module
+in ``model.layers``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full", "selective"], every: int = 2) -> int:
+    """Recompute block activations in backward: every block (``full``) or every ``every``-th (``selective``).
+
+    Returns the number of wrapped blocks. The wrapper's state-dict hooks strip its prefix, so checkpoints
+    keep the plain parameter names.
+    """
+    if mode == "none":
+        return 0
+    if mode not in ("full", "selective"):
+        raise ValueError(f"trainer.activation_checkpointing must be none, full or selective, got {mode!r}")
+    if mode == "selective" and every < 1:
+        raise ValueError(f"trainer.ac_every must be >= 1, got {every}")
+    wrapped = 0
+    for index, block in enumerate(model.layers):
+        if mode == "full" or index % every == 0:
+            model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped += 1
+    return wrapped
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: identical blocks share one compiled graph and compile time stays flat."""
+    for index, block in enumerate(model.layers):
+        model.layers[index] = torch.compile(block, fullgraph=True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
+    extra_forward_methods: tuple[str, ...] = (),
+) -> None:
+    """FSDP2: shard each block, then the root (embeddings, final norm, LM head).
+
+    ``param_dtype=bf16`` computes in bf16 from fp32 master weights and reduces gradients in fp32.
+    Methods other than ``forward`` that run the model (``token_losses``) are registered so FSDP unshards
+    the root's parameters for them too.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers):
+        # The last block's parameters are needed right away by backward: resharding them after forward
+        # would only gather them again.
+        fully_shard(block, reshard_after_forward=index < last, **kwargs)
+    fully_shard(model, **kwargs)
+    for method in extra_forward_methods:
+        register_fsdp_forward_method(model, method)
+
+
+def configure_parallelism(model: nn.Module, trainer, config) -> None:
+    """Apply the trainer config's activation checkpointing, compile and (under ``fsdp``) FSDP2 to ``model``.
+
+    Called from a LightningModule's ``configure_model``; safe to call twice (validate after fit).
+    ``config`` is a ``trainer.config.TrainerConfig``.
+    """
+    if getattr(model, "_lantern_parallelized", False):
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    is_meta = any(p.is_meta for p in model.parameters())
+    if config.precision == "bf16-true" and not is_meta:
+        model.to(torch.bfloat16)  # before sharding: FSDP2 then shards bf16 parameters
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every)
+    if config.compile:
+        apply_compile(model)
+    strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy):
+        apply_fsdp(
+            model,
+            strategy.device_mesh["data_parallel"],
+            param_dtype=torch.bfloat16 if config.precision == "bf16-mixed" else None,
+            cpu_offload=config.cpu_offload,
+            extra_forward_methods=("token_losses", "hidden_states"),
+        )
+    if is_meta:
+        model.to_empty(device=strategy.root_device)
+        with torch.no_grad():
+            model.init_weights()
+        if config.precision == "bf16-true":
+            model.to(torch.bfloat16)
+    model._lantern_parallelized = True
+
+
+def grad_norm_and_clip(parameters, max_norm: float | None) -> torch.Tensor:
+    """Total gradient norm over all ranks (also for FSDP2's sharded DTensor gradients), clipped when asked."""
+    parameters = [p for p in parameters if p.grad is not None]
+    if not parameters:
+        return torch.zeros(())
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm else float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor: the partial norms are reduced across ranks here
+        norm = norm.full_tensor()
+    return norm.detach()

@@ -1,0 +1,192 @@
+"""The pretraining LightningModule: next-token loss over packed windows of the token shards."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from models.loss import reduce_losses
+from models.model import Transformer
+from trainer.config import PretrainConfig, to_dict
+from trainer.errors import NonFiniteLossError
+from trainer.optim import build_optimizer
+from trainer.parallel import configure_parallelism, grad_norm_and_clip
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/Inf: training stops and the last good checkpoint is kept."""
+
+
+class PretrainModule(L.LightningModule):
+    def __init__(self, config: PretrainConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.save_hyperparameters({"config": to_dict(config)})
+        self.model: Transformer | None = None
+        self.failed = False
+        if config.trainer.init_device == "cpu":
+            # Built eagerly and seeded, so every rank and a single-process run start from identical weights.
+            torch.manual_seed(config.run.seed)
+            self.model = Transformer(config.model)
+
+    def configure_model(self) -> None:
+        if self.model is None:  # init_device: meta — weights are allocated only after sharding
+            with torch.device("meta"):
+                self.model = Transformer(self.config.model)
+        configure_parallelism(self.model, self.trainer, self.config.trainer)
+
+    def _losses(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.model.token_losses(
+            batch["input_ids"],
+            batch["targets"],
+            document_ids=batch.get("document_ids"),
+            z_loss=self.config.optim.z_loss,
+            chunk_size=self.config.trainer.loss_chunk_size,
+        )
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = reduce_losses(self._losses(batch), batch["targets"], "mean")
+        self._stop_if_not_finite(loss)
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        # Sum and count, not a mean of batch means, so the reported loss is the true token average.
+        self._val_totals = torch.zeros(2, device=self.device)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        losses = self._losses(batch)
+        self._val_totals += torch.stack([losses.sum(), (batch["targets"] != -100).sum().float()])
+
+    def on_validation_epoch_end(self) -> None:
+        total, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
+        loss = total / max(count, 1.0)
+        self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, rank_zero_only=True)
+
+    def _stop_if_not_finite(self, loss: Tensor) -> None:
+        finite = torch.isfinite(loss.detach()).float()
+        # Every rank must agree, or one rank would raise while the others wait in a collective.
+        if self.trainer.world_size > 1:
+            finite = self.trainer.strategy.reduce(finite, reduce_op="min")
+        if finite.item() < 1:
+            self.failed = True
+            raise NonFiniteLossError(
+                f"loss is {loss.item()} at step {self.global_step}: training stopped; the last good checkpoint "
+                "is kept (lower optim.lr, enable optim.grad_clip or check the data)"
+            )
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optim = self.config.optim
+        optimizer, schedule = build_optimizer(
+            self.model,
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            warmup_steps=optim.warmup_steps,
+            max_steps=self.config.trainer.max_steps,
+            decay_embeddings_and_norms=optim.decay_embeddings_and_norms,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("rng")
+        if state:
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            if "cuda" in state and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path:
+    """Check everything that can be checked, then train; returns the run folder.
+
+    Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
+    repeated per rank and must be idempotent.
+    """
+    from data.pretrain_datamodule import PretrainDataModule
+    from data.prepare import check_manifest
+    from data.tokenizer import Tokenizer
+    from trainer.build import make_logger, make_trainer, resolve_resume, run_directory
+    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
+    from trainer.checks import check_tokenizer_fits_model
+    from trainer.config import to_yaml
+    from trainer.errors import ConfigError
+
+    tokenizer = Tokenizer.load(config.data.tokenizer)
+    check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
+    if config.loader.seq_len > config.model.max_seq_len:
+        raise ConfigError(f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})")
+    check_manifest(config.data.out_dir, tokenizer)
+    datamodule = PretrainDataModule(
+        config.data.out_dir,
+        config.loader.seq_len,
+        config.loader.micro_batch_size,
+        document_masking=config.loader.document_masking,
+        seed=config.run.seed,
+        num_workers=config.loader.num_workers,
+        val_batches=config.loader.val_batches,
+    )
+    datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
+
+    run_dir = run_directory(config.run.out_dir, config.run.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    checkpoint_dir = run_dir / "checkpoints"
+    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    precision_dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    device = torch.device("cuda") if torch.cuda.is_available() and config.trainer.accelerator != "cpu" else torch.device("cpu")
+    callbacks = [
+        AtomicCheckpoint(checkpoint_dir, config.checkpoint.every_n_steps, config.checkpoint.keep_last),
+        DataProgress(),
+        Throughput(
+            config.loader.micro_batch_size * config.loader.seq_len,
+            config.model.flops_per_token(config.loader.seq_len),
+            device_peak_flops(device, precision_dtype, config.trainer.peak_tflops),
+        ),
+        LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
+        ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)}),
+        *(extra_callbacks or []),
+    ]
+    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
+    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
+    resume = resolve_resume(config.checkpoint, checkpoint_dir)
+    trainer.fit(PretrainModule(config), datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    if trainer.is_global_zero and config.sample.prompt:
+        print_sample(run_dir / "final", tokenizer, config.sample)
+    return run_dir
+
+
+def print_sample(checkpoint: Path, tokenizer, sample) -> None:
+    from models.checkpoint import load_checkpoint
+    from models.generation import generate
+
+    model = load_checkpoint(checkpoint, dtype=torch.float32)
+    prompt = tokenizer.encode(sample.prompt, bos=True)
+    out = generate(
+        model,
+        [prompt],
+        max_new_tokens=sample.max_new_tokens,
+        temperature=sample.temperature,
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    text = tokenizer.decode([t for t in out.tokens[0][out.mask[0]].tolist() if t not in tokenizer.stop_ids])
+    print(f"\n--- sample from {checkpoint} ---\n{sample.prompt}{text}\n---")
