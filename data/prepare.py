@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -394,11 +395,37 @@ def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
 # tokenization and shard writing
 
 
-def _tokenize_batch(batch: dict, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, threads: int) -> dict:
+def _tokenize_batch(
+    batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, threads: int, strip_newlines: bool
+):
+    """Arrow batch of texts -> Arrow table with one `ids` list per non-empty document."""
+    import pyarrow as pa
+
     # Whitespace-only documents would add nothing but BOS/EOS pairs: drop them (a batched map may
     # return fewer rows than it got).
-    texts = [t for t in batch[text_field] if t and not t.isspace()]
-    return {"ids": tokenizer.encode_batch(texts, bos=bos, eos=eos, num_threads=threads)}
+    texts = [t for t in batch.column(text_field).to_pylist() if t and not t.isspace()]
+    if strip_newlines:
+        # Paragraph splitting on "\n\n" leaves stray newlines at a file's end or after 3+ blank
+        # lines; without stripping, identical paragraphs would tokenize differently by position.
+        texts = [t.strip("\n") for t in texts]
+    encoded = tokenizer.encode_batch(texts, num_threads=threads)
+    # Build the Arrow list column from flat values + offsets (letting Arrow convert nested Python
+    # lists costs about as much as tokenizing), and place BOS/EOS with numpy rather than by
+    # concatenating a Python list per document.
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + int(bos) + int(eos)
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    is_text = np.ones(len(values), dtype=bool)
+    if bos:
+        values[offsets[:-1]] = tokenizer.bos_id
+        is_text[offsets[:-1]] = False
+    if eos:
+        values[offsets[1:] - 1] = tokenizer.eos_id
+        is_text[offsets[1:] - 1] = False
+    values[is_text] = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(is_text.sum()))
+    ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return pa.table({"ids": ids})
 
 
 class _ShardWriter:
@@ -466,7 +493,10 @@ def _write_splits(tokens_ds, config: PrepareConfig, dtype: np.dtype, build_dir: 
     is_val = _choose_val(num_docs, config)
     writers = {s: _ShardWriter(build_dir / s, dtype, config.shard_tokens) for s in SPLITS}
     row = 0
-    with tqdm(total=num_docs, unit="doc", desc="writing shards", dynamic_ncols=True) as bar:
+    from datasets.utils.logging import is_progress_bar_enabled
+
+    # One switch for all bars: datasets.disable_progress_bars() also silences this one.
+    with tqdm(total=num_docs, unit="doc", desc="writing shards", disable=not is_progress_bar_enabled()) as bar:
         # Arrow list columns are already (flat values, offsets): no per-document Python work here.
         for batch in table.to_batches(max_chunksize=65536):
             ids = batch.column(0)
@@ -546,8 +576,9 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
         from datasets import Features, List, Value
 
-        threads = max(1, (os.cpu_count() or 1) // config.num_proc)
-        tokens_ds = ds.map(
+        # Parallelism comes from num_proc: per-batch thread pools on ~1000 short documents cost more than they gain.
+        threads = 1
+        tokens_ds = ds.with_format("arrow").map(
             _tokenize_batch,
             batched=True,
             batch_size=1000,
@@ -555,13 +586,13 @@ def prepare(config: PrepareConfig | dict) -> dict:
             remove_columns=ds.column_names,
             features=Features({"ids": List(Value("int32"))}),
             fn_kwargs=dict(tokenizer=tokenizer, text_field=text_field, bos=config.add_bos, eos=config.add_eos,
-                           threads=threads),
+                           threads=threads, strip_newlines=fmt == "text" and config.sample_by == "paragraph"),
             cache_file_name=str(build_dir / "hf-cache" / "tokens.arrow"),
             # An explicit fingerprint spares datasets from hashing the tokenizer's rank table.
             new_fingerprint=hashlib.sha256(
-                f"{ds._fingerprint}|{tokenizer.fingerprint}|{text_field}|{config.add_bos}|{config.add_eos}".encode()
+                f"{ds._fingerprint}|{tokenizer.fingerprint}|{text_field}|{config}".encode()
             ).hexdigest()[:32],
-            desc=f"tokenizing (num_proc={config.num_proc})",
+            desc="tokenizing",
         )
         dtype = token_dtype(tokenizer.vocab_size)
         splits = _write_splits(tokens_ds, config, dtype, build_dir)

@@ -38,6 +38,18 @@ class _ShardedRange(Sampler[int]):
         return len(range(self.rank, self.total, self.world_size))
 
 
+class _StreamLoader(DataLoader):
+    """The train DataLoader, resumable in Lightning's sense (it has state_dict / load_state_dict), so
+    Lightning neither warns about mid-epoch resumes nor needs anything beyond the stream position.
+    The same state also travels in the datamodule's state_dict; both restore the same value."""
+
+    def state_dict(self) -> dict[str, int]:
+        return self.batch_sampler.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.sampler.load_state_dict(state)
+
+
 class PretrainDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -113,8 +125,8 @@ class PretrainDataModule(L.LightningDataModule):
 
     # --- loaders ---------------------------------------------------------------
 
-    def _loader(self, dataset: PackedDataset, **kwargs: Any) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: PackedDataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+        return loader_class(
             dataset,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
@@ -135,7 +147,7 @@ class PretrainDataModule(L.LightningDataModule):
             self._pending_state = None
         self.train_sampler = sampler
         batches = BatchSampler(sampler, self.micro_batch_size, drop_last=True)
-        return self._loader(self.train_dataset, batch_sampler=batches)
+        return self._loader(self.train_dataset, _StreamLoader, batch_sampler=batches)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:

@@ -97,5 +97,6 @@ def chunked_cross_entropy(
             pieces.append(checkpoint(_chunk_losses, *chunk, softcap, ignore_index, z_loss, use_reentrant=False))
         else:
             pieces.append(_chunk_losses(*chunk, softcap, ignore_index, z_loss))
-    losses = torch.cat(pieces).view(targets.shape)
+    # clone: a view returned from an FSDP2 root method would lose its pre-backward hook to any in-place op
+    losses = torch.cat(pieces).view(targets.shape).clone()
     return reduce_losses(losses, targets, reduction, ignore_index)

@@ -107,9 +107,13 @@ def _fsync_path(path: Path) -> None:
 
 class DataProgress(L.Callback):
     """Tells the datamodule how many micro-batches were really consumed (loaders prefetch ahead), so the
-    sampler state saved in a checkpoint resumes with exactly the next sample."""
+    sampler state saved in a checkpoint resumes with exactly the next sample.
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    Counted when a batch starts: any checkpoint saved after it (at this batch's end or later) has trained
+    on it, whatever order the callbacks' batch-end hooks run in.
+    """
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         trainer.datamodule.mark_consumed(1)
 
 

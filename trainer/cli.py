@@ -100,7 +100,8 @@ def _pretrain(args: argparse.Namespace) -> None:
     from trainer.pretrain import run_pretrain
 
     run_dir = run_pretrain(load_config(PretrainConfig, args.config, args.overrides))
-    _print_run_summary(run_dir)
+    if run_dir is not None:  # rank 0 only
+        _print_run_summary(run_dir)
 
 
 def _print_run_summary(run_dir: Path) -> None:

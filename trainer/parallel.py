@@ -118,3 +118,14 @@ def grad_norm_and_clip(parameters, max_norm: float | None) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):  # DTensor: the partial norms are reduced across ranks here
         norm = norm.full_tensor()
     return norm.detach()
+
+
+def token_mean_over_ranks(loss_sum: torch.Tensor, token_count: torch.Tensor, trainer) -> torch.Tensor:
+    """The loss to backpropagate on this rank so that the gradient averaged over ranks (what DDP and FSDP
+    compute) is the gradient of the mean over *all* ranks' tokens, not a mean of per-rank means (which
+    weights a rank's tokens more when it has fewer of them). Also the value to log, averaged over ranks."""
+    world_size = trainer.world_size
+    if world_size == 1:
+        return loss_sum / token_count.clamp(min=1)
+    total = trainer.strategy.reduce(token_count.detach().float(), reduce_op="sum")
+    return loss_sum * world_size / total.clamp(min=1)

@@ -11,12 +11,11 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from models.loss import reduce_losses
 from models.model import Transformer
 from trainer.config import PretrainConfig, to_dict
 from trainer.errors import NonFiniteLossError
 from trainer.optim import build_optimizer
-from trainer.parallel import configure_parallelism, grad_norm_and_clip
+from trainer.parallel import configure_parallelism, grad_norm_and_clip, token_mean_over_ranks
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,7 +50,7 @@ class PretrainModule(L.LightningModule):
         )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = reduce_losses(self._losses(batch), batch["targets"], "mean")
+        loss = token_mean_over_ranks(self._losses(batch).sum(), (batch["targets"] != -100).sum(), self.trainer)
         self._stop_if_not_finite(loss)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
@@ -67,7 +66,8 @@ class PretrainModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         total, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
         loss = total / max(count, 1.0)
-        self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, rank_zero_only=True)
+        # already reduced over ranks; sync_dist only averages identical values
+        self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, sync_dist=True)
 
     def _stop_if_not_finite(self, loss: Tensor) -> None:
         finite = torch.isfinite(loss.detach()).float()
@@ -114,8 +114,8 @@ class PretrainModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path:
-    """Check everything that can be checked, then train; returns the run folder.
+def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
+    """Check everything that can be checked, then train; returns the run folder (None on ranks other than 0).
 
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
     repeated per rank and must be idempotent.
@@ -168,7 +168,9 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
     resume = resolve_resume(config.checkpoint, checkpoint_dir)
     trainer.fit(PretrainModule(config), datamodule=datamodule, ckpt_path=resume, weights_only=True)
-    if trainer.is_global_zero and config.sample.prompt:
+    if not trainer.is_global_zero:
+        return None
+    if config.sample.prompt:
         print_sample(run_dir / "final", tokenizer, config.sample)
     return run_dir
 

@@ -1,0 +1,167 @@
+"""FSDP2 against single-process runs, exact resume (graceful stop and kill -9), simulated multi-node.
+
+Every run is a real ``lantern pretrain`` process (Lightning re-launches the command for extra ranks), on the
+tiny preset, 2 gloo processes on this CPU.
+"""
+
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data.prepare import PrepareConfig, prepare
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "shakespeare"
+    prepare(PrepareConfig(source=[str(ROOT / "data/corpus/tinyshakespeare.txt")], out_dir=str(out)))
+    return out
+
+
+def command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable, "-m", "trainer.cli", "pretrain", str(ROOT / "configs/pretrain/tiny.yaml"),
+        f"data.out_dir={data_dir}", f"run.out_dir={out_dir}", "run.name=run", "logger.kind=none",
+        f"trainer.max_steps={STEPS}", "trainer.val_every_n_steps=100", "trainer.accelerator=cpu",
+        "checkpoint.every_n_steps=4", "checkpoint.keep_last=5", *overrides,
+    ]  # fmt: skip
+
+
+def environment() -> dict[str, str]:
+    # One thread per process: two ranks on two cores; also makes CPU kernels take the same path each run.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+
+
+def run(data_dir: Path, out_dir: Path, *overrides: str, env: dict | None = None) -> Path:
+    result = subprocess.run(command(data_dir, out_dir, *overrides), cwd=ROOT, env=env or environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return out_dir / "run"
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return {int(row["step"]): float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "train/loss"}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+FSDP = ("trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2")  # global batch 4 = single's
+
+
+@pytest.fixture(scope="module")
+def single_fp32(data_dir, tmp_path_factory) -> Path:
+    return run(data_dir, tmp_path_factory.mktemp("single_fp32"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp32(data_dir, tmp_path_factory) -> Path:
+    return run(data_dir, tmp_path_factory.mktemp("fsdp_fp32"), *FSDP)
+
+
+def test_fsdp_fp32_matches_single_process(single_fp32, fsdp_fp32):
+    """Same global batch, same init: FSDP2 over 2 ranks computes the same training run (fp32: to 1e-4)."""
+    single, sharded = train_losses(single_fp32), train_losses(fsdp_fp32)
+    assert sorted(single) == sorted(sharded) == list(range(1, STEPS + 1))  # loss of the batch that made step N
+    for step in single:
+        assert sharded[step] == pytest.approx(single[step], abs=1e-4), step
+    assert_same_weights(final_weights(single_fp32), final_weights(fsdp_fp32), atol=1e-4)
+
+
+def test_fsdp_bf16_activation_checkpointing_matches_single_process(data_dir, tmp_path):
+    """bf16 compute (FSDP2 MixedPrecisionPolicy vs autocast) rounds differently: losses agree to 2e-2."""
+    single = run(data_dir, tmp_path / "single", "trainer.precision=bf16-mixed")
+    sharded = run(data_dir, tmp_path / "fsdp", *FSDP, "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full")
+    single_losses, sharded_losses = train_losses(single), train_losses(sharded)
+    for step in single_losses:
+        assert sharded_losses[step] == pytest.approx(single_losses[step], abs=2e-2), step
+    assert sharded_losses[STEPS] < sharded_losses[1] - 0.1  # and it trains
+
+
+def wait_for_checkpoint(process: subprocess.Popen, checkpoint_dir: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    name = f"step-{step:08d}.ckpt"
+    while time.time() < deadline:
+        latest = checkpoint_dir / "latest"
+        if latest.is_file() and latest.read_text().strip() >= name:
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"training exited ({process.returncode}) before checkpoint {name}")
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint {name} after {timeout}s")
+
+
+def interrupt_and_resume(data_dir: Path, out_dir: Path, how: signal.Signals, *overrides: str) -> Path:
+    process = subprocess.Popen(command(data_dir, out_dir, *overrides), cwd=ROOT, env=environment(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_checkpoint(process, out_dir / "run" / "checkpoints", 4)
+        os.killpg(process.pid, how)  # the whole group: Lightning's launcher started the other ranks
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert not (out_dir / "run" / "final").exists(), "the run finished before it was interrupted"
+    return run(data_dir, out_dir, *overrides)  # checkpoint.resume=auto picks up the latest checkpoint
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_single_process_resume_is_exact(data_dir, tmp_path, single_fp32, how):
+    resumed = interrupt_and_resume(data_dir, tmp_path, how, "trainer.max_steps=%d" % STEPS)
+    uninterrupted = train_losses(single_fp32)
+    losses = train_losses(resumed)
+    assert set(range(5, STEPS + 1)) <= set(losses)  # the resumed part (and earlier steps, when they were saved)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(uninterrupted[step], abs=1e-6), step
+    assert_same_weights(final_weights(resumed), final_weights(single_fp32), atol=1e-6)
+
+
+def test_fsdp_resume_after_kill_is_exact(data_dir, tmp_path, fsdp_fp32):
+    resumed = interrupt_and_resume(data_dir, tmp_path, signal.SIGKILL, *FSDP)
+    uninterrupted, losses = train_losses(fsdp_fp32), train_losses(resumed)
+    for step in range(5, STEPS + 1):
+        assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-6), step
+    assert_same_weights(final_weights(resumed), final_weights(fsdp_fp32), atol=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_fsdp_on_one_node(data_dir, tmp_path, fsdp_fp32):
+    """2 nodes x 1 device, launched as a cluster scheduler would (one command per node, NODE_RANK set)."""
+    port = str(free_port())
+    overrides = ("trainer.strategy=fsdp", "trainer.devices=1", "trainer.num_nodes=2", "loader.micro_batch_size=2")
+    processes = []
+    for node_rank in (0, 1):
+        env = {**environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node_rank)}
+        processes.append(subprocess.Popen(command(data_dir, tmp_path, *overrides), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-5000:]
+    assert "GLOBAL_RANK: 1" in "".join(outputs)
+    multi_node = train_losses(tmp_path / "run")
+    for step, loss in train_losses(fsdp_fp32).items():
+        assert multi_node[step] == pytest.approx(loss, abs=1e-5), step
