@@ -262,16 +262,18 @@ def _split_files_ok(out_dir: Path, manifest: dict) -> str | None:
     return None
 
 
-def stale_reason(config: PrepareConfig, tokenizer: Tokenizer, files: list[str] | None) -> tuple[str | None, dict | None]:
+def stale_reason(
+    config: PrepareConfig, tokenizer: Tokenizer, files: list[str] | None
+) -> tuple[str | None, dict | None]:
     """(why `out_dir` must be rebuilt or None, the existing manifest). files=None for hub inputs,
     whose identity is checked separately (it needs the dataset loaded)."""
     out_dir = Path(config.out_dir)
     try:
         old = read_manifest(out_dir)
+    except json.JSONDecodeError:  # (a ValueError too: catch it first)
+        return f"{out_dir / MANIFEST_NAME} is unreadable", None
     except ValueError:
         return f"no complete prepared data in {out_dir}", None
-    except json.JSONDecodeError:
-        return f"{out_dir / MANIFEST_NAME} is unreadable", None
     if old.get("version") != MANIFEST_VERSION:
         return f"data layout version changed: {old.get('version')} → {MANIFEST_VERSION}", old
     old_tok = old["tokenizer"]
@@ -307,6 +309,7 @@ def stale_reason(config: PrepareConfig, tokenizer: Tokenizer, files: list[str] |
 
 def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
     from datasets import load_dataset  # heavy import, only when there is work to do
+    from datasets.exceptions import DatasetGenerationError
 
     if fmt == "hub":
         name, _, subset = files[0].partition(":")  # "owner/name:subset" picks a configuration
@@ -317,36 +320,54 @@ def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
     kwargs: dict[str, Any] = {}
     if fmt == "text":
         kwargs["sample_by"] = config.sample_by
-    return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
+    try:
+        return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
+    except (DatasetGenerationError, UnicodeDecodeError) as error:
+        # datasets names the failing file only in its log; find it ourselves where we can.
+        located = _diagnose_json(files, config.text_field) if fmt == "json" else None
+        cause = error.__cause__ or error
+        raise ValueError(f"cannot read the {fmt} input: {located or f'{type(cause).__name__}: {cause}'}") from error
 
 
-def _find_missing_json_field(files: list[str], text_field: str) -> str | None:
-    """Error path only: locate the first JSON record without a string `text_field` (file and row)."""
+def _json_rows(path: str):
+    """(location, record or JSONDecodeError) for each record of a JSON array / JSON lines file."""
+    opener = open
+    if path.endswith(".gz"):
+        import gzip
+
+        opener = gzip.open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    try:  # a JSON document: a list of records, or a dict holding one
+        records = json.loads(text)
+        if isinstance(records, dict):
+            records = next((v for v in records.values() if isinstance(v, list)), [records])
+        if isinstance(records, list):
+            yield from ((f"{path}, record {i + 1}", r) for i, r in enumerate(records))
+            return
+    except json.JSONDecodeError:
+        pass
+    for lineno, line in enumerate(text.splitlines(), start=1):  # JSON lines
+        if line.strip():
+            try:
+                yield f"{path}, line {lineno}", json.loads(line)
+            except json.JSONDecodeError as error:
+                yield f"{path}, line {lineno}", error
+
+
+def _diagnose_json(files: list[str], text_field: str) -> str | None:
+    """Error path only: the first JSON row that is malformed or lacks a string `text_field`, with its
+    file and line (the datasets error does not say where)."""
     for path in files:
-        opener = open
-        if path.endswith(".gz"):
-            import gzip
-
-            opener = gzip.open
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-        try:  # a JSON document: a list of records, or a dict of them
-            records = json.loads(text)
-            if isinstance(records, dict):
-                records = next((v for v in records.values() if isinstance(v, list)), [records])
-            rows = [(i + 1, "record", r) for i, r in enumerate(records)]
-        except json.JSONDecodeError:  # JSON lines
-            rows, row = [], 0
-            for lineno, line in enumerate(text.splitlines(), start=1):
-                if line.strip():
-                    row += 1
-                    rows.append((lineno, "line", json.loads(line)))
-        for number, kind, record in rows:
-            value = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                what = "has no" if not isinstance(record, dict) or text_field not in record else "has a null/non-string"
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                return f"{path}, {kind} {number}: row {what} {text_field!r} field (keys: {keys})"
+        for where, record in _json_rows(path):
+            if isinstance(record, json.JSONDecodeError):
+                return f"{where}: invalid JSON ({record.msg})"
+            if not isinstance(record, dict):
+                return f"{where}: expected an object with a {text_field!r} field, got {type(record).__name__}"
+            if text_field not in record:
+                return f"{where}: row has no {text_field!r} field (keys: {sorted(record)})"
+            if not isinstance(record[text_field], str):
+                return f"{where}: {text_field!r} is {type(record[text_field]).__name__}, not a string"
     return None
 
 
@@ -370,21 +391,19 @@ def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
 
     where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
     if text_field not in ds.column_names:
-        if fmt == "json":
-            located = _find_missing_json_field(files, text_field)
-            if located:
-                raise ValueError(f"JSON input has no {text_field!r} field at {located}; set text_field")
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
         raise ValueError(
-            f"no {text_field!r} field in {where}; available fields: {ds.column_names}; set text_field"
+            f"no {text_field!r} field in {located or where}; available fields: {ds.column_names}; set text_field"
         )
     column = ds.data.column(text_field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ValueError(f"field {text_field!r} in {where} holds {column.type}, not text")
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
+        raise ValueError(f"field {text_field!r} must hold text: {located or f'{where} holds {column.type}'}")
     if column.null_count:
         first_null = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-        located = _find_missing_json_field(files, text_field) if fmt == "json" else None
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
         located = located or _locate_row(files, fmt, first_null)
-        raise ValueError(f"{column.null_count} row(s) without a {text_field!r} string; the first is at {located}")
+        raise ValueError(f"{column.null_count} row(s) without a {text_field!r} string; the first: {located}")
     non_empty = pc.sum(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0)).as_py() or 0
     if non_empty == 0:
         raise ValueError(f"empty corpus: no non-empty documents in {where}")
@@ -396,7 +415,7 @@ def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
 
 
 def _tokenize_batch(
-    batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, threads: int, strip_newlines: bool
+    batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, strip_newlines: bool
 ):
     """Arrow batch of texts -> Arrow table with one `ids` list per non-empty document."""
     import pyarrow as pa
@@ -408,7 +427,9 @@ def _tokenize_batch(
         # Paragraph splitting on "\n\n" leaves stray newlines at a file's end or after 3+ blank
         # lines; without stripping, identical paragraphs would tokenize differently by position.
         texts = [t.strip("\n") for t in texts]
-    encoded = tokenizer.encode_batch(texts, num_threads=threads)
+    # One thread: parallelism comes from num_proc, and a thread pool per ~1000-document batch
+    # costs more than it gains.
+    encoded = tokenizer.encode_batch(texts, num_threads=1)
     # Build the Arrow list column from flat values + offsets (letting Arrow convert nested Python
     # lists costs about as much as tokenizing), and place BOS/EOS with numpy rather than by
     # concatenating a Python list per document.
@@ -557,6 +578,9 @@ def prepare(config: PrepareConfig | dict) -> dict:
     build_dir.mkdir()
     try:
         t0 = time.perf_counter()
+        # Stat and hash the inputs before reading them: a file edited while we work then looks
+        # changed on the next run instead of silently matching stale shards.
+        inputs = describe_inputs(files) if fmt != "hub" else []
         ds = _load(fmt, files, config, cache_dir=str(build_dir / "hf-cache"))
         if fmt == "hub":
             # A hub dataset has no file stats: its identity is the datasets fingerprint of the cached build.
@@ -565,8 +589,6 @@ def prepare(config: PrepareConfig | dict) -> dict:
                 log.info("prepared data in %s is up to date; nothing to do", out_dir)
                 return old
             reason = reason or f"inputs changed: {old['inputs']} → {inputs}"
-        else:
-            inputs = describe_inputs(files)
         log.info("preparing %s: %s", out_dir, reason)
 
         text_field = "text" if fmt == "text" else config.text_field  # the text builder always names it "text"
@@ -576,8 +598,6 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
         from datasets import Features, List, Value
 
-        # Parallelism comes from num_proc: per-batch thread pools on ~1000 short documents cost more than they gain.
-        threads = 1
         tokens_ds = ds.with_format("arrow").map(
             _tokenize_batch,
             batched=True,
@@ -586,7 +606,7 @@ def prepare(config: PrepareConfig | dict) -> dict:
             remove_columns=ds.column_names,
             features=Features({"ids": List(Value("int32"))}),
             fn_kwargs=dict(tokenizer=tokenizer, text_field=text_field, bos=config.add_bos, eos=config.add_eos,
-                           threads=threads, strip_newlines=fmt == "text" and config.sample_by == "paragraph"),
+                           strip_newlines=fmt == "text" and config.sample_by == "paragraph"),
             cache_file_name=str(build_dir / "hf-cache" / "tokens.arrow"),
             # An explicit fingerprint spares datasets from hashing the tokenizer's rank table.
             new_fingerprint=hashlib.sha256(

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
@@ -36,6 +37,8 @@ def check_trainer_config(config: TrainerConfig) -> None:
             raise ConfigError(f"trainer.{key} must be >= 1, got {getattr(config, key)}")
     if config.cpu_offload and config.strategy != "fsdp":
         raise ConfigError("trainer.cpu_offload needs trainer.strategy 'fsdp'")
+    if config.cpu_offload and (config.accelerator == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("trainer.cpu_offload moves FSDP shards from GPU memory to pinned CPU memory: it needs GPUs")
     if config.init_device == "meta" and config.strategy != "fsdp":
         raise ConfigError("trainer.init_device 'meta' needs trainer.strategy 'fsdp' (weights materialise after sharding)")
 

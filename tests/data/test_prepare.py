@@ -365,6 +365,14 @@ def test_json_missing_field_names_file_and_row(tmp_path, no_tokenizing):
     with pytest.raises(ValueError, match=r"'content'.*rows\.jsonl.*line 1"):
         prepare(config(tmp_path, [path], text_field="content"))
 
+    # Not a string, and not JSON at all.
+    path.write_text('{"text": "fine"}\n{"text": 5}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows\.jsonl, line 2: 'text' is int, not a string"):
+        prepare(config(tmp_path, [path]))
+    path.write_text('{"text": "fine"}\n\n{"text": "broken"\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows\.jsonl, line 3: invalid JSON"):
+        prepare(config(tmp_path, [path]))
+
 
 def test_unknown_format_and_bad_settings(tmp_path, text_corpus, no_tokenizing):
     path, _ = text_corpus

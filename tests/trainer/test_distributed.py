@@ -165,3 +165,15 @@ def test_two_nodes_on_loopback_match_fsdp_on_one_node(data_dir, tmp_path, fsdp_f
     multi_node = train_losses(tmp_path / "run")
     for step, loss in train_losses(fsdp_fp32).items():
         assert multi_node[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def test_export_consolidates_fsdp_shards(fsdp_fp32, tmp_path):
+    """The sharded training checkpoint of the last step, consolidated without a process group, equals the
+    final model the run exported itself."""
+    from trainer.export import export_training_checkpoint
+
+    shards = fsdp_fp32 / "checkpoints" / f"step-{STEPS:08d}.ckpt"
+    assert shards.is_dir() and len(list(shards.glob("*.distcp"))) == 2
+    out = export_training_checkpoint(shards, tmp_path / "exported")
+    assert_same_weights(load_file(out / "model.safetensors"), final_weights(fsdp_fp32), atol=0)
+    assert (out / "tokenizer.model").is_file()

@@ -1,0 +1,264 @@
+"""Pretraining throughput, MFU and data-loader share, measured through the real Lightning training path.
+
+Each precision is a short ``Trainer.fit`` built exactly as ``run_pretrain`` builds it (PretrainModule,
+PretrainDataModule, ``make_trainer``, the DataProgress and Throughput callbacks), without validation,
+checkpoints or export, plus a timing callback:
+
+* **tokens/s** -- tokens per optimizer step / wall time per step (forward, backward, gradient clipping, AdamW,
+  schedule, Lightning's loop and logging), over ``--steps`` steps after ``--warmup`` warm-up steps;
+* **MFU** -- tokens/s x ``ModelConfig.flops_per_token(seq_len)`` / peak, where the peak is a square matmul
+  (``trainer.callbacks.measure_matmul_flops``, ``--peak-size``) MEASURED IN THE SAME RUN, in fp32 and in bf16,
+  so MFU is reported against both (the one matching the training precision is the honest figure; on CUDA the
+  datasheet peak of a known GPU is shown as well);
+* **data wait** -- time from the end of one training batch (all callbacks done) to the start of the next
+  (next batch from the DataLoader, transfer to the device, loop bookkeeping) as a share of the step; and, as a
+  cross-check, the DataLoader iterated alone for the same number of batches, per batch, over the step time.
+
+CPU (default: the ``small`` preset, seq_len 256, micro-batch 8, 2 threads, fp32 and bf16):
+
+    python benchmarks/bench_pretrain.py [--preset small --seq-len 256 --micro-batch 8 --steps 20 --warmup 3
+                                         --precision 32-true bf16-true --threads 2]
+
+GPU (needs CUDA; Llama 3.2 1B shapes in bf16):
+
+    python benchmarks/bench_pretrain.py --device cuda --preset llama3.2-1b --precision bf16-true \\
+        --seq-len 2048 --micro-batch 4 --peak-size 8192 [--override trainer.compile=true]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+
+class StepTimer(L.Callback):
+    """Wall-clock marks at the start and the end of every training batch (after the other callbacks' ends:
+    it is registered last). On CUDA the end mark waits for the device."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+    def window(self, first: int, count: int) -> tuple[float, float]:
+        """(total seconds, seconds waiting between batches) for batches first .. first+count-1."""
+        total = self.ends[first + count - 1] - self.ends[first - 1]
+        wait = sum(self.starts[i] - self.ends[i - 1] for i in range(first, first + count))
+        return total, wait
+
+
+def build_config(args: argparse.Namespace, precision: str, data_dir: Path, out_dir: Path):
+    from trainer.config import PretrainConfig, load_config
+
+    overrides = [
+        f"model={args.preset}",
+        f"data.out_dir={data_dir}",
+        f"run.out_dir={out_dir}",
+        f"run.name=bench-{precision}",
+        f"loader.seq_len={args.seq_len}",
+        f"loader.micro_batch_size={args.micro_batch}",
+        f"loader.num_workers={args.num_workers}",
+        f"trainer.precision={precision}",
+        f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
+        "trainer.strategy=single",
+        "trainer.devices=1",
+        "trainer.accumulate_grad_batches=1",
+        f"trainer.max_steps={args.warmup + args.steps}",
+        "trainer.log_every_n_steps=1",
+        "logger.kind=none",
+        *args.override,
+    ]
+    return load_config(PretrainConfig, args.config, overrides)
+
+
+def prepared_data(args: argparse.Namespace, scratch: Path) -> Path:
+    from data.prepare import prepare
+    from trainer.config import PretrainConfig, load_config
+
+    data_dir = Path(args.data_dir) if args.data_dir else scratch / "data"
+    config = load_config(PretrainConfig, args.config, [f"data.out_dir={data_dir}", *[o for o in args.override if o.startswith("data.")]])
+    if not config.data.source or not all(Path(s).is_absolute() for s in config.data.source):
+        config.data.source = [str(ROOT / s) if not Path(s).is_absolute() else s for s in config.data.source]
+    prepare(config.data)  # idempotent: returns at once when the data is already there
+    return data_dir
+
+
+def loader_alone(config, batches: int) -> float:
+    """Seconds per batch of the training DataLoader iterated on its own (what the step waits for at most)."""
+    from data.pretrain_datamodule import PretrainDataModule
+
+    datamodule = PretrainDataModule(
+        config.data.out_dir,
+        config.loader.seq_len,
+        config.loader.micro_batch_size,
+        document_masking=config.loader.document_masking,
+        seed=config.run.seed,
+        num_workers=config.loader.num_workers,
+    )
+    datamodule.setup("fit")
+    iterator = iter(datamodule.train_dataloader())
+    next(iterator)  # first batch: worker start-up, not steady state
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return (time.perf_counter() - start) / batches
+
+
+def train_once(config, args: argparse.Namespace) -> dict:
+    from data.pretrain_datamodule import PretrainDataModule
+    from trainer.build import make_trainer, run_directory
+    from trainer.callbacks import DataProgress, Throughput
+    from trainer.pretrain import PretrainModule
+
+    datamodule = PretrainDataModule(
+        config.data.out_dir,
+        config.loader.seq_len,
+        config.loader.micro_batch_size,
+        document_masking=config.loader.document_masking,
+        seed=config.run.seed,
+        num_workers=config.loader.num_workers,
+        val_batches=config.loader.val_batches,
+    )
+    timer = StepTimer()
+    tokens_per_step = config.loader.micro_batch_size * config.loader.seq_len
+    callbacks = [
+        DataProgress(),
+        # peak 1 FLOP/s: the logged "mfu" is unused here; a real peak is measured below, once
+        Throughput(tokens_per_step, config.model.flops_per_token(config.loader.seq_len), 1.0),
+        timer,
+    ]
+    run_dir = run_directory(config.run.out_dir, config.run.name)
+    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=False, validate=False)
+    trainer.fit(PretrainModule(config), datamodule=datamodule)
+    assert len(timer.ends) == args.warmup + args.steps, f"expected {args.warmup + args.steps} batches, got {len(timer.ends)}"
+    total, wait = timer.window(args.warmup, args.steps)
+    step_seconds = total / args.steps
+    return {
+        "tokens_per_second": tokens_per_step * args.steps / total,
+        "step_ms": 1000 * step_seconds,
+        "data_wait_share": wait / total,
+        "loss": float(trainer.callback_metrics["train/loss"]),
+        "loader_alone_share": loader_alone(config, args.steps) / step_seconds,
+        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+    }
+
+
+def measure_peaks(args: argparse.Namespace) -> dict[str, float]:
+    from trainer.callbacks import measure_matmul_flops
+
+    device = torch.device(args.device)
+    peaks = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        peaks[name] = measure_matmul_flops(device, dtype, size=args.peak_size, seconds=args.peak_seconds)
+    if args.device == "cuda":
+        from trainer.callbacks import KNOWN_PEAK_TFLOPS
+
+        name = torch.cuda.get_device_name()
+        for key, tflops in KNOWN_PEAK_TFLOPS.items():
+            if key in name:
+                peaks["bf16 datasheet"] = tflops * 1e12
+                break
+    return peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "shakespeare.yaml"), help="base pretrain config")
+    parser.add_argument("--preset", default="small", help="model preset (configs/model/NAME.yaml)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-true"], choices=["32-true", "bf16-true", "bf16-mixed"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (loader.num_workers)")
+    parser.add_argument("--peak-size", type=int, default=2048, help="square matmul size for the measured peak")
+    parser.add_argument("--peak-seconds", type=float, default=1.0, help="seconds of matmuls per measured peak")
+    parser.add_argument("--data-dir", help="prepared data (default: the config's corpus, prepared into a temp dir)")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+    with tempfile.TemporaryDirectory(prefix="bench-pretrain-") as scratch:
+        scratch = Path(scratch)
+        data_dir = prepared_data(args, scratch)
+        peaks = measure_peaks(args)
+        results = {}
+        for precision in args.precision:
+            config = build_config(args, precision, data_dir, scratch / "runs")
+            results[precision] = train_once(config, args)
+        peaks_after = measure_peaks(args)  # the machine may be shared: a peak that moved is worth knowing
+
+    flops_per_token = config.model.flops_per_token(args.seq_len)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print()
+    print(f"pretraining benchmark: {device_name}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"model {args.preset}: {config.model.num_params() / 1e6:.1f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token "
+        f"at seq_len {args.seq_len}; micro-batch {args.micro_batch} = {args.seq_len * args.micro_batch} tokens/step; "
+        f"{args.steps} timed steps after {args.warmup} warm-up; document_masking={config.loader.document_masking}, "
+        f"loss_chunk_size={config.trainer.loss_chunk_size}, compile={config.trainer.compile}"
+    )
+    print(
+        "measured matmul peak (" + f"{args.peak_size}^2): "
+        + ", ".join(f"{name} {value / 1e12:.3f} TFLOP/s (after: {peaks_after.get(name, value) / 1e12:.3f})" for name, value in peaks.items())
+    )
+    header = f"{'precision':<11} {'tokens/s':>10} {'step ms':>9} {'MFU/fp32 pk':>12} {'MFU/bf16 pk':>12} {'data wait':>10} {'loader alone':>13} {'loss':>7}"
+    print(header)
+    print("-" * len(header))
+    for precision, result in results.items():
+        achieved = result["tokens_per_second"] * flops_per_token
+        result["achieved_tflops"] = achieved / 1e12
+        result["mfu_vs_fp32_peak"] = achieved / peaks["fp32"]
+        result["mfu_vs_bf16_peak"] = achieved / peaks["bf16"]
+        print(
+            f"{precision:<11} {result['tokens_per_second']:>10.0f} {result['step_ms']:>9.1f} "
+            f"{result['mfu_vs_fp32_peak']:>12.1%} {result['mfu_vs_bf16_peak']:>12.1%} "
+            f"{result['data_wait_share']:>10.2%} {result['loader_alone_share']:>13.2%} {result['loss']:>7.3f}"
+        )
+    if "bf16 datasheet" in peaks:
+        for precision, result in results.items():
+            print(f"{precision}: MFU against the datasheet bf16 peak {result['tokens_per_second'] * flops_per_token / peaks['bf16 datasheet']:.1%}")
+    print(
+        "MFU/xx pk: model FLOPs (6N + 12·L·d·T per token) over the matmul peak measured above; data wait: share of "
+        "step time between batches (DataLoader + transfer + loop); loader alone: DataLoader per batch / step time"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "device": device_name, "flops_per_token": flops_per_token, "peaks": peaks,
+                        "peaks_after": peaks_after, "results": results}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
