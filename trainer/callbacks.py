@@ -210,8 +210,11 @@ class LossPlot(L.Callback):
         self.title = title
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in metrics}
 
-    def _record(self, trainer: L.Trainer) -> None:
+    def _record(self, trainer: L.Trainer, validation: bool) -> None:
+        # callback_metrics keeps the last validation values during training: read each kind in its own hook
         for name in self.metrics:
+            if name.startswith("val") != validation:
+                continue
             value = trainer.callback_metrics.get(name)
             if value is None:
                 continue
@@ -231,11 +234,11 @@ class LossPlot(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero:
-            self._record(trainer)
+            self._record(trainer, validation=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking:
-            self._record(trainer)
+            self._record(trainer, validation=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer)

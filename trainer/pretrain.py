@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 from typing import Any
 
@@ -13,32 +12,21 @@ from torch import Tensor
 
 from models.model import Transformer
 from trainer.config import PretrainConfig, to_dict
-from trainer.errors import NonFiniteLossError
-from trainer.optim import build_optimizer
-from trainer.parallel import configure_parallelism, grad_norm_and_clip, token_mean_over_ranks
+from trainer.lm_module import LanguageModelModule
+from trainer.parallel import token_mean_over_ranks
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/Inf: training stops and the last good checkpoint is kept."""
-
-
-class PretrainModule(L.LightningModule):
+class PretrainModule(LanguageModelModule):
     def __init__(self, config: PretrainConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config)})
-        self.model: Transformer | None = None
-        self.failed = False
         if config.trainer.init_device == "cpu":
             # Built eagerly and seeded, so every rank and a single-process run start from identical weights.
             torch.manual_seed(config.run.seed)
             self.model = Transformer(config.model)
 
-    def configure_model(self) -> None:
-        if self.model is None:  # init_device: meta — weights are allocated only after sharding
-            with torch.device("meta"):
-                self.model = Transformer(self.config.model)
-        configure_parallelism(self.model, self.trainer, self.config.trainer)
+    def build_model(self) -> Transformer:
+        return Transformer(self.config.model)
 
     def _losses(self, batch: dict[str, Tensor]) -> Tensor:
         return self.model.token_losses(
@@ -51,7 +39,7 @@ class PretrainModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = token_mean_over_ranks(self._losses(batch).sum(), (batch["targets"] != -100).sum(), self.trainer)
-        self._stop_if_not_finite(loss)
+        self.stop_if_not_finite(loss)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
 
@@ -68,50 +56,6 @@ class PretrainModule(L.LightningModule):
         loss = total / max(count, 1.0)
         # already reduced over ranks; sync_dist only averages identical values
         self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, sync_dist=True)
-
-    def _stop_if_not_finite(self, loss: Tensor) -> None:
-        finite = torch.isfinite(loss.detach()).float()
-        # Every rank must agree, or one rank would raise while the others wait in a collective.
-        if self.trainer.world_size > 1:
-            finite = self.trainer.strategy.reduce(finite, reduce_op="min")
-        if finite.item() < 1:
-            self.failed = True
-            raise NonFiniteLossError(
-                f"loss is {loss.item()} at step {self.global_step}: training stopped; the last good checkpoint "
-                "is kept (lower optim.lr, enable optim.grad_clip or check the data)"
-            )
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)
-        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        optim = self.config.optim
-        optimizer, schedule = build_optimizer(
-            self.model,
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            weight_decay=optim.weight_decay,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            warmup_steps=optim.warmup_steps,
-            max_steps=self.config.trainer.max_steps,
-            decay_embeddings_and_norms=optim.decay_embeddings_and_norms,
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("rng")
-        if state:
-            torch.set_rng_state(state["torch"])
-            random.setstate(state["python"])
-            if "cuda" in state and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
