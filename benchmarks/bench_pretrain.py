@@ -212,12 +212,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-pretrain-") as scratch:
         scratch = Path(scratch)
         data_dir = prepared_data(args, scratch)
-        peaks = measure_peaks(args)
         results = {}
         for precision in args.precision:
             config = build_config(args, precision, data_dir, scratch / "runs")
+            # Peaks right before and right after each run: on a shared machine they move, and the higher one
+            # (the less flattering MFU) is used.
+            before = measure_peaks(args)
             results[precision] = train_once(config, args)
-        peaks_after = measure_peaks(args)  # the machine may be shared: a peak that moved is worth knowing
+            after = measure_peaks(args)
+            results[precision]["peaks"] = {name: max(before[name], after[name]) for name in before}
+            results[precision]["peaks_range"] = {name: sorted([before[name], after[name]]) for name in before}
 
     flops_per_token = config.model.flops_per_token(args.seq_len)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -230,33 +234,38 @@ def main() -> None:
         f"loss_chunk_size={config.trainer.loss_chunk_size}, compile={config.trainer.compile}"
     )
     print(
-        "measured matmul peak (" + f"{args.peak_size}^2): "
-        + ", ".join(f"{name} {value / 1e12:.3f} TFLOP/s (after: {peaks_after.get(name, value) / 1e12:.3f})" for name, value in peaks.items())
+        f"MFU = tokens/s x FLOP/token / matmul peak ({args.peak_size}x{args.peak_size}, measured in this run before "
+        "and after each precision's training; the higher of the two is used)"
     )
-    header = f"{'precision':<11} {'tokens/s':>10} {'step ms':>9} {'MFU/fp32 pk':>12} {'MFU/bf16 pk':>12} {'data wait':>10} {'loader alone':>13} {'loss':>7}"
+    header = (
+        f"{'precision':<11} {'tokens/s':>9} {'step ms':>8} {'TFLOP/s':>8} {'fp32 peak':>15} {'bf16 peak':>15} "
+        f"{'MFU/fp32':>9} {'MFU/bf16':>9} {'data wait':>10} {'loader':>7} {'loss':>6}"
+    )
     print(header)
     print("-" * len(header))
     for precision, result in results.items():
+        peaks = result["peaks"]
         achieved = result["tokens_per_second"] * flops_per_token
         result["achieved_tflops"] = achieved / 1e12
         result["mfu_vs_fp32_peak"] = achieved / peaks["fp32"]
         result["mfu_vs_bf16_peak"] = achieved / peaks["bf16"]
+        spread = {name: "-".join(f"{v / 1e12:.3f}" for v in result["peaks_range"][name]) for name in ("fp32", "bf16")}
         print(
-            f"{precision:<11} {result['tokens_per_second']:>10.0f} {result['step_ms']:>9.1f} "
-            f"{result['mfu_vs_fp32_peak']:>12.1%} {result['mfu_vs_bf16_peak']:>12.1%} "
-            f"{result['data_wait_share']:>10.2%} {result['loader_alone_share']:>13.2%} {result['loss']:>7.3f}"
+            f"{precision:<11} {result['tokens_per_second']:>9.0f} {result['step_ms']:>8.1f} {achieved / 1e12:>8.3f} "
+            f"{spread['fp32'] + ' TF':>15} {spread['bf16'] + ' TF':>15} "
+            f"{result['mfu_vs_fp32_peak']:>9.1%} {result['mfu_vs_bf16_peak']:>9.1%} "
+            f"{result['data_wait_share']:>10.2%} {result['loader_alone_share']:>7.2%} {result['loss']:>6.3f}"
         )
-    if "bf16 datasheet" in peaks:
-        for precision, result in results.items():
-            print(f"{precision}: MFU against the datasheet bf16 peak {result['tokens_per_second'] * flops_per_token / peaks['bf16 datasheet']:.1%}")
+        if "bf16 datasheet" in peaks:
+            print(f"{'':<11} MFU against the datasheet bf16 peak ({peaks['bf16 datasheet'] / 1e12:.0f} TF): {achieved / peaks['bf16 datasheet']:.1%}")
     print(
-        "MFU/xx pk: model FLOPs (6N + 12·L·d·T per token) over the matmul peak measured above; data wait: share of "
-        "step time between batches (DataLoader + transfer + loop); loader alone: DataLoader per batch / step time"
+        "TFLOP/s: model FLOPs (6N + 12·L·d·T per token) achieved; data wait: share of step time between batches "
+        "(DataLoader + transfer + loop); loader: the DataLoader alone, per batch, over the step time"
     )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "device": device_name, "flops_per_token": flops_per_token, "peaks": peaks,
-                        "peaks_after": peaks_after, "results": results}, indent=2)
+            json.dumps({"args": vars(args), "device": device_name, "flops_per_token": flops_per_token,
+                        "results": results}, indent=2)
         )
 
 

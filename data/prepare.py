@@ -320,6 +320,9 @@ def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
     kwargs: dict[str, Any] = {}
     if fmt == "text":
         kwargs["sample_by"] = config.sample_by
+    if all(os.path.getsize(f) == 0 for f in files):  # datasets would fail with a schema-inference error
+        where = files[0] if len(files) == 1 else f"all {len(files)} input files ({files[0]}, ...)"
+        raise ValueError(f"empty corpus: no non-empty documents in {where} (0 bytes)")
     try:
         return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
     except (DatasetGenerationError, UnicodeDecodeError) as error:

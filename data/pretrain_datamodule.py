@@ -106,19 +106,24 @@ class PretrainDataModule(L.LightningDataModule):
         read_manifest(self.data_dir)  # a clear error when the data was never prepared
         if stage in (None, "fit") and self.train_dataset is None:
             self.train_dataset = self._dataset("train")
-            per_step = self.micro_batch_size * self.world_size
-            if len(self.train_dataset) < per_step:
-                raise ValueError(
-                    f"train split in {self.data_dir} has {len(self.train_dataset)} sequences of {self.seq_len} tokens, "
-                    f"fewer than one global micro-batch ({self.micro_batch_size} x {self.world_size} ranks); "
-                    "lower seq_len / micro_batch_size or add data"
-                )
+            self._check_train_size()
         if stage in (None, "fit", "validate") and self.val_dataset is None:
             val_info = read_manifest(self.data_dir)["splits"].get("val", {})
             if val_info.get("tokens", 0) == 0:
                 log.info("no validation split in %s (val_fraction was 0): validation disabled", self.data_dir)
             else:
                 self.val_dataset = self._dataset("val")  # too few tokens -> ValueError naming the split
+
+    def _check_train_size(self) -> None:
+        # Checked again when the loader is built: setup() may run before a Trainer (and so the real
+        # world size) is attached.
+        per_step = self.micro_batch_size * self.world_size
+        if len(self.train_dataset) < per_step:
+            raise ValueError(
+                f"train split in {self.data_dir} has {len(self.train_dataset)} sequences of {self.seq_len} tokens, "
+                f"fewer than one global micro-batch ({self.micro_batch_size} x {self.world_size} ranks); "
+                "lower seq_len / micro_batch_size or add data"
+            )
 
     def _dataset(self, split: str) -> PackedDataset:
         return PackedDataset(Path(self.data_dir) / split, self.seq_len, document_masking=self.document_masking)
@@ -137,6 +142,7 @@ class PretrainDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
+        self._check_train_size()
         sampler = StreamSampler(
             len(self.train_dataset), rank=self.rank, world_size=self.world_size, shuffle=True, seed=self.seed
         )

@@ -201,13 +201,24 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1
 
 
 class LossPlot(L.Callback):
-    """Writes ``loss.png`` (train and validation loss against step) beside the run at the end, also when
-    the run stops on an error, from metrics kept in memory on rank 0 and in ``metrics.csv``."""
+    """Writes a PNG of metrics against step (``loss.png``: train and validation loss) beside the run at the
+    end, also when the run stops on an error, and the points as CSV (``metrics.csv`` for loss.png, else
+    NAME.csv). Metrics are kept in memory on rank 0."""
 
-    def __init__(self, run_dir: str | Path, metrics: tuple[str, ...] = ("train/loss", "val/loss"), title: str = "") -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        metrics: tuple[str, ...] = ("train/loss", "val/loss"),
+        title: str = "",
+        filename: str = "loss.png",
+        ylabel: str = "loss",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.metrics = metrics
         self.title = title
+        self.filename = filename
+        self.ylabel = ylabel
+        self.csv_name = "metrics.csv" if filename == "loss.png" else Path(filename).with_suffix(".csv").name
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in metrics}
 
     def _record(self, trainer: L.Trainer, validation: bool) -> None:
@@ -224,7 +235,7 @@ class LossPlot(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A resumed run continues the curves it left in metrics.csv (up to the step it resumed from)."""
-        previous = self.run_dir / "metrics.csv"
+        previous = self.run_dir / self.csv_name
         if trainer.global_step == 0 or not previous.is_file():
             return
         with open(previous, newline="") as handle:
@@ -250,14 +261,14 @@ class LossPlot(L.Callback):
         if not trainer.is_global_zero or not any(self.history.values()):
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.csv", "w", newline="") as handle:
+        with open(self.run_dir / self.csv_name, "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(["metric", "step", "value"])
             for name, series in self.history.items():
                 writer.writerows((name, step, value) for step, value in series)
         from trainer.plots import plot_curves
 
-        plot_curves(self.history, self.run_dir / "loss.png", title=self.title, ylabel="loss")
+        plot_curves(self.history, self.run_dir / self.filename, title=self.title, ylabel=self.ylabel)
 
 
 def full_state_dict(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from models.model import ModelConfig
@@ -20,3 +21,19 @@ def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, mode
             f"tokenizer {source} has {tokenizer.vocab_size} tokens but {model_name} has vocab_size "
             f"{config.vocab_size}: use a matching tokenizer or set model.vocab_size >= {tokenizer.vocab_size}"
         )
+
+
+def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> None:
+    """A checkpoint folder that carries its tokenizer must be used with that tokenizer: a different one of the
+    same size would silently map every id to another token."""
+    from data.tokenizer import Tokenizer
+
+    for candidate in (Path(checkpoint_dir) / "tokenizer.model", Path(checkpoint_dir) / "original" / "tokenizer.model"):
+        if candidate.is_file():
+            saved = Tokenizer.from_file(candidate)
+            if saved.fingerprint != tokenizer.fingerprint:
+                raise ValueError(
+                    f"{checkpoint_dir} was trained with the tokenizer in {candidate}, but {key} is {tokenizer.path}: "
+                    f"set {key}={candidate}"
+                )
+            return

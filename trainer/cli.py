@@ -114,6 +114,13 @@ def _print_run_summary(run_dir: Path) -> None:
     print("\n".join(lines))
 
 
+def _demo_data(args: argparse.Namespace) -> None:
+    from data.demo_tasks import write_demo_dataset
+
+    paths = write_demo_dataset(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed)
+    print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
+
+
 def _export(args: argparse.Namespace) -> None:
     from trainer.export import export_training_checkpoint
 
@@ -164,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
     _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
+
+    demo = commands.add_parser("demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)")
+    demo.add_argument("--out", default="runs/data/demo")
+    demo.add_argument("--n-train", type=int, default=4000)
+    demo.add_argument("--n-val", type=int, default=400)
+    demo.add_argument("--n-pairs", type=int, default=2000)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=_demo_data)
 
     export = commands.add_parser("export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder")
     export.add_argument("checkpoint")

@@ -7,7 +7,8 @@ in ``model.layers``.
 
 from __future__ import annotations
 
-from typing import Literal
+from contextlib import contextmanager
+from typing import Iterator, Literal
 
 import torch
 from torch import nn
@@ -129,3 +130,30 @@ def token_mean_over_ranks(loss_sum: torch.Tensor, token_count: torch.Tensor, tra
         return loss_sum / token_count.clamp(min=1)
     total = trainer.strategy.reduce(token_count.detach().float(), reduce_op="sum")
     return loss_sum * world_size / total.clamp(min=1)
+
+
+@contextmanager
+def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
+    """Gather FSDP2-sharded weights once for a whole generation, instead of an all-gather per layer per token.
+
+    While inside, each rank holds the full weights and forward passes run no collectives, so ranks may
+    generate different numbers of tokens. A no-op for models that are not sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not sharded:
+        yield
+        return
+    # FSDP2 has no public getter for reshard_after_forward; its param group keeps a post-forward mesh
+    # exactly when it reshards after forward.
+    reshards = [module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for module in sharded]
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module, reshard in zip(sharded, reshards):
+            module.reshard()
+            module.set_reshard_after_forward(reshard, recurse=False)

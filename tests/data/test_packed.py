@@ -325,6 +325,12 @@ def test_datamodule_errors(tmp_path, big_data_dir):
         PretrainDataModule(str(big_data_dir), seq_len=500, micro_batch_size=1).setup("fit")
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         PretrainDataModule(str(big_data_dir), seq_len=0, micro_batch_size=1)
+    # Set up before a Trainer is attached, then run on more ranks than there are sequences per step.
+    dm = PretrainDataModule(str(big_data_dir), seq_len=64, micro_batch_size=8)
+    dm.setup("fit")
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"fewer than one global micro-batch \(8 x 4 ranks\)"):
+        dm.train_dataloader()
     dm = PretrainDataModule(str(big_data_dir), seq_len=16, micro_batch_size=4)
     with pytest.raises(ValueError, match="seq_len 32"):
         dm.load_state_dict({"sampler": {"consumed": 4, "seed": 0, "num_samples": 3}, "seq_len": 32})

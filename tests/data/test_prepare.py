@@ -351,6 +351,11 @@ def test_empty_corpus(tmp_path, no_tokenizing):
     path.write_text("\n\n   \n\n\t\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"empty corpus.*blank\.txt"):
         prepare(config(tmp_path, [path], sample_by="line"))
+    for name in ("zero.txt", "zero.jsonl"):
+        (tmp_path / name).write_bytes(b"")
+        with pytest.raises(ValueError, match=rf"empty corpus.*{name}"):
+            prepare(config(tmp_path, [tmp_path / name]))
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_json_missing_field_names_file_and_row(tmp_path, no_tokenizing):

@@ -1,0 +1,206 @@
+"""Supervised fine-tuning: next-token loss on the assistant turns of chat examples, packed or padded.
+
+The loss reduction is configurable: ``token`` averages over every supervised token of the step, ``example``
+averages each example first (see ``alignment/losses.py``). Validation reports loss overall and for short- and
+long-answer examples, and the exact-match accuracy of greedy (KV-cache) answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from alignment.evaluation import answer_prompts, exact_match
+from alignment.losses import per_example_mean, sft_loss_contribution
+from models.model import Transformer
+from trainer.config import SFTConfig, to_dict
+from trainer.lm_module import LanguageModelModule
+
+log = logging.getLogger(__name__)
+
+KINDS = ("short", "long")
+
+
+class SFTModule(LanguageModelModule):
+    def __init__(self, config: SFTConfig, model: Transformer, tokenizer: Any) -> None:
+        super().__init__(config)
+        self.save_hyperparameters({"config": to_dict(config), "model": model.config.to_dict()})
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def _token_losses(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.model.token_losses(
+            batch["input_ids"],
+            batch["targets"],
+            document_ids=batch["document_ids"],
+            z_loss=self.config.optim.z_loss,
+            chunk_size=self.config.trainer.loss_chunk_size,
+        )
+
+    def on_train_start(self) -> None:
+        self._step_loss = torch.zeros((), device=self.device)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        share = sft_loss_contribution(
+            self._token_losses(batch),
+            batch["targets"],
+            batch["document_ids"],
+            reduction=self.config.loss.reduction,
+            step_tokens=batch["step_tokens"],
+            step_examples=batch["step_examples"],
+        )
+        self.stop_if_not_finite(share)
+        self._step_loss += share.detach()
+        # Lightning divides by the accumulation count and DDP/FSDP average gradients over ranks; undo both so
+        # the gradient is exactly that of the step loss the shares add up to.
+        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log("train/loss", self._step_loss.clone(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True, reduce_fx="sum")
+        self._step_loss.zero_()
+
+    # ---- validation: loss by answer length, then greedy answers ----
+
+    def on_validation_epoch_start(self) -> None:
+        # [token sum, token count] overall, short, long; then [example-mean sum, example count]
+        self._val_totals = torch.zeros(8, device=self.device)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        losses = self._token_losses(batch)
+        supervised = batch["targets"] != -100
+        totals = [losses.sum(), supervised.sum()]
+        for kind_id in range(len(KINDS)):
+            in_kind = supervised & (batch["example_kinds"] == kind_id)
+            totals += [losses[in_kind].sum(), in_kind.sum()]
+        example_means = per_example_mean(losses, batch["targets"], batch["document_ids"])
+        totals += [example_means.sum(), torch.tensor(example_means.numel(), device=self.device)]
+        self._val_totals += torch.stack([t.float() for t in totals])
+
+    def on_validation_epoch_end(self) -> None:
+        totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
+        metrics = {"val/loss": totals[0] / max(totals[1], 1), "val/example_loss": totals[6] / max(totals[7], 1)}
+        for index, kind in enumerate(KINDS):
+            if totals[3 + 2 * index]:
+                metrics[f"val/loss_{kind}"] = totals[2 + 2 * index] / totals[3 + 2 * index]
+        metrics.update(self._generation_metrics())
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)
+
+    def _generation_metrics(self) -> dict[str, float]:
+        """Exact match of greedy answers on validation examples with a reference, each rank its share."""
+        budget = self.config.eval.generations
+        examples = self.trainer.datamodule.val_examples[:budget]
+        mine = examples[self.global_rank :: self.trainer.world_size]
+        margin = self.config.eval.max_new_tokens_margin
+        answers = answer_prompts(
+            self.model,
+            self.tokenizer,
+            [example["prompt_ids"] for example in mine],
+            max_new_tokens=[len(self.tokenizer.encode(e["reference"])) + margin for e in mine],
+            batch_size=self.config.eval.batch_size,
+        )
+        # [correct, total] for short then long examples
+        counts = torch.zeros(2 * len(KINDS), device=self.device)
+        for example, answer in zip(mine, answers):
+            index = 2 * KINDS.index(example["kind"])
+            counts[index] += float(exact_match(answer, example["reference"]))
+            counts[index + 1] += 1
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        self._write_samples(mine, answers)
+        metrics = {}
+        if sum(counts[1::2]):
+            metrics["val/accuracy"] = sum(counts[0::2]) / sum(counts[1::2])
+        for index, kind in enumerate(KINDS):
+            if counts[2 * index + 1]:
+                metrics[f"val/accuracy_{kind}"] = counts[2 * index] / counts[2 * index + 1]
+        return metrics
+
+    def _write_samples(self, examples: list[dict], answers: list[str]) -> None:
+        """Rank 0's answers: a W&B table when W&B is on, and val_samples.jsonl beside the run always."""
+        if not self.trainer.is_global_zero or not examples:
+            return
+        rows = [
+            [self.global_step, self.tokenizer.decode(e["prompt_ids"]), e["reference"], a, exact_match(a, e["reference"])]
+            for e, a in zip(examples, answers)
+        ][: self.config.eval.table_rows]
+        columns = ["step", "prompt", "reference", "answer", "correct"]
+        if hasattr(self.logger, "log_table"):
+            self.logger.log_table(key="val/samples", columns=columns, data=rows)
+        path = Path(self.trainer.default_root_dir) / "val_samples.jsonl"
+        with open(path, "a") as handle:
+            for row in rows:
+                handle.write(json.dumps(dict(zip(columns, row))) + "\n")
+
+
+def load_initial_model(config: SFTConfig) -> Transformer:
+    """The model SFT starts from: ``init.checkpoint`` (native, Hugging Face or Meta), else a seeded ``model``."""
+    from models.checkpoint import load_checkpoint
+
+    if config.init.checkpoint:
+        return load_checkpoint(config.init.checkpoint, dtype=torch.float32)
+    torch.manual_seed(config.run.seed)
+    return Transformer(config.model)
+
+
+def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
+    """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None."""
+    from data.sft_datamodule import SFTDataModule
+    from data.tokenizer import Tokenizer
+    from trainer.build import make_logger, make_trainer, resolve_resume, run_directory
+    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
+    from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
+    from trainer.config import to_yaml
+    from trainer.errors import ConfigError
+
+    tokenizer = Tokenizer.load(config.data.tokenizer)
+    model = load_initial_model(config)
+    source = config.init.checkpoint or "the model (model.vocab_size)"
+    check_tokenizer_fits_model(tokenizer, model.config, model_name=source)
+    if config.init.checkpoint:
+        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
+    if config.data.seq_len > model.config.max_seq_len:
+        raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.config.max_seq_len})")
+    datamodule = SFTDataModule(
+        config.data,
+        micro_batch_size=config.loader.micro_batch_size,
+        accumulate_grad_batches=config.trainer.accumulate_grad_batches,
+        num_workers=config.loader.num_workers,
+    )
+    datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
+
+    run_dir = run_directory(config.run.out_dir, config.run.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    (run_dir / "data_stats.json").write_text(json.dumps(datamodule.stats, indent=2, default=str))
+    device = torch.device("cuda") if torch.cuda.is_available() and config.trainer.accelerator != "cpu" else torch.device("cpu")
+    dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    callbacks = [
+        DataProgress(),
+        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
+        Throughput(
+            config.loader.micro_batch_size * config.data.seq_len,
+            model.config.flops_per_token(config.data.seq_len),
+            device_peak_flops(device, dtype, config.trainer.peak_tflops),
+        ),
+        LossPlot(run_dir, metrics=("train/loss", "val/loss", "val/loss_short", "val/loss_long"), title=f"SFT: {config.run.name}"),
+        LossPlot(
+            run_dir,
+            metrics=("val/accuracy", "val/accuracy_short", "val/accuracy_long"),
+            title=f"SFT exact-match accuracy: {config.run.name}",
+            filename="accuracy.png",
+            ylabel="exact-match accuracy",
+        ),
+        ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "sft", "tokenizer": str(tokenizer.path)}),
+        *(extra_callbacks or []),
+    ]
+    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
+    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
+    resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
+    trainer.fit(SFTModule(config, model, tokenizer), datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    return run_dir if trainer.is_global_zero else None
