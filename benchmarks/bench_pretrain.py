@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,11 +45,19 @@ import torch  # noqa: E402
 
 class StepTimer(L.Callback):
     """Wall-clock marks at the start and the end of every training batch (after the other callbacks' ends:
-    it is registered last). On CUDA the end mark waits for the device."""
+    it is registered last; on CUDA the end mark waits for the device).
 
-    def __init__(self) -> None:
+    Every ``peak_every`` batches it also measures the matmul peaks (``measure``) right after its end mark, so
+    that peak and training share the machine's conditions (a shared CPU box drifts); that time is excluded
+    from the step it follows."""
+
+    def __init__(self, measure=None, peak_every: int = 0) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.excluded: dict[int, float] = {}
+        self.measure = measure
+        self.peak_every = peak_every
+        self.peaks: list[dict[str, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
@@ -56,13 +65,19 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
+        end = time.perf_counter()
+        self.ends.append(end)
+        if self.measure is not None and self.peak_every and len(self.ends) % self.peak_every == 0:
+            self.peaks.append(self.measure())
+            self.excluded[len(self.ends) - 1] = time.perf_counter() - end
 
-    def window(self, first: int, count: int) -> tuple[float, float]:
-        """(total seconds, seconds waiting between batches) for batches first .. first+count-1."""
-        total = self.ends[first + count - 1] - self.ends[first - 1]
-        wait = sum(self.starts[i] - self.ends[i - 1] for i in range(first, first + count))
-        return total, wait
+    def steps(self, first: int, count: int) -> list[tuple[float, float]]:
+        """(seconds, seconds waiting before the batch) for batches first .. first+count-1."""
+        out = []
+        for i in range(first, first + count):
+            previous_end = self.ends[i - 1] + self.excluded.get(i - 1, 0.0)
+            out.append((self.ends[i] - previous_end, self.starts[i] - previous_end))
+        return out
 
 
 def build_config(args: argparse.Namespace, precision: str, data_dir: Path, out_dir: Path):
@@ -137,27 +152,35 @@ def train_once(config, args: argparse.Namespace) -> dict:
         num_workers=config.loader.num_workers,
         val_batches=config.loader.val_batches,
     )
-    timer = StepTimer()
+    timer = StepTimer(lambda: measure_peaks(args), args.peak_every)
     tokens_per_step = config.loader.micro_batch_size * config.loader.seq_len
     callbacks = [
         DataProgress(),
-        # peak 1 FLOP/s: the logged "mfu" is unused here; a real peak is measured below, once
+        # peak 1 FLOP/s: the "mfu" it logs is unused here; the benchmark measures its own peaks
         Throughput(tokens_per_step, config.model.flops_per_token(config.loader.seq_len), 1.0),
         timer,
     ]
     run_dir = run_directory(config.run.out_dir, config.run.name)
     trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=False, validate=False)
+    timer.peaks.append(measure_peaks(args))
     trainer.fit(PretrainModule(config), datamodule=datamodule)
+    timer.peaks.append(measure_peaks(args))
     assert len(timer.ends) == args.warmup + args.steps, f"expected {args.warmup + args.steps} batches, got {len(timer.ends)}"
-    total, wait = timer.window(args.warmup, args.steps)
-    step_seconds = total / args.steps
+    steps = timer.steps(args.warmup, args.steps)
+    total = sum(seconds for seconds, _ in steps)
+    median = statistics.median(seconds for seconds, _ in steps)
     return {
         "tokens_per_second": tokens_per_step * args.steps / total,
-        "step_ms": 1000 * step_seconds,
-        "data_wait_share": wait / total,
+        "tokens_per_second_median_step": tokens_per_step / median,
+        "step_ms": 1000 * total / args.steps,
+        "step_ms_median": 1000 * median,
+        "step_ms_min_max": [1000 * min(s for s, _ in steps), 1000 * max(s for s, _ in steps)],
+        "data_wait_share": sum(wait for _, wait in steps) / total,
         "loss": float(trainer.callback_metrics["train/loss"]),
-        "loader_alone_share": loader_alone(config, args.steps) / step_seconds,
+        "loader_alone_share": loader_alone(config, args.steps) / (total / args.steps),
         "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+        "peak_samples": timer.peaks,
+        "peaks": {name: max(sample[name] for sample in timer.peaks) for name in timer.peaks[0]},
     }
 
 
@@ -192,7 +215,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (loader.num_workers)")
     parser.add_argument("--peak-size", type=int, default=2048, help="square matmul size for the measured peak")
-    parser.add_argument("--peak-seconds", type=float, default=1.0, help="seconds of matmuls per measured peak")
+    parser.add_argument("--peak-seconds", type=float, default=0.5, help="seconds of matmuls per measured peak and dtype")
+    parser.add_argument("--peak-every", type=int, default=5, help="also measure the peaks every N training steps (0: only before/after)")
     parser.add_argument("--data-dir", help="prepared data (default: the config's corpus, prepared into a temp dir)")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -215,13 +239,7 @@ def main() -> None:
         results = {}
         for precision in args.precision:
             config = build_config(args, precision, data_dir, scratch / "runs")
-            # Peaks right before and right after each run: on a shared machine they move, and the higher one
-            # (the less flattering MFU) is used.
-            before = measure_peaks(args)
             results[precision] = train_once(config, args)
-            after = measure_peaks(args)
-            results[precision]["peaks"] = {name: max(before[name], after[name]) for name in before}
-            results[precision]["peaks_range"] = {name: sorted([before[name], after[name]]) for name in before}
 
     flops_per_token = config.model.flops_per_token(args.seq_len)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -234,12 +252,12 @@ def main() -> None:
         f"loss_chunk_size={config.trainer.loss_chunk_size}, compile={config.trainer.compile}"
     )
     print(
-        f"MFU = tokens/s x FLOP/token / matmul peak ({args.peak_size}x{args.peak_size}, measured in this run before "
-        "and after each precision's training; the higher of the two is used)"
+        f"peak: best {args.peak_size}x{args.peak_size} matmul FLOP/s measured in this run, before, during (every "
+        f"{args.peak_every} steps) and after each precision's training, range in brackets"
     )
     header = (
-        f"{'precision':<11} {'tokens/s':>9} {'step ms':>8} {'TFLOP/s':>8} {'fp32 peak':>15} {'bf16 peak':>15} "
-        f"{'MFU/fp32':>9} {'MFU/bf16':>9} {'data wait':>10} {'loader':>7} {'loss':>6}"
+        f"{'precision':<10} {'tokens/s':>9} {'(median)':>9} {'step ms':>8} {'TFLOP/s':>8} {'fp32 peak TF':>20} "
+        f"{'bf16 peak TF':>20} {'MFU/fp32':>9} {'MFU/bf16':>9} {'data wait':>10} {'loader':>7} {'loss':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -249,18 +267,22 @@ def main() -> None:
         result["achieved_tflops"] = achieved / 1e12
         result["mfu_vs_fp32_peak"] = achieved / peaks["fp32"]
         result["mfu_vs_bf16_peak"] = achieved / peaks["bf16"]
-        spread = {name: "-".join(f"{v / 1e12:.3f}" for v in result["peaks_range"][name]) for name in ("fp32", "bf16")}
+        spread = {}
+        for name in ("fp32", "bf16"):
+            values = [sample[name] / 1e12 for sample in result["peak_samples"]]
+            spread[name] = f"{max(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
         print(
-            f"{precision:<11} {result['tokens_per_second']:>9.0f} {result['step_ms']:>8.1f} {achieved / 1e12:>8.3f} "
-            f"{spread['fp32'] + ' TF':>15} {spread['bf16'] + ' TF':>15} "
+            f"{precision:<10} {result['tokens_per_second']:>9.0f} {result['tokens_per_second_median_step']:>9.0f} "
+            f"{result['step_ms']:>8.1f} {achieved / 1e12:>8.3f} {spread['fp32']:>20} {spread['bf16']:>20} "
             f"{result['mfu_vs_fp32_peak']:>9.1%} {result['mfu_vs_bf16_peak']:>9.1%} "
             f"{result['data_wait_share']:>10.2%} {result['loader_alone_share']:>7.2%} {result['loss']:>6.3f}"
         )
         if "bf16 datasheet" in peaks:
-            print(f"{'':<11} MFU against the datasheet bf16 peak ({peaks['bf16 datasheet'] / 1e12:.0f} TF): {achieved / peaks['bf16 datasheet']:.1%}")
+            print(f"{'':<10} MFU against the datasheet bf16 peak ({peaks['bf16 datasheet'] / 1e12:.0f} TF): {achieved / peaks['bf16 datasheet']:.1%}")
     print(
-        "TFLOP/s: model FLOPs (6N + 12·L·d·T per token) achieved; data wait: share of step time between batches "
-        "(DataLoader + transfer + loop); loader: the DataLoader alone, per batch, over the step time"
+        "tokens/s: mean over the timed steps ((median): from the median step); TFLOP/s: model FLOPs achieved "
+        "(6N + 12·L·d·T per token, at the mean); MFU = TFLOP/s / best measured peak; data wait: share of step time "
+        "between batches (DataLoader + transfer + loop); loader: the DataLoader alone, per batch, over the step time"
     )
     if args.json:
         Path(args.json).write_text(

@@ -104,10 +104,18 @@ def _pretrain(args: argparse.Namespace) -> None:
         _print_run_summary(run_dir)
 
 
+def _sft(args: argparse.Namespace) -> None:
+    from alignment.sft import run_sft
+    from trainer.config import SFTConfig, load_config
+
+    run_dir = run_sft(load_config(SFTConfig, args.config, args.overrides))
+    if run_dir is not None:
+        _print_run_summary(run_dir)
+
+
 def _print_run_summary(run_dir: Path) -> None:
     lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
-    if (run_dir / "loss.png").exists():
-        lines.append(f"loss curve:  {run_dir / 'loss.png'}")
+    lines += [f"plot:        {png}" for png in sorted(run_dir.glob("*.png"))]
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     if wandb_runs:
         lines.append(f"W&B (offline): {wandb_runs[-1]}  (upload with: wandb sync {wandb_runs[-1]})")
@@ -171,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
     _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
+    _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
 
     demo = commands.add_parser("demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)")
     demo.add_argument("--out", default="runs/data/demo")

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.prepare import PrepareConfig
+from data.sft import SFTDataConfig
 from models.model import ModelConfig
 from trainer.errors import ConfigError
 
@@ -109,6 +110,45 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+@dataclass
+class InitConfig:
+    checkpoint: str | None = None  # native / Hugging Face / Meta folder; None: a seeded random `model`
+
+
+@dataclass
+class StageLoaderConfig:
+    micro_batch_size: int = 8
+    num_workers: int = 0
+
+
+@dataclass
+class SFTLossConfig:
+    reduction: Literal["token", "example"] = "token"
+
+
+@dataclass
+class EvalConfig:
+    generations: int = 64  # validation examples answered greedily each validation (exact match)
+    max_new_tokens_margin: int = 8  # each answer may run this many tokens past its reference's length
+    batch_size: int = 16
+    table_rows: int = 16  # answers logged as a W&B table and to val_samples.jsonl
+
+
+@dataclass
+class SFTConfig:
+    run: RunConfig = field(default_factory=lambda: RunConfig(name="sft"))
+    init: InitConfig = field(default_factory=InitConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.checkpoint
+    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(train=[]))
+    loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
+    loss: SFTLossConfig = field(default_factory=SFTLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=20, weight_decay=0.0))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 Schema = TypeVar("Schema")

@@ -1,0 +1,185 @@
+"""
+LightningDataModule for supervised fine-tuning (data/sft.py builds the rows and the batch plan).
+
+Like PretrainDataModule, the datamodule shards the data itself: build the Trainer with
+`use_distributed_sampler=False` (Lightning would otherwise wrap the plan in a DistributedSampler), and call
+`mark_consumed()` once per micro-batch (trainer.callbacks.DataProgress does) so checkpoints resume exactly.
+
+Training batches (B = micro_batch_size, T = seq_len):
+    input_ids (B, T) long, targets (B, T) long (-100 = not trained on), document_ids (B, T) long,
+    step_tokens () float, step_examples () float   -- over all rows of the optimizer step, all ranks
+Validation batches add example_kinds (B, T) long: 0 short-answer example, 1 long, -1 padding; their step
+totals cover the same batch index on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from data.pretrain_datamodule import PretrainDataModule
+from data.sft import (
+    SFTBatchPlan,
+    SFTData,
+    SFTDataConfig,
+    SFTTrainBatches,
+    SFTValBatches,
+    build_sft_data,
+    log_summary,
+    normalize_config,
+)
+from data.tokenizer import Tokenizer
+
+log = logging.getLogger("lantern.sft")
+
+
+class _PlanLoader(DataLoader):
+    """The train DataLoader, resumable in Lightning's sense (state_dict / load_state_dict); the same state
+    also travels in the datamodule's state_dict, and both restore the same position."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class SFTDataModule(L.LightningDataModule):
+    # Shared with PretrainDataModule (they only use rank / world_size / micro_batch_size / seq_len /
+    # train_sampler / _pending_state): rank and world size from the attached trainer, the stream position
+    # (mark_consumed advances micro_batches x micro_batch_size x world_size positions), and the checkpoint
+    # state, which is kept pending until train_dataloader() builds the plan.
+    rank = PretrainDataModule.rank
+    world_size = PretrainDataModule.world_size
+    tokens_per_micro_batch = PretrainDataModule.tokens_per_micro_batch
+    mark_consumed = PretrainDataModule.mark_consumed
+    consumed_samples = PretrainDataModule.consumed_samples
+    state_dict = PretrainDataModule.state_dict
+    load_state_dict = PretrainDataModule.load_state_dict
+
+    def __init__(
+        self,
+        config: SFTDataConfig | Mapping[str, Any],
+        *,
+        micro_batch_size: int,
+        accumulate_grad_batches: int = 1,
+        num_workers: int = 0,
+        val_micro_batch_size: int | None = None,
+    ):
+        super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if val_micro_batch_size is not None and val_micro_batch_size < 1:
+            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
+        self.config = normalize_config(config)
+        self.seq_len = self.config.seq_len
+        self.micro_batch_size = micro_batch_size
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.num_workers = num_workers
+        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
+        self.data: SFTData | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.train_sampler: SFTBatchPlan | None = None
+        self._pending_state: dict | None = None
+        self._val_examples: list[dict[str, Any]] | None = None
+
+    # --- setup -----------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load, encode, upsample and lay out both splits (once; the val hold-out needs the train rows)."""
+        if self.data is not None:
+            return
+        self.tokenizer = Tokenizer.load(self.config.tokenizer)
+        self.data = build_sft_data(self.config, self.tokenizer)
+        log_summary(self.data.stats)
+
+    def _require_data(self) -> SFTData:
+        if self.data is None:
+            self.setup("fit")
+        return self.data
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Loading, encoding, upsampling and packing numbers per split (see data/sft.py build_sft_data)."""
+        return self._require_data().stats
+
+    @property
+    def supervised_tokens_per_row(self) -> float:
+        """Average supervised targets per train row, for throughput reports (tokens_per_micro_batch counts all)."""
+        return float(self._require_data().stats["train"]["supervised_tokens_per_row"])
+
+    # --- loaders ---------------------------------------------------------------
+
+    def _loader(self, dataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+        return loader_class(
+            dataset,
+            batch_size=None,  # the datasets return whole micro-batches
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        data = self._require_data()
+        plan = SFTBatchPlan(
+            data.train,
+            micro_batch_size=self.micro_batch_size,
+            accumulate=self.accumulate_grad_batches,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.config.seed,
+            shuffle=True,
+        )
+        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
+            plan.load_state_dict(self.train_sampler.state_dict())
+        if self._pending_state is not None:
+            plan.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.train_sampler = plan
+        return self._loader(SFTTrainBatches(data.train), _PlanLoader, sampler=plan)
+
+    def val_batches(self, rank: int | None = None, world_size: int | None = None) -> SFTValBatches | None:
+        """The validation micro-batches of one rank (default: this one); None without validation rows."""
+        data = self._require_data()
+        if data.val is None or len(data.val) == 0:
+            return None
+        rank = self.rank if rank is None else rank
+        world_size = self.world_size if world_size is None else world_size
+        return SFTValBatches(data.val, self.val_micro_batch_size, rank=rank, world_size=world_size)
+
+    def val_dataloader(self) -> DataLoader | list:
+        batches = self.val_batches()
+        if batches is None:
+            log.info("no SFT validation examples (val_fraction 0 and no val files): validation disabled")
+            return []  # Lightning skips validation for an empty list
+        return self._loader(batches, shuffle=False)
+
+    # --- validation examples for generation ------------------------------------
+
+    @property
+    def val_examples(self) -> list[dict[str, Any]]:
+        """Validation examples in load order: prompt_ids (the chat before the last assistant turn, with an open
+        assistant header), reference (the last assistant content), kind ("short" / "long"), answer_tokens,
+        messages, record (the row as loaded) and where (file and row)."""
+        if self._val_examples is None:
+            data = self._require_data()
+            self._val_examples = [
+                {
+                    "prompt_ids": self.tokenizer.encode_chat_prompt(e.conversation.messages[:-1]),
+                    "reference": e.conversation.messages[-1]["content"],
+                    "kind": e.kind,
+                    "answer_tokens": e.answer_tokens,
+                    "messages": e.conversation.messages,
+                    "record": e.conversation.record,
+                    "where": e.conversation.where,
+                }
+                for e in data.val_examples
+            ]
+        return self._val_examples
