@@ -89,9 +89,8 @@ class SFTModule(LanguageModelModule):
             if totals[3 + 2 * index]:
                 metrics[f"val/loss_{kind}"] = totals[2 + 2 * index] / totals[3 + 2 * index]
         metrics.update(self._generation_metrics())
-        # the progress bar shows the two headline numbers; the logger gets them all
-        self.log_dict(metrics, sync_dist=True)
-        self.log_dict({k: metrics[k] for k in ("val/loss", "val/accuracy") if k in metrics}, prog_bar=True, logger=False, sync_dist=True)
+        for name, value in metrics.items():  # the progress bar shows the two headline numbers
+            self.log(name, value, prog_bar=name in ("val/loss", "val/accuracy"), sync_dist=True)
 
     def _generation_metrics(self) -> dict[str, float]:
         """Exact match of greedy answers on validation examples with a reference, each rank its share."""
