@@ -51,7 +51,7 @@ def sft_loss_contribution(
     whatever its length and whatever it was packed with.
     """
     if reduction == "token":
-        return token_losses.sum() / step_tokens.clamp(min=1)
+        return token_losses[targets != IGNORE_INDEX].sum() / step_tokens.clamp(min=1)
     if reduction == "example":
         return per_example_mean(token_losses, targets, document_ids).sum() / step_examples.clamp(min=1)
     raise ValueError(f"loss.reduction must be 'token' or 'example', got {reduction!r}")

@@ -358,6 +358,7 @@ def last_turn_tokens(mask: Sequence[bool]) -> int:
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
+_PARALLEL_MIN_CHARS = 4_000_000
 
 
 def _init_worker(tokenizer: Tokenizer) -> None:
@@ -373,7 +374,8 @@ def encode_chats(
     tokenizer: Tokenizer, conversations: Sequence[list[dict[str, str]]], num_proc: int = 1
 ) -> list[tuple[list[int], list[bool]]]:
     """tokenizer.encode_chat over many conversations, in num_proc processes when there are many."""
-    if num_proc <= 1 or len(conversations) < 2000:
+    chars = sum(len(m["content"]) for messages in conversations for m in messages)
+    if num_proc <= 1 or chars < _PARALLEL_MIN_CHARS:  # below that, starting processes costs more than it saves
         return [tokenizer.encode_chat(messages) for messages in conversations]
     size = math.ceil(len(conversations) / (4 * num_proc))
     chunks = [list(conversations[i : i + size]) for i in range(0, len(conversations), size)]
@@ -626,7 +628,10 @@ def build_sft_data(config: SFTDataConfig | Mapping[str, Any], tokenizer: Tokeniz
         train_conv, val_conv = hold_out(conversations, config)
         val_load = {"held_out_from_train": len(val_conv)}
     if not train_conv:
-        raise ValueError(f"no usable train examples in {config.train} ({train_load['rows_read']} rows, skipped {train_load['skipped']})")
+        raise ValueError(
+            f"no usable train examples in {config.train} ({train_load['rows_read']} rows read, "
+            f"skipped {train_load['skipped']})"
+        )
 
     splits: dict[str, Any] = {}
     stats: dict[str, Any] = {"seq_len": config.seq_len, "packing": config.packing}
@@ -639,7 +644,10 @@ def build_sft_data(config: SFTDataConfig | Mapping[str, Any], tokenizer: Tokeniz
             )
         copies, upsampling = upsample_short(kept, config) if name == "train" else (None, None)
         rows = make_rows(kept, copies, config.seq_len, tokenizer.pad_id, config.packing) if kept else None
-        split_stats = {**load, **(_split_stats(rows, fit_counts, len(encoded)) if rows else {"examples": len(encoded), **fit_counts, "rows": 0})}
+        if rows is not None:
+            split_stats = {**load, **_split_stats(rows, fit_counts, len(encoded))}
+        else:  # no validation examples (the train split always has some, checked above)
+            split_stats = {**load, "examples": len(encoded), **fit_counts, "examples_kept": 0, "rows": 0}
         if upsampling is not None:
             split_stats["upsampling"] = upsampling
         if name == "val":

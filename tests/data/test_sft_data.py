@@ -14,7 +14,6 @@ import torch
 from data.sft import (
     SFTBatchPlan,
     SFTDataConfig,
-    SFTTrainBatches,
     SFTValBatches,
     build_sft_data,
     load_conversations,
@@ -241,7 +240,7 @@ def test_truncate_and_drop_are_counted_and_targetless_examples_dropped(tmp_path,
 
 def upsampling_file(tmp_path: Path, n_short: int, n_long: int) -> Path:
     rng = random.Random(0)
-    records = [chat(f"short {i}", "yes") for i in range(n_short)]
+    records = [chat(f"short {i}", "Yes") for i in range(n_short)]
     records += [chat(f"long {i}", words(rng, 8)) for i in range(n_long)]
     rng.shuffle(records)
     return write_jsonl(tmp_path / "mix.jsonl", records)
@@ -257,7 +256,7 @@ def copies_per_example(data) -> dict[int, int]:
 
 def test_short_answer_upsampling_by_factor_and_by_target_share(tmp_path, tok):
     path = upsampling_file(tmp_path, n_short=4, n_long=12)
-    assert len(tok.encode("yes")) + 1 <= 2  # "yes" + eot is a short answer under the default threshold
+    assert len(tok.encode("Yes")) + 1 == 2  # "Yes" + eot: a short answer under the default threshold
 
     data = build_sft_data(config([path], seq_len=64, short_answer_factor=3), tok)
     assert data.stats["train"]["upsampling"] == {"examples_before": 16, "short_before": 4, "examples_after": 24, "short_after": 12}
@@ -297,7 +296,7 @@ def test_first_fit_decreasing_packs_random_lengths_tightly():
     print(f"\nFFD packing efficiency, 500 lengths in [5, 120], seq_len 256: {efficiency:.4f} ({len(bins)} rows)")
     assert efficiency >= 0.95
     assert pack_first_fit_decreasing(lengths, 256) == bins  # deterministic
-    assert pack_first_fit_decreasing([3, 5, 3, 5, 2], 8) == [[1, 0], [3, 2, 4]]  # ties: lower index first
+    assert pack_first_fit_decreasing([3, 5, 3, 5, 2], 10) == [[1, 3], [0, 2, 4]]  # longest first, ties by index
 
 
 def realistic_file(tmp_path: Path, n: int = 500) -> Path:
@@ -305,7 +304,7 @@ def realistic_file(tmp_path: Path, n: int = 500) -> Path:
     rng = random.Random(1)
     records = []
     for i in range(n):
-        answer = rng.choice(["yes", "no", "ROMEO"]) if rng.random() < 0.4 else words(rng, rng.randint(3, 90))
+        answer = rng.choice(["Yes", "no", "ROMEO"]) if rng.random() < 0.4 else words(rng, rng.randint(3, 90))
         records.append(chat(f"q{i}: " + words(rng, rng.randint(1, 20)), answer))
     return write_jsonl(tmp_path / "realistic.jsonl", records)
 
@@ -455,13 +454,14 @@ def test_plan_needs_a_whole_step_of_rows(plan_data):
 def test_val_examples_and_example_kinds(tmp_path, tok):
     train = write_jsonl(tmp_path / "train.jsonl", [chat(f"q{i}", "good night sweet prince") for i in range(8)])
     val_records = [
-        {**chat("Who speaks first?", "yes"), "task": "first_speaker"},
+        {**chat("Who speaks first?", "ROMEO"), "task": "first_speaker"},
         {**chat("Repeat the line.", "long live the king of england", system="Be exact."), "task": "repeat"},
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "no"},
-                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "the queen is dead"}]},
-        chat("Yes or no?", "no"),
-        chat("Again?", "thou art my lord"),
-    ]
+                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "the queen is dead"}],
+         "task": None},
+        {**chat("Yes or no?", "no"), "task": "yes_no"},
+        {**chat("Again?", "thou art my lord"), "task": "repeat"},
+    ]  # every record has every column: datasets reads an absent column as null
     val = write_jsonl(tmp_path / "val.jsonl", val_records)
     dm = SFTDataModule(config([train], val=[str(val)], seq_len=64), micro_batch_size=2, val_micro_batch_size=2)
     dm.setup("fit")
@@ -523,3 +523,21 @@ def test_datamodule_summary_stats_and_config_schema(tmp_path, caplog):
     schema = OmegaConf.structured(SFTDataConfig)
     merged = OmegaConf.merge(schema, {"train": [str(path)], "system_prompt": "hi", "short_answer_target_share": 0.3})
     assert OmegaConf.to_object(merged).short_answer_target_share == 0.3
+
+
+def test_parquet_input_and_unreadable_json_are_located(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"prompt": ["Who?", "Where?", "When?"], "response": ["Me.", " \t", "Now."]}), path)
+    conversations, load = load_conversations(config([path], on_bad_row="skip"), [str(path)])
+    assert [c.messages[-1]["content"] for c in conversations] == ["Me.", "Now."]
+    assert load == {"rows_read": 3, "skipped": {"empty_assistant": 1}}
+    with pytest.raises(ValueError, match=r"pairs\.parquet, row 2: .*empty"):
+        load_conversations(config([path]), [str(path)])
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(GOOD[0]) + "\n" + '{"messages": [\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"broken\.jsonl, line 2: invalid JSON"):
+        load_conversations(config([broken], format="jsonl"), [str(broken)])

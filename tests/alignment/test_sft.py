@@ -1,0 +1,150 @@
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from alignment.losses import per_example_mean, sft_loss_contribution
+from data.demo_tasks import write_demo_dataset
+from models.checkpoint import load_checkpoint
+from trainer.config import SFTConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> dict[str, Path]:
+    return write_demo_dataset(tmp_path_factory.mktemp("demo"), n_train=300, n_val=40, n_pairs=10, seed=0)
+
+
+def sft_config(demo, out_dir, *overrides) -> SFTConfig:
+    return load_config(
+        SFTConfig,
+        ROOT / "configs/sft/tiny.yaml",
+        [f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides],
+    )
+
+
+class CaptureGradients(L.Callback):
+    """Copies every gradient just before the first optimizer step, then stops training."""
+
+    def __init__(self) -> None:
+        self.gradients: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.gradients:
+            self.gradients = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+
+
+def first_step_gradients(demo, out_dir, micro_batch, accumulate, reduction) -> dict[str, torch.Tensor]:
+    from alignment.sft import run_sft
+
+    capture = CaptureGradients()
+    config = sft_config(
+        demo, out_dir,
+        f"loader.micro_batch_size={micro_batch}", f"trainer.accumulate_grad_batches={accumulate}",
+        f"loss.reduction={reduction}", "trainer.max_steps=1", "trainer.val_every_n_steps=1000", "optim.grad_clip=null",
+    )  # fmt: skip
+    run_sft(config, extra_callbacks=[capture])
+    return capture.gradients
+
+
+@pytest.mark.parametrize("reduction", ["token", "example"])
+def test_gradient_accumulation_invariance(demo, tmp_path, reduction):
+    """micro-batch 1 x accumulation 8 gives the same gradient as 8 x 1: normalised by the accumulated batch's
+    supervised tokens (or examples), not a mean of per-micro-batch means."""
+    one_by_eight = first_step_gradients(demo, tmp_path / "a", 1, 8, reduction)
+    eight_by_one = first_step_gradients(demo, tmp_path / "b", 8, 1, reduction)
+    assert one_by_eight.keys() == eight_by_one.keys() and one_by_eight
+    for name in one_by_eight:
+        torch.testing.assert_close(one_by_eight[name], eight_by_one[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_per_example_mean_ignores_packing():
+    """Two examples packed in one row, or each in its own padded row: the same per-example means."""
+    losses = torch.tensor([[1.0, 2.0, 3.0, 10.0, 20.0, 0.0]])
+    targets = torch.tensor([[5, 5, -100, 5, 5, -100]])
+    packed_docs = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    packed = per_example_mean(losses, targets, packed_docs)
+    padded_losses = torch.tensor([[1.0, 2.0, 3.0, 0.0], [10.0, 20.0, 0.0, 0.0]])
+    padded_targets = torch.tensor([[5, 5, -100, -100], [5, 5, -100, -100]])
+    padded = per_example_mean(padded_losses, padded_targets, torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]]))
+    assert packed.tolist() == padded.tolist() == [1.5, 15.0]
+    token = sft_loss_contribution(losses, targets, packed_docs, reduction="token", step_tokens=torch.tensor(4.0), step_examples=torch.tensor(2.0))
+    example = sft_loss_contribution(losses, targets, packed_docs, reduction="example", step_tokens=torch.tensor(4.0), step_examples=torch.tensor(2.0))
+    assert token.item() == pytest.approx(33 / 4) and example.item() == pytest.approx(16.5 / 2)
+
+
+def test_packed_and_unpacked_example_loss_are_equal_on_a_model(demo, tmp_path):
+    """Validation's example-averaged loss of one model on the same examples, packed vs padded rows."""
+    from alignment.sft import load_initial_model
+    from data.sft_datamodule import SFTDataModule
+
+    config = sft_config(demo, tmp_path)
+    model = load_initial_model(config).eval()
+    results = []
+    for packing in (True, False):
+        data_config = sft_config(demo, tmp_path, f"data.packing={packing}").data
+        datamodule = SFTDataModule(data_config, micro_batch_size=4)
+        datamodule.setup("fit")
+        means = []
+        with torch.no_grad():
+            for batch in datamodule.val_dataloader():
+                losses = model.token_losses(batch["input_ids"], batch["targets"], document_ids=batch["document_ids"])
+                means.append(per_example_mean(losses, batch["targets"], batch["document_ids"]))
+        results.append(torch.cat(means))
+    packed, padded = results
+    assert packed.numel() == padded.numel() == 40
+    torch.testing.assert_close(packed.sort().values, padded.sort().values, atol=1e-5, rtol=1e-5)
+
+
+def read_metric(run_dir: Path, csv_name: str, metric: str) -> list[tuple[int, float]]:
+    with open(run_dir / csv_name, newline="") as handle:
+        return [(int(r["step"]), float(r["value"])) for r in csv.DictReader(handle) if r["metric"] == metric]
+
+
+def test_tiny_sft_run_lowers_validation_loss_and_exports(demo, tmp_path):
+    from alignment.sft import run_sft
+
+    run_dir = run_sft(sft_config(demo, tmp_path, "trainer.max_steps=30", "trainer.val_every_n_steps=15", "eval.generations=8"))
+    val = read_metric(run_dir, "metrics.csv", "val/loss")
+    assert [step for step, _ in val] == [15, 30]
+    assert val[0][1] < math.log(4096)  # below the uniform guess after 15 steps
+    assert val[-1][1] < val[0][1] - 0.15  # and still falling
+    assert read_metric(run_dir, "accuracy.csv", "val/accuracy")  # exact match was measured
+    assert (run_dir / "loss.png").stat().st_size > 1000 and (run_dir / "accuracy.png").stat().st_size > 1000
+    assert (run_dir / "val_samples.jsonl").read_text().count("\n") >= 8
+    model = load_checkpoint(run_dir / "final")
+    assert model.config.dim == 128 and (run_dir / "final" / "tokenizer.model").is_file()
+
+
+@pytest.mark.slow
+def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
+    """2-process FSDP2 SFT (bf16 + activation checkpointing) with generation in validation (weights
+    unsharded once per generation), against a single process with the same global batch."""
+    common = [
+        f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", "logger.kind=none", "trainer.max_steps=6",
+        "trainer.val_every_n_steps=6", "eval.generations=8", "trainer.accelerator=cpu", "run.name=run",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {
+        "single": ["loader.micro_batch_size=4"],
+        "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2", "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full"],
+    }
+    losses = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        command = [sys.executable, "-m", "trainer.cli", "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={out}", *common, *extra]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-5000:]
+        losses[name] = dict(read_metric(out / "run", "metrics.csv", "train/loss"))
+        assert read_metric(out / "run", "accuracy.csv", "val/accuracy")
+        assert (out / "run" / "final" / "model.safetensors").is_file()
+    assert sorted(losses["single"]) == sorted(losses["fsdp"]) == list(range(1, 7))
+    for step, loss in losses["single"].items():
+        assert losses["fsdp"][step] == pytest.approx(loss, abs=3e-2), step
