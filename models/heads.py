@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -77,3 +78,63 @@ def last_token_index(mask: Tensor) -> Tensor:
 def gather_last(values: Tensor, mask: Tensor) -> Tensor:
     """values (B, T) read at each row's last real token → (B,)."""
     return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
+
+
+HEAD_WEIGHTS = "scalar_head.safetensors"
+
+
+def save_scalar_model(
+    model: ScalarModel,
+    directory: str | Path,
+    *,
+    tokenizer_path: str | Path | None = None,
+    metadata: dict[str, Any] | None = None,
+    state: dict[str, Tensor] | None = None,
+) -> Path:
+    """A reward model / critic as a native checkpoint folder of its backbone (any tool that reads native
+    checkpoints loads the decoder) plus ``scalar_head.safetensors``. ``metadata`` (JSON) holds e.g. the
+    reward normalisation. ``state``: a full state dict to save instead of the module's own (FSDP gathers)."""
+    from safetensors.torch import save_file
+
+    from models.checkpoint import save_checkpoint
+
+    state = state if state is not None else {name: t.detach().cpu() for name, t in model.state_dict().items()}
+    backbone = _backbone_from_state(model.config, state)
+    head = {name.removeprefix("head."): t.contiguous() for name, t in state.items() if name.startswith("head.")}
+    metadata = {**(metadata or {}), "scalar_head": True, "head_init": model.head.init}
+    path = save_checkpoint(backbone, directory, tokenizer_path=tokenizer_path, metadata=metadata)
+    temporary = path / f".tmp-{HEAD_WEIGHTS}"
+    save_file(head, str(temporary))
+    temporary.replace(path / HEAD_WEIGHTS)
+    return path
+
+
+def _backbone_from_state(config: ModelConfig, state: dict[str, Tensor]) -> Transformer:
+    with torch.device("meta"):
+        backbone = Transformer(config)
+    weights = {name.removeprefix("backbone."): t for name, t in state.items() if name.startswith("backbone.")}
+    backbone.load_state_dict(weights, assign=True, strict=not config.tie_embeddings)
+    if config.tie_embeddings:
+        backbone.output.weight = backbone.tok_embeddings.weight
+    return backbone
+
+
+def load_scalar_model(path: str | Path, *, dtype: torch.dtype | None = torch.float32) -> tuple[ScalarModel, dict[str, Any]]:
+    """(model, metadata) from a folder written by ``save_scalar_model``."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from models.checkpoint import load_checkpoint
+
+    path = Path(path)
+    if not (path / HEAD_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path} has no {HEAD_WEIGHTS}: not a reward model / critic checkpoint (train one with `lantern rm`)")
+    backbone = load_checkpoint(path, dtype=dtype)
+    metadata = json.loads((path / "lantern.json").read_text()).get("metadata", {})
+    model = ScalarModel.from_backbone(backbone, init=metadata.get("head_init", "normal"))
+    head = load_file(str(path / HEAD_WEIGHTS))
+    model.head.load_state_dict(head)
+    if dtype is not None:
+        model.head.to(dtype)
+    return model, metadata

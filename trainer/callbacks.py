@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -292,30 +292,48 @@ def _plain_name(name: str) -> str:
 
 
 class ExportFinal(L.Callback):
-    """At the end of training, writes the model as a native checkpoint folder (``models.save_checkpoint``)
-    that ``load_checkpoint``, ``lantern generate`` and ``lantern convert`` read, and the next stage starts from."""
+    """At the end of training, writes the model as a native checkpoint folder that ``load_checkpoint``,
+    ``lantern generate`` and ``lantern convert`` read and the next stage starts from. A ``ScalarModel``
+    (reward model, critic) is written with ``models.heads.save_scalar_model``.
 
-    def __init__(self, directory: str | Path, tokenizer_path: str | None, metadata: dict[str, Any] | None = None, attribute: str = "model") -> None:
+    ``metadata`` may be a callable of the LightningModule, for values known only at the end (reward
+    normalisation statistics)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        tokenizer_path: str | None,
+        metadata: dict[str, Any] | Callable[[L.LightningModule], dict[str, Any]] | None = None,
+        attribute: str = "model",
+    ) -> None:
         self.directory = Path(directory)
         self.tokenizer_path = tokenizer_path
-        self.metadata = dict(metadata or {})
+        self.metadata = metadata or {}
         self.attribute = attribute
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "failed", False):
             return
+        from models.heads import ScalarModel
+
         model = getattr(pl_module, self.attribute)
         state = full_state_dict(model, trainer)
+        metadata = self.metadata(pl_module) if callable(self.metadata) else dict(self.metadata)
         if trainer.is_global_zero:
-            from models.checkpoint import save_checkpoint
-            from models.model import Transformer
+            metadata = {**metadata, "step": trainer.global_step}
+            if isinstance(model, ScalarModel):
+                from models.heads import save_scalar_model
 
-            with torch.device("meta"):
-                plain = Transformer(model.config)
-            plain.load_state_dict(state, assign=True, strict=True)
-            if model.config.tie_embeddings:
-                plain.output.weight = plain.tok_embeddings.weight
-            metadata = {**self.metadata, "step": trainer.global_step}
-            save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)
+                save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
+            else:
+                from models.checkpoint import save_checkpoint
+                from models.model import Transformer
+
+                with torch.device("meta"):
+                    plain = Transformer(model.config)
+                plain.load_state_dict(state, assign=True, strict=True)
+                if model.config.tie_embeddings:
+                    plain.output.weight = plain.tok_embeddings.weight
+                save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)
             log.info("exported the final model to %s", self.directory)
         trainer.strategy.barrier("export-final")
