@@ -55,3 +55,137 @@ def sft_loss_contribution(
     if reduction == "example":
         return per_example_mean(token_losses, targets, document_ids).sum() / step_examples.clamp(min=1)
     raise ValueError(f"loss.reduction must be 'token' or 'example', got {reduction!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PPO. Tensors are (B, N) over response tokens with a (B, N) bool ``mask`` of real (non-pad) tokens.
+# ``reduce_sum`` sums a tensor over ranks (identity in one process), so whitening and normalisation use
+# the whole global batch and a multi-rank run computes what a single process would.
+
+
+def identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target under ``logits / temperature`` and the entropy of that distribution.
+
+    Temperature 0 (greedy sampling) is scored at 1, as ``models.generation`` scores it.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: Literal["k1", "k3"] = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1 / k3)."""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with r = ref/policy: unbiased, >= 0
+    raise ValueError(f"ppo.kl.estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def masked_mean(values: Tensor, mask: Tensor, reduce_sum=identity) -> Tensor:
+    total = reduce_sum(torch.stack([(values * mask).sum(), mask.sum().to(values.dtype)]))
+    return total[0] / total[1].clamp(min=1)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, reduce_sum=identity) -> Tensor:
+    """(x - mean) / std over valid tokens only (mean and variance over all ranks' valid tokens).
+
+    ``shift_mean=False`` adds the mean back after scaling (TRL's variant). Lantern whitens advantages and,
+    when asked, rewards with the mean removed: a mean added back to rewards would pay every token a bonus
+    that says nothing about the response."""
+    mean = masked_mean(values, mask, reduce_sum)
+    variance = masked_mean((values - mean) ** 2, mask, reduce_sum)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """−β·KL on every response token, plus the sequence score on its last real token."""
+    rewards = -kl_coef * kl * mask
+    last = mask.long().cumsum(1).argmax(1)  # index of the last True
+    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over each response; returns (advantages, returns = A + V).
+
+    Positions after a response ended are masked: they neither bootstrap nor get an advantage.
+    """
+    rewards, values, mask = rewards.float(), values.float() * mask, mask.float()
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask
+
+
+def ppo_policy_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_ratio: float, token_count: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate, summed over valid tokens and divided by ``token_count`` (the accumulated
+    minibatch's valid tokens over all ranks); also approx-KL and clip fraction sums for logging."""
+    log_ratio = (logp - old_logp) * mask
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    loss = (torch.maximum(unclipped, clipped) * mask).sum() / token_count
+    stats = {
+        "approx_kl": (0.5 * log_ratio.square() * mask).sum().detach(),
+        "clip_fraction": (((ratio - 1).abs() > clip_ratio) & mask).sum().float().detach(),
+        "ratio": (ratio * mask).sum().detach(),
+    }
+    return loss, stats
+
+
+def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_value: float, token_count: Tensor) -> Tensor:
+    """Clipped value loss: the critic may not move further than ``clip_value`` from its rollout estimate
+    unless that also lowers the error."""
+    clipped = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    error = torch.maximum((values - returns).square(), (clipped - returns).square())
+    return 0.5 * (error * mask).sum() / token_count
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, reduce_sum=identity) -> Tensor:
+    """1 − Var(returns − values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."""
+    residual = returns - values
+    var_returns = masked_mean((returns - masked_mean(returns, mask, reduce_sum)) ** 2, mask, reduce_sum)
+    var_residual = masked_mean((residual - masked_mean(residual, mask, reduce_sum)) ** 2, mask, reduce_sum)
+    return 1 - var_residual / var_returns.clamp(min=1e-8)
+
+
+class KLController:
+    """β of the KL penalty: fixed, or adaptive (Ziegler et al. 2019) toward a target KL per sequence."""
+
+    def __init__(self, coef: float, *, adaptive: bool = False, target: float | None = None, horizon: int = 10000) -> None:
+        if adaptive and (target is None or target <= 0 or horizon <= 0):
+            raise ValueError("ppo.kl.adaptive needs ppo.kl.target > 0 and ppo.kl.horizon > 0")
+        self.value = coef
+        self.adaptive = adaptive
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, observed_kl: float, num_sequences: int) -> None:
+        if not self.adaptive:
+            return
+        error = max(-0.2, min(0.2, observed_kl / self.target - 1))
+        self.value *= 1 + error * num_sequences / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

@@ -152,12 +152,13 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None."""
     from data.sft_datamodule import SFTDataModule
     from data.tokenizer import Tokenizer
-    from trainer.build import make_logger, make_trainer, resolve_resume, run_directory
+    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
     from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
     from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
     from trainer.config import to_yaml
     from trainer.errors import ConfigError
 
+    check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     source = config.init.checkpoint or "the model (model.vocab_size)"

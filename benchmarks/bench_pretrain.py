@@ -8,8 +8,10 @@ checkpoints or export, plus a timing callback:
   schedule, Lightning's loop and logging), over ``--steps`` steps after ``--warmup`` warm-up steps;
 * **MFU** -- tokens/s x ``ModelConfig.flops_per_token(seq_len)`` / peak, where the peak is a square matmul
   (``trainer.callbacks.measure_matmul_flops``, ``--peak-size``) MEASURED IN THE SAME RUN, in fp32 and in bf16,
-  so MFU is reported against both (the one matching the training precision is the honest figure; on CUDA the
-  datasheet peak of a known GPU is shown as well);
+  before, during (every ``--peak-every`` steps, time excluded from the steps) and after each training run; the
+  best sample is the peak. MFU is reported against both dtypes (the one matching the training precision is the
+  honest figure; on CUDA the datasheet peak of a known GPU is shown as well), at the mean step and, as the
+  least disturbed figure on a shared machine, at the fastest step ("MFU best");
 * **data wait** -- time from the end of one training batch (all callbacks done) to the start of the next
   (next batch from the DataLoader, transfer to the device, loop bookkeeping) as a share of the step; and, as a
   cross-check, the DataLoader iterated alone for the same number of batches, per batch, over the step time.
@@ -22,7 +24,7 @@ CPU (default: the ``small`` preset, seq_len 256, micro-batch 8, 2 threads, fp32 
 GPU (needs CUDA; Llama 3.2 1B shapes in bf16):
 
     python benchmarks/bench_pretrain.py --device cuda --preset llama3.2-1b --precision bf16-true \\
-        --seq-len 2048 --micro-batch 4 --peak-size 8192 [--override trainer.compile=true]
+        --seq-len 2048 --micro-batch 4 [--override trainer.compile=true]
 """
 
 from __future__ import annotations
@@ -110,8 +112,7 @@ def prepared_data(args: argparse.Namespace, scratch: Path) -> Path:
 
     data_dir = Path(args.data_dir) if args.data_dir else scratch / "data"
     config = load_config(PretrainConfig, args.config, [f"data.out_dir={data_dir}", *[o for o in args.override if o.startswith("data.")]])
-    if not config.data.source or not all(Path(s).is_absolute() for s in config.data.source):
-        config.data.source = [str(ROOT / s) if not Path(s).is_absolute() else s for s in config.data.source]
+    config.data.source = [s if Path(s).is_absolute() else str(ROOT / s) for s in config.data.source]
     prepare(config.data)  # idempotent: returns at once when the data is already there
     return data_dir
 
@@ -215,7 +216,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (loader.num_workers)")
-    parser.add_argument("--peak-size", type=int, default=2048, help="square matmul size for the measured peak")
+    parser.add_argument("--peak-size", type=int, help="square matmul size for the measured peak (default: 2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--peak-seconds", type=float, default=0.5, help="seconds of matmuls per measured peak and dtype")
     parser.add_argument("--peak-every", type=int, default=5, help="also measure the peaks every N training steps (0: only before/after)")
     parser.add_argument("--data-dir", help="prepared data (default: the config's corpus, prepared into a temp dir)")
@@ -226,6 +227,8 @@ def main() -> None:
         parser.error("--warmup and --steps must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    if args.peak_size is None:
+        args.peak_size = 8192 if args.device == "cuda" else 2048
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")

@@ -114,7 +114,7 @@ class PackedDataset(Dataset):
         if n_tokens < seq_len + 1:
             raise ValueError(
                 f"split {self.stream.split!r} in {self.stream.split_dir.parent} has {n_tokens} tokens, fewer than "
-                f"one sequence of seq_len+1={seq_len + 1}; lower seq_len or add data"
+                f"one sequence of seq_len+1={seq_len + 1}; lower loader.seq_len or add data"
             )
         self.num_samples = (n_tokens - 1) // seq_len
 

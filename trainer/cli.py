@@ -113,6 +113,15 @@ def _sft(args: argparse.Namespace) -> None:
         _print_run_summary(run_dir)
 
 
+def _rm(args: argparse.Namespace) -> None:
+    from alignment.reward import run_rm
+    from trainer.config import RMConfig, load_config
+
+    run_dir = run_rm(load_config(RMConfig, args.config, args.overrides))
+    if run_dir is not None:
+        _print_run_summary(run_dir)
+
+
 def _print_run_summary(run_dir: Path) -> None:
     lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
     lines += [f"plot:        {png}" for png in sorted(run_dir.glob("*.png"))]
@@ -180,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
     _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
     _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
+    _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
 
     demo = commands.add_parser("demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)")
     demo.add_argument("--out", default="runs/data/demo")

@@ -15,6 +15,11 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The block list of a Transformer, or of the backbone of a ScalarModel (reward model, critic)."""
+    return model.layers if hasattr(model, "layers") else model.backbone.layers
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full", "selective"], every: int = 2) -> int:
     """Recompute block activations in backward: every block (``full``) or every ``every``-th (``selective``).
 
@@ -28,17 +33,19 @@ def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full
     if mode == "selective" and every < 1:
         raise ValueError(f"trainer.ac_every must be >= 1, got {every}")
     wrapped = 0
-    for index, block in enumerate(model.layers):
+    blocks = transformer_blocks(model)
+    for index, block in enumerate(blocks):
         if mode == "full" or index % every == 0:
-            model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
             wrapped += 1
     return wrapped
 
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: identical blocks share one compiled graph and compile time stays flat."""
-    for index, block in enumerate(model.layers):
-        model.layers[index] = torch.compile(block, fullgraph=True)
+    blocks = transformer_blocks(model)
+    for index, block in enumerate(blocks):
+        blocks[index] = torch.compile(block, fullgraph=True)
 
 
 def apply_fsdp(
@@ -66,14 +73,16 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    last = len(model.layers) - 1
-    for index, block in enumerate(model.layers):
+    blocks = transformer_blocks(model)
+    last = len(blocks) - 1
+    for index, block in enumerate(blocks):
         # The last block's parameters are needed right away by backward: resharding them after forward
         # would only gather them again.
         fully_shard(block, reshard_after_forward=index < last, **kwargs)
     fully_shard(model, **kwargs)
     for method in extra_forward_methods:
-        register_fsdp_forward_method(model, method)
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
 
 
 def configure_parallelism(model: nn.Module, trainer, config) -> None:

@@ -67,12 +67,13 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     from data.pretrain_datamodule import PretrainDataModule
     from data.prepare import check_manifest
     from data.tokenizer import Tokenizer
-    from trainer.build import make_logger, make_trainer, resolve_resume, run_directory
+    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
     from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
     from trainer.checks import check_tokenizer_fits_model
     from trainer.config import to_yaml
     from trainer.errors import ConfigError
 
+    check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
     if config.loader.seq_len > config.model.max_seq_len:

@@ -1,0 +1,147 @@
+"""
+LightningDataModule for reward-model training (data/preference.py builds the pairs and their batches).
+
+Like SFTDataModule it shards the data itself: build the Trainer with `use_distributed_sampler=False`, and call
+`mark_consumed()` once per micro-batch (trainer.callbacks.DataProgress does) so checkpoints resume exactly.
+Training micro-batches follow data/sft.py's SFTBatchPlan with one pair per "row": step s takes the pairs at
+stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size, and `step_pairs` = G.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from data.preference import (
+    PreferenceData,
+    PreferenceDataConfig,
+    PreferenceEvalBatches,
+    PreferenceTrainBatches,
+    build_preference_data,
+    log_summary,
+    normalize_config,
+)
+from data.sft import SFTBatchPlan
+from data.sft_datamodule import SFTDataModule, _PlanLoader
+from data.tokenizer import Tokenizer
+
+log = logging.getLogger("lantern.rm")
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    # The stream bookkeeping is SFTDataModule's (itself PretrainDataModule's): rank and world size from the
+    # attached trainer, mark_consumed / consumed_samples, and the checkpointed sampler state.
+    rank = SFTDataModule.rank
+    world_size = SFTDataModule.world_size
+    mark_consumed = SFTDataModule.mark_consumed
+    consumed_samples = SFTDataModule.consumed_samples
+    state_dict = SFTDataModule.state_dict
+    load_state_dict = SFTDataModule.load_state_dict
+
+    def __init__(
+        self,
+        config: PreferenceDataConfig | Mapping[str, Any],
+        *,
+        micro_batch_size: int,
+        accumulate_grad_batches: int = 1,
+        num_workers: int = 0,
+        val_micro_batch_size: int | None = None,
+    ):
+        super().__init__()
+        if micro_batch_size < 1 or accumulate_grad_batches < 1:
+            raise ValueError(f"micro_batch_size and accumulate_grad_batches must be >= 1, got {micro_batch_size}, {accumulate_grad_batches}")
+        self.config = normalize_config(config)
+        self.seq_len = self.config.seq_len
+        self.micro_batch_size = micro_batch_size
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.num_workers = num_workers
+        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
+        self.data: PreferenceData | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.train_sampler: SFTBatchPlan | None = None
+        self._pending_state: dict | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load, convert, filter and encode both splits (once; the val hold-out needs the train pairs)."""
+        if self.data is not None:
+            return
+        self.tokenizer = Tokenizer.load(self.config.tokenizer)
+        self.data = build_preference_data(self.config, self.tokenizer)
+        log_summary(self.data.stats)
+
+    def _require_data(self) -> PreferenceData:
+        if self.data is None:
+            self.setup("fit")
+        return self.data
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self._require_data().stats
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Real tokens in one micro-batch on one rank, on average (both sides of each pair), for throughput."""
+        return round(2 * self.micro_batch_size * self._require_data().stats["train"]["mean_side_tokens"])
+
+    def check_step_fits(self, world_size: int) -> None:
+        """A clear error when the train pairs cannot fill one optimizer step (callable before launching)."""
+        need = world_size * self.accumulate_grad_batches * self.micro_batch_size
+        have = len(self._require_data().train)
+        if have < need:
+            raise ValueError(
+                f"{have} train pairs are fewer than one optimizer step needs ({world_size} ranks x "
+                f"{self.accumulate_grad_batches} accumulation x {self.micro_batch_size} micro-batch = {need}); add "
+                "data or lower loader.micro_batch_size / trainer.accumulate_grad_batches"
+            )
+
+    def _loader(self, dataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+        return loader_class(
+            dataset,
+            batch_size=None,  # the datasets return whole micro-batches
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        data = self._require_data()
+        self.check_step_fits(self.world_size)
+        plan = SFTBatchPlan(
+            data.train,
+            micro_batch_size=self.micro_batch_size,
+            accumulate=self.accumulate_grad_batches,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.config.seed,
+            shuffle=True,
+        )
+        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
+            plan.load_state_dict(self.train_sampler.state_dict())
+        if self._pending_state is not None:
+            plan.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.train_sampler = plan
+        return self._loader(PreferenceTrainBatches(data.train), _PlanLoader, sampler=plan)
+
+    def eval_batches(self, split: str = "val", limit: int | None = None) -> PreferenceEvalBatches | None:
+        """This rank's share of the first `limit` pairs of a split (all of them with None), in equal numbers
+        of micro-batches on every rank; None when the split has no pairs."""
+        data = self._require_data()
+        pairs = data.val if split == "val" else data.train
+        if pairs is None or len(pairs) == 0:
+            return None
+        if limit is not None and limit < len(pairs):
+            pairs = pairs.subset(range(limit))
+        return PreferenceEvalBatches(pairs, self.val_micro_batch_size, rank=self.rank, world_size=self.world_size)
+
+    def val_dataloader(self) -> DataLoader | list:
+        batches = self.eval_batches("val")
+        if batches is None:
+            log.info("no validation pairs (val_fraction 0 and no val files): validation disabled")
+            return []  # Lightning skips validation for an empty list
+        return self._loader(batches, shuffle=False)

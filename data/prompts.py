@@ -1,0 +1,141 @@
+"""Prompts for PPO rollouts and evaluation: chat prompts encoded up to the assistant header.
+
+Rows are ``{"messages": [...]}`` (a trailing assistant turn is kept aside as the reference answer) or
+``{"prompt": "..." | [...]}``; other columns (task, meta, answer) travel with the prompt so ground-truth
+checkers can score the answers. Loading, file resolution and message validation are SFT's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+from torch.utils.data import BatchSampler, DataLoader
+
+from data.packed import StreamSampler
+from data.pretrain_datamodule import PretrainDataModule
+from data.sft import BadRow, _check_messages, read_records, resolve_sources
+from data.tokenizer import Tokenizer
+
+log = logging.getLogger("lantern.prompts")
+
+
+@dataclass
+class PromptDataConfig:
+    train: list[str] = field(default_factory=list)  # files / globs (json, jsonl, parquet) or a hub name
+    val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of train
+    val_fraction: float = 0.1
+    format: str = "auto"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    tokenizer: str = "default"
+    max_prompt_tokens: int = 192
+    too_long: str = "truncate"  # truncate (keep <|begin_of_text|> and the last tokens: the question) | drop
+    on_bad_row: str = "error"  # error | skip (counted)
+    seed: int = 1234
+
+
+def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[list[dict[str, str]], str | None]:
+    """(messages up to the assistant's turn, reference answer or None)."""
+    if record.get(config.messages_field) is not None:
+        messages = _check_messages(record[config.messages_field], config.messages_field)
+    elif record.get(config.prompt_field) is not None:
+        prompt = record[config.prompt_field]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, config.prompt_field)
+    else:
+        raise BadRow("missing_field", f"no {config.messages_field!r} or {config.prompt_field!r} field")
+    reference = record.get("answer")
+    if messages and messages[-1]["role"] == "assistant":
+        reference = messages.pop()["content"]
+    if not messages or messages[-1]["role"] not in ("user", "ipython", "tool"):
+        raise BadRow("no_prompt", "the prompt must end with a user (or tool) turn")
+    return messages, reference
+
+
+def load_prompts(config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Encoded prompts ``{"prompt_ids", "reference", "record", "where"}`` and counts of what was changed."""
+    fmt, files = resolve_sources(config, sources)
+    prompts: list[dict[str, Any]] = []
+    stats: dict[str, Any] = {"rows_read": 0, "skipped": {}, "truncated": 0, "dropped_too_long": 0}
+    for source in files:
+        records, _ = read_records(fmt, source)
+        for row, record in enumerate(records, start=1):
+            stats["rows_read"] += 1
+            where = f"{source}, row {row}"
+            try:
+                messages, reference = record_to_prompt(record, config)
+            except BadRow as bad:
+                if config.on_bad_row == "error":
+                    raise ValueError(f"{where}: {bad}") from None
+                stats["skipped"][bad.reason] = stats["skipped"].get(bad.reason, 0) + 1
+                continue
+            ids = tokenizer.encode_chat_prompt(messages)
+            if len(ids) > config.max_prompt_tokens:
+                if config.too_long == "drop":
+                    stats["dropped_too_long"] += 1
+                    continue
+                # keep the start-of-text token and the end, where the question and the assistant header are
+                ids = ids[:1] + ids[len(ids) - config.max_prompt_tokens + 1 :]
+                stats["truncated"] += 1
+            prompts.append({"prompt_ids": ids, "reference": reference, "record": record, "where": where})
+    if not prompts:
+        raise ValueError(f"no usable prompts in {sources} (read {stats['rows_read']} rows; skipped {stats['skipped']})")
+    return prompts, stats
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Batches of ``batch_size`` prompts per rank (lists of prompt dicts), from one deterministic global
+    stream like the other datamodules; ``mark_consumed`` after each rollout makes resumes exact."""
+
+    # rank / world size from the trainer, stream position and checkpoint state: as PretrainDataModule's
+    rank = PretrainDataModule.rank
+    world_size = PretrainDataModule.world_size
+    mark_consumed = PretrainDataModule.mark_consumed
+    consumed_samples = PretrainDataModule.consumed_samples
+    state_dict = PretrainDataModule.state_dict
+    load_state_dict = PretrainDataModule.load_state_dict
+
+    def __init__(self, config: PromptDataConfig, *, batch_size: int) -> None:
+        super().__init__()
+        if config.too_long not in ("truncate", "drop") or config.on_bad_row not in ("error", "skip"):
+            raise ValueError("data.too_long must be truncate|drop and data.on_bad_row error|skip")
+        if batch_size < 1:
+            raise ValueError(f"rollout batch size must be >= 1, got {batch_size}")
+        self.config = config
+        self.micro_batch_size = batch_size  # names PretrainDataModule's shared methods read
+        self.seq_len = config.max_prompt_tokens
+        self.train_sampler: StreamSampler | None = None
+        self._pending_state: dict | None = None
+        self.train_prompts: list[dict] | None = None
+        self.val_prompts: list[dict] = []
+        self.stats: dict[str, Any] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_prompts is not None:
+            return
+        tokenizer = Tokenizer.load(self.config.tokenizer)
+        prompts, self.stats["train"] = load_prompts(self.config, list(self.config.train), tokenizer)
+        if self.config.val:
+            self.val_prompts, self.stats["val"] = load_prompts(self.config, list(self.config.val), tokenizer)
+        elif self.config.val_fraction > 0:
+            held_out = max(1, round(len(prompts) * self.config.val_fraction))
+            self.val_prompts, prompts = prompts[:held_out], prompts[held_out:]
+        self.train_prompts = prompts
+        log.info("prompts: %d train, %d held out; %s", len(prompts), len(self.val_prompts), self.stats)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        if len(self.train_prompts) < self.micro_batch_size * self.world_size:
+            raise ValueError(
+                f"{len(self.train_prompts)} training prompts cannot fill one rollout of {self.micro_batch_size} "
+                f"prompts on each of {self.world_size} ranks"
+            )
+        sampler = StreamSampler(len(self.train_prompts), rank=self.rank, world_size=self.world_size, seed=self.config.seed)
+        if self._pending_state is not None:
+            sampler.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.train_sampler = sampler
+        batches = BatchSampler(sampler, self.micro_batch_size, drop_last=True)
+        return DataLoader(self.train_prompts, batch_sampler=batches, collate_fn=list)
