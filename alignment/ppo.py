@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from alignment.evaluation import answer_prompts
+from alignment.reward import normalize_reward
 from alignment.losses import (
     KLController,
     explained_variance,
@@ -177,7 +178,7 @@ class PPOModule(LanguageModelModule):
             ref_logp.append(self._policy_logprobs(self.frozen["reference"], input_ids[rows], real[rows], P)[0])
         old_logp, values, ref_logp = torch.cat(old_logp), torch.cat(values), torch.cat(ref_logp)
         raw_scores = self._scores(input_ids, real)
-        scores = (raw_scores - self.reward_stats.get("reward_mean", 0.0)) / self.reward_stats.get("reward_std", 1.0)
+        scores = normalize_reward(raw_scores, self.reward_stats)
         last_token = out.tokens.to(self.device).gather(1, (mask.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
         ended = torch.isin(last_token, torch.tensor(sorted(tokenizer.stop_ids), device=self.device))
         if ppo.missing_eos_penalty is not None:
@@ -312,7 +313,7 @@ class PPOModule(LanguageModelModule):
         if mine and (self.reward_fn is not None or "reward" in self.frozen):
             ids = [p["prompt_ids"] + self.tokenizer.encode(a) + [self.tokenizer.eot_id] for p, a in zip(mine, answers)]
             input_ids, real = left_pad(ids, self.tokenizer.pad_id, self.device)
-            scores = (self._scores(input_ids, real) - self.reward_stats.get("reward_mean", 0.0)) / self.reward_stats.get("reward_std", 1.0)
+            scores = normalize_reward(self._scores(input_ids, real), self.reward_stats)
             sums[4:6] += torch.stack([scores.sum(), torch.tensor(float(len(mine)), device=self.device)])
         sums = self._sum_over_ranks(sums).tolist()
         for name, (total, count) in {"gt_score": sums[0:2], "exact_match": sums[2:4], "rm_score": sums[4:6]}.items():
@@ -391,9 +392,12 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
         models["reward_model"] = reward_model
         models["reward_stats"] = {k: metadata[k] for k in ("reward_mean", "reward_std") if k in metadata}
     if config.init.critic == "reward_model" and config.init.reward_model:
-        models["critic"] = load_scalar_model(config.init.reward_model)[0]
+        critic = load_scalar_model(config.init.reward_model)[0]
     else:
-        models["critic"] = ScalarModel.from_backbone(load_checkpoint(config.init.policy, dtype=torch.float32), init="zeros")
+        critic = ScalarModel.from_backbone(load_checkpoint(config.init.policy, dtype=torch.float32), init="zeros")
+    if not critic.config.tie_embeddings:
+        critic.backbone.output.weight.requires_grad_(False)  # the critic never uses an LM head; DDP needs every trained weight used
+    models["critic"] = critic
     return models
 
 

@@ -38,7 +38,8 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor, margin: float = 0.0) ->
 def reward_moments(rewards: Tensor) -> Tensor:
     """[count, sum, sum of squares] in float64: sums that add up over batches and ranks."""
     rewards = rewards.detach().double()
-    return torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64, device=rewards.device), rewards.sum(), rewards.square().sum()])
+    count = torch.tensor(float(rewards.numel()), dtype=torch.float64, device=rewards.device)
+    return torch.stack([count, rewards.sum(), rewards.square().sum()])
 
 
 def normalization_from_moments(moments: Tensor) -> dict[str, float]:
@@ -78,7 +79,8 @@ class RewardModule(LanguageModelModule):
         loss = (bradley_terry_loss(chosen, rejected, self.config.loss.margin) * real).sum()
         difference = (chosen - rejected).detach()
         # a tie is not a correct ranking: a reward model that scores everything alike gets accuracy 0, not 1
-        sums = torch.stack([loss.detach(), ((difference > 0).float() * real).sum(), (difference * real).sum(), real.sum()])
+        correct = ((difference > 0).float() * real).sum()
+        sums = torch.stack([loss.detach(), correct, (difference * real).sum(), real.sum()])
         return loss, sums
 
     # ---- training ----
@@ -99,7 +101,9 @@ class RewardModule(LanguageModelModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # shares summed over micro-batches here and over ranks by the sync: the step's means over all its pairs
         for name, value in zip(("loss", "accuracy", "margin"), self._step_totals.clone()):
-            self.log(f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=name != "margin", sync_dist=True, reduce_fx="sum")
+            self.log(
+                f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=name != "margin", sync_dist=True, reduce_fx="sum"
+            )
         self._step_totals.zero_()
 
     # ---- validation: pairwise accuracy on held-out pairs ----
@@ -112,7 +116,8 @@ class RewardModule(LanguageModelModule):
 
     def on_validation_epoch_end(self) -> None:
         loss, correct, margin, pairs = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        metrics = {"val/loss": loss / max(pairs, 1), "val/accuracy": correct / max(pairs, 1), "val/margin": margin / max(pairs, 1)}
+        pairs = max(pairs, 1)
+        metrics = {"val/loss": loss / pairs, "val/accuracy": correct / pairs, "val/margin": margin / pairs}
         for name, value in metrics.items():  # already reduced over ranks: the sync averages equal values
             self.log(name, value, prog_bar=name != "val/margin", sync_dist=True)
 
@@ -133,8 +138,10 @@ class RewardModule(LanguageModelModule):
                 real = batch["pair_mask"]
                 moments += reward_moments(torch.cat([chosen[real], rejected[real]]))
         self.model.train(training)
-        self.normalization = normalization_from_moments(self.trainer.strategy.reduce(moments, reduce_op="sum"))
-        log.info("reward normalisation over %d train rewards: %s", int(moments[0].item()), self.normalization)
+        moments = self.trainer.strategy.reduce(moments, reduce_op="sum")
+        self.normalization = normalization_from_moments(moments)
+        if self.trainer.is_global_zero:
+            log.info("reward normalisation over %d train rewards: %s", int(moments[0].item()), self.normalization)
         return self.normalization
 
     def export_metadata(self) -> dict[str, Any]:
@@ -172,11 +179,14 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         raise ConfigError(f"loss.normalization_pairs must be >= 1, got {config.loss.normalization_pairs}")
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
-    check_tokenizer_fits_model(tokenizer, model.config, model_name=config.init.checkpoint or "the model (model.vocab_size)")
+    source = config.init.checkpoint or "the model (model.vocab_size)"
+    check_tokenizer_fits_model(tokenizer, model.config, model_name=source)
     if config.init.checkpoint:
         check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
     if config.data.seq_len > model.config.max_seq_len:
-        raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.config.max_seq_len})")
+        raise ConfigError(
+            f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.config.max_seq_len})"
+        )
     datamodule = PreferenceDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
@@ -190,7 +200,8 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     (run_dir / "data_stats.json").write_text(json.dumps(datamodule.stats, indent=2, default=str))
-    device = torch.device("cuda") if torch.cuda.is_available() and config.trainer.accelerator != "cpu" else torch.device("cpu")
+    on_gpu = torch.cuda.is_available() and config.trainer.accelerator != "cpu"
+    device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
     tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
     mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
@@ -198,7 +209,11 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         DataProgress(),  # first: the batch counts as consumed before any callback may checkpoint
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
         # real tokens (both sides of every pair), not padding; FLOPs per token at the average side length
-        Throughput(datamodule.tokens_per_micro_batch, model.config.flops_per_token(max(mean_side, 1)), device_peak_flops(device, dtype, config.trainer.peak_tflops)),
+        Throughput(
+            datamodule.tokens_per_micro_batch,
+            model.config.flops_per_token(max(mean_side, 1)),
+            device_peak_flops(device, dtype, config.trainer.peak_tflops),
+        ),
         LossPlot(run_dir, metrics=("train/loss", "val/loss"), title=f"Reward model: {config.run.name}"),
         LossPlot(
             run_dir,
@@ -207,6 +222,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
             filename="accuracy.png",
             ylabel="pairwise accuracy",
         ),
+        # metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
         ExportFinal(run_dir / "final", tokenizer_file, metadata=lambda module: module.export_metadata(), attribute="model"),
         *(extra_callbacks or []),
     ]

@@ -44,7 +44,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.sft import BadRow, _check_messages, _field, _string_field, _type, encode_chats, hold_out, read_records, resolve_sources
+from data.sft import (  # SFT's loaders and row checks: the same files, errors and bad-row reasons
+    BadRow,
+    _check_messages,
+    _field,
+    _string_field,
+    _type,
+    encode_chats,
+    hold_out,
+    read_records,
+    resolve_sources,
+)
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.rm")
@@ -145,7 +155,8 @@ def _reply(value: Any, name: str, prompt: Messages) -> Messages:
     if len(turns) > len(prompt) and turns[: len(prompt)] == prompt:
         turns = turns[len(prompt) :]  # the whole conversation was given: keep what follows the prompt
     if turns and turns[-1]["role"] != "assistant":
-        raise BadRow("not_ending_with_assistant", f"{name!r} must end with an assistant turn, it ends with {turns[-1]['role']!r}")
+        last = turns[-1]["role"]
+        raise BadRow("not_ending_with_assistant", f"{name!r} must end with an assistant turn, it ends with {last!r}")
     return turns  # [] is an empty reply: dropped and counted later, not a bad row
 
 
@@ -161,7 +172,9 @@ def parse_hh(text: str, name: str) -> Messages:
     return [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(parts[1::2], parts[2::2])]
 
 
-def hh_to_pair(chosen_text: str, rejected_text: str, config: PreferenceDataConfig) -> tuple[Messages, Messages, Messages]:
+def hh_to_pair(
+    chosen_text: str, rejected_text: str, config: PreferenceDataConfig
+) -> tuple[Messages, Messages, Messages]:
     """(prompt, chosen reply, rejected reply): the longest shared prefix of turns, then each side's last turn."""
     chosen = parse_hh(chosen_text, config.chosen_field)
     rejected = parse_hh(rejected_text, config.rejected_field)
@@ -237,8 +250,11 @@ def _stripped(turns: Messages) -> list[tuple[str, str]]:
 def drop_uninformative(chats: Sequence[PreferenceChat]) -> tuple[list[PreferenceChat], dict[str, int]]:
     """Pairs without a preference to learn: an empty reply on either side, or the same reply twice."""
     kept, counts = [], {"dropped_empty": 0, "dropped_identical": 0}
+    def empty(turns: Messages) -> bool:
+        return not turns or any(m["role"] == "assistant" and not m["content"].strip() for m in turns)
+
     for chat in chats:
-        if any(not turns or any(m["role"] == "assistant" and not m["content"].strip() for m in turns) for turns in (chat.chosen, chat.rejected)):
+        if empty(chat.chosen) or empty(chat.rejected):
             counts["dropped_empty"] += 1
         elif _stripped(chat.chosen) == _stripped(chat.rejected):
             counts["dropped_identical"] += 1
@@ -268,7 +284,15 @@ class PreferencePairs:
     Also the row source SFTBatchPlan reads: len(), seq_len, row_tokens, row_examples (one pair per "row")
     and fingerprint()."""
 
-    def __init__(self, chosen: list[np.ndarray], rejected: list[np.ndarray], where: list[str], seq_len: int, pad_id: int, pad_to_seq_len: bool = False):
+    def __init__(
+        self,
+        chosen: list[np.ndarray],
+        rejected: list[np.ndarray],
+        where: list[str],
+        seq_len: int,
+        pad_id: int,
+        pad_to_seq_len: bool = False,
+    ):
         self.chosen, self.rejected, self.where = chosen, rejected, where
         self.seq_len, self.pad_id, self.pad_to_seq_len = seq_len, pad_id, pad_to_seq_len
         self.row_tokens = np.array([len(c) + len(r) for c, r in zip(chosen, rejected)], dtype=np.int64)
@@ -278,8 +302,8 @@ class PreferencePairs:
         return len(self.chosen)
 
     def subset(self, indices: Sequence[int]) -> "PreferencePairs":
-        pick = lambda items: [items[i] for i in indices]  # noqa: E731
-        return PreferencePairs(pick(self.chosen), pick(self.rejected), pick(self.where), self.seq_len, self.pad_id, self.pad_to_seq_len)
+        chosen, rejected, where = ([items[i] for i in indices] for items in (self.chosen, self.rejected, self.where))
+        return PreferencePairs(chosen, rejected, where, self.seq_len, self.pad_id, self.pad_to_seq_len)
 
     def fingerprint(self) -> str:
         """Identifies the pairs, so a resumed stream can tell its data changed."""
@@ -290,7 +314,8 @@ class PreferencePairs:
 
     def batch(self, indices: Sequence[int], step_pairs: float) -> dict[str, torch.Tensor]:
         empty = np.zeros(0, dtype=np.int64)
-        sides = [self.chosen[i] if i >= 0 else empty for i in indices] + [self.rejected[i] if i >= 0 else empty for i in indices]
+        sides = [self.chosen[i] if i >= 0 else empty for i in indices]
+        sides += [self.rejected[i] if i >= 0 else empty for i in indices]
         lengths = np.array([len(s) for s in sides], dtype=np.int64)
         longest = max(int(lengths.max()), 1)
         T = self.seq_len if self.pad_to_seq_len else min(self.seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
@@ -314,13 +339,15 @@ def encode_pairs(
     """Each side as encode_chat(prompt + reply), fitted to seq_len; returns (pairs, counts)."""
     # encode_chat is <|begin_of_text|> followed by each turn's tokens on their own, so a side is the prompt's
     # ids followed by the reply's ids without their <|begin_of_text|>: a long prompt is encoded once, not twice.
-    encoded = encode_chats(tokenizer, [turns for c in chats for turns in (c.prompt, c.chosen, c.rejected)], config.num_proc)
+    conversations = [turns for chat in chats for turns in (chat.prompt, chat.chosen, chat.rejected)]
+    encoded = encode_chats(tokenizer, conversations, config.num_proc)
     chosen, rejected, where = [], [], []
     counts = {"truncated": 0, "dropped_too_long": 0}
     for k, chat in enumerate(chats):
         (prompt, _), (chosen_ids, _), (rejected_ids, _) = encoded[3 * k : 3 * k + 3]
         chosen_reply, rejected_reply = chosen_ids[1:], rejected_ids[1:]
-        prompt, truncated = fit_prompt(prompt, max(len(chosen_reply), len(rejected_reply)), config.seq_len, config.too_long)
+        longest = max(len(chosen_reply), len(rejected_reply))
+        prompt, truncated = fit_prompt(prompt, longest, config.seq_len, config.too_long)
         if prompt is None:
             counts["dropped_too_long"] += 1
             continue
@@ -342,14 +369,19 @@ class PreferenceData:
     stats: dict[str, Any]
 
 
-def _prepare(chats: list[PreferenceChat], tokenizer: Tokenizer, config: PreferenceDataConfig) -> tuple[PreferencePairs, dict[str, Any]]:
+def _prepare(
+    chats: list[PreferenceChat], tokenizer: Tokenizer, config: PreferenceDataConfig
+) -> tuple[PreferencePairs, dict[str, Any]]:
     kept, drop_counts = drop_uninformative(chats)
     pairs, fit_counts = encode_pairs(kept, tokenizer, config)
     sides = pairs.row_tokens / 2 if len(pairs) else np.zeros(1)
-    return pairs, {"chats": len(chats), **drop_counts, **fit_counts, "pairs": len(pairs), "mean_side_tokens": float(sides.mean())}
+    stats = {"chats": len(chats), **drop_counts, **fit_counts, "pairs": len(pairs), "mean_side_tokens": float(sides.mean())}
+    return pairs, stats
 
 
-def build_preference_data(config: PreferenceDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None) -> PreferenceData:
+def build_preference_data(
+    config: PreferenceDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None
+) -> PreferenceData:
     """Load, convert, filter and encode the train and val pairs (see the module docstring)."""
     config = normalize_config(config)
     tokenizer = tokenizer or Tokenizer.load(config.tokenizer)
@@ -393,7 +425,8 @@ def log_summary(stats: dict[str, Any]) -> None:
 
 
 class PreferenceTrainBatches(Dataset):
-    """Micro-batches by SFTBatchPlan item (pair indices, step_tokens, step_pairs): DataLoader(batch_size=None, sampler=plan)."""
+    """Micro-batches by SFTBatchPlan item (pair indices, step_tokens, step_pairs):
+    DataLoader(batch_size=None, sampler=plan)."""
 
     def __init__(self, pairs: PreferencePairs):
         self.pairs = pairs

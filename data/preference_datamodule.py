@@ -53,7 +53,9 @@ class PreferenceDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if micro_batch_size < 1 or accumulate_grad_batches < 1:
-            raise ValueError(f"micro_batch_size and accumulate_grad_batches must be >= 1, got {micro_batch_size}, {accumulate_grad_batches}")
+            raise ValueError(
+                f"micro_batch_size and accumulate_grad_batches must be >= 1, got {micro_batch_size}, {accumulate_grad_batches}"
+            )
         self.config = normalize_config(config)
         self.seq_len = self.config.seq_len
         self.micro_batch_size = micro_batch_size

@@ -122,6 +122,21 @@ def _rm(args: argparse.Namespace) -> None:
         _print_run_summary(run_dir)
 
 
+def _ppo(args: argparse.Namespace) -> None:
+    from alignment.ppo import run_ppo
+    from trainer.config import PPOConfig, load_config
+
+    run_dir = run_ppo(load_config(PPOConfig, args.config, args.overrides))
+    if run_dir is not None:
+        _print_run_summary(run_dir)
+
+
+def _pipeline(args: argparse.Namespace) -> None:
+    from trainer.pipeline import run_pipeline
+
+    run_pipeline(args.config, args.overrides)  # prints where the report, checkpoints and W&B runs are
+
+
 def _print_run_summary(run_dir: Path) -> None:
     lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
     lines += [f"plot:        {png}" for png in sorted(run_dir.glob("*.png"))]
@@ -190,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
     _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
     _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
+    _add_stage(commands, "ppo", "optimise the SFT policy against the reward model with PPO", _ppo)
+    _add_stage(commands, "pipeline", "run prepare, pretrain, SFT, reward model and PPO from one config, with a report", _pipeline)
 
     demo = commands.add_parser("demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)")
     demo.add_argument("--out", default="runs/data/demo")

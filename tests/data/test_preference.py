@@ -118,8 +118,7 @@ def test_identical_and_empty_pairs_are_dropped_and_counted(tmp_path, tok):
     stats = data.stats["train"]
     assert (stats["dropped_identical"], stats["dropped_empty"], stats["pairs"]) == (2, 3, 1)
     assert data.train.where == [f"{tmp_path / 'p.jsonl'}, row 6"]
-    stats = build_preference_data(config([write_jsonl(tmp_path / "hh.jsonl", records[-1:] and hh)]), tok).stats if False else None
-    with pytest.raises(ValueError, match="no usable train pairs"):  # both HH rows carry no preference
+    with pytest.raises(ValueError, match="no usable train pairs.*'dropped_empty': 1, 'dropped_identical': 1"):
         build_preference_data(config([write_jsonl(tmp_path / "hh.jsonl", hh)]), tok)
 
 
@@ -132,17 +131,15 @@ def test_long_prompts_are_cut_from_the_left_keeping_bos_reply_and_eot(tmp_path, 
     ]
     path = write_jsonl(tmp_path / "p.jsonl", records)
     data = build_preference_data(config([path], seq_len=64), tok)
-    assert data.stats["train"] | {} and (data.stats["train"]["truncated"], data.stats["train"]["dropped_too_long"]) == (1, 1)
+    assert (data.stats["train"]["truncated"], data.stats["train"]["dropped_too_long"]) == (1, 1)
+    prompt_ids = tok.encode_chat([user(long_prompt)])[0]
+    reply = {side: tok.encode_chat([user(long_prompt), assistant(text)])[0][len(prompt_ids) :] for side, text in (("chosen", "the final answer is here"), ("rejected", "no"))}
+    kept_prompt = [tok.bos_id] + prompt_ids[len(prompt_ids) - (64 - len(reply["chosen"]) - 1) :]
     chosen, rejected = sides(data, 0)
-    full_chosen = tok.encode_chat([user(long_prompt), assistant("the final answer is here")])[0]
-    full_rejected = tok.encode_chat([user(long_prompt), assistant("no")])[0]
-    reply = len(full_chosen) - len(tok.encode_chat([user(long_prompt)])[0])
-    assert len(chosen) == 64 and chosen[0] == tok.bos_id and chosen[-1] == tok.eot_id
-    assert chosen[1:] == full_chosen[len(full_chosen) - 63 :]  # the tail of the prompt, the whole reply
-    assert tok.decode(chosen[-reply:]).endswith("the final answer is here<|eot_id|>")
-    # both sides keep the same prompt tokens: they differ only in the reply
-    assert rejected[: len(chosen) - reply] == chosen[: len(chosen) - reply]
-    assert rejected[len(chosen) - reply :] == full_rejected[-(len(full_rejected) - (len(full_chosen) - reply)) :]
+    # the longer side fills seq_len: <|begin_of_text|>, the end of the prompt, the whole reply with its <|eot_id|>
+    assert chosen == kept_prompt + reply["chosen"] and len(chosen) == 64 and chosen[-1] == tok.eot_id
+    assert tok.decode(chosen[-len(reply["chosen"]) :]).endswith("the final answer is here<|eot_id|>")
+    assert rejected == kept_prompt + reply["rejected"]  # the same prompt tokens: the sides differ only in the reply
     dropped = build_preference_data(config([path], seq_len=64, too_long="drop"), tok).stats["train"]
     assert (dropped["truncated"], dropped["dropped_too_long"], dropped["pairs"]) == (0, 2, 1)
 

@@ -19,7 +19,7 @@ def test_help_lists_every_stage(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("tokenizer", "generate", "convert", "prepare", "pretrain", "export"):
+    for command in ("tokenizer", "generate", "convert", "prepare", "pretrain", "sft", "rm", "ppo", "pipeline", "export", "demo-data"):
         assert command in out
 
 
