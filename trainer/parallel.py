@@ -154,6 +154,11 @@ def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
     if not sharded:
         yield
         return
+    if isinstance(model, FSDPModule):
+        # FSDP2 decides at lazy init (normally the root's first forward) that the root keeps its weights after
+        # forward; before that its param group still reads "reshard", which the finally block below would then
+        # set for good. Run the lazy init now (a no-op once done), then read the settings.
+        model._get_fsdp_state()._lazy_init()
     # FSDP2 has no public getter for reshard_after_forward; its param group keeps a post-forward mesh
     # exactly when it reshards after forward.
     reshards = [module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for module in sharded]

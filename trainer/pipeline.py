@@ -179,7 +179,8 @@ class Pipeline:
         digest = _data_hash(prepare(self.load_stage_config("prepare").data))
         record = _read_json(self.stage_dir("prepare") / RECORD)
         self.status["prepare"] = "skipped: up to date" if record and record["hash"] == digest else "ran"
-        _write_record(self.stage_dir("prepare"), {"stage": "prepare", "hash": digest})
+        if self.status["prepare"] == "ran":
+            _write_record(self.stage_dir("prepare"), {"stage": "prepare", "hash": digest})
         self.outputs["prepare"] = (self.corpus, digest)
 
     def model_stage(self, stage: str) -> None:
@@ -206,6 +207,8 @@ class Pipeline:
             _write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)
             start = time.perf_counter()
             RUNNERS[stage](config)
+            if not final.is_dir():  # e.g. resumed from a checkpoint at max_steps: Lightning skips on_train_end
+                raise RuntimeError(f"{stage} ended without writing {final}; re-run it from scratch (delete {run_dir})")
             _write_record(run_dir, {"stage": stage, "hash": digest, "inputs": inputs, "seconds": round(time.perf_counter() - start, 1)})
             (run_dir / PENDING).unlink(missing_ok=True)
         self.outputs[stage] = (final, digest)
@@ -322,7 +325,7 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
     return path
 
 
-def answer_table(pipeline: Pipeline) -> tuple[list[str], list[dict[str, Any]]]:
+def answer_table(pipeline: Pipeline, cache_path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """The first report.prompts records of prompts.jsonl (the demo's val split: never trained on by SFT or the
     RM, and PPO holds out the first val_fraction of them) answered greedily by each model that exists."""
     from tqdm.auto import tqdm
@@ -334,9 +337,14 @@ def answer_table(pipeline: Pipeline) -> tuple[list[str], list[dict[str, Any]]]:
 
     records = load_jsonl(pipeline.demo / "prompts.jsonl")[: pipeline.config.report.prompts]
     spec = next((pipeline.configs[s].data.tokenizer for s in ("sft", "ppo", "rm", "pretrain") if s in pipeline.configs), "default")
+    models = {column: pipeline.upstream(stage) for column, stage in TABLE_MODELS.items()}
+    models = {column: path for column, (path, _) in models.items() if path is not None and path.is_dir()}
+    # Same models (by stage hash), prompts and settings as last time: reuse the answers, re-runs stay fast.
+    key = _sha(json.dumps([spec, pipeline.demo_hash, str(pipeline.config.report), [(c, pipeline.upstream(TABLE_MODELS[c])[1]) for c in models]]))
+    if (cache := _read_json(cache_path)) and cache.get("key") == key:
+        return cache["columns"], cache["rows"]
     tokenizer = Tokenizer.load(spec)
     prompt_ids = [tokenizer.encode_chat_prompt(r["messages"]) for r in records]
-    models = {column: path for column, stage in TABLE_MODELS.items() if (path := pipeline.upstream(stage)[0]) is not None and path.is_dir()}
     rows = [{"task": r["task"], "prompt": r["messages"][-1]["content"], "reference": r.get("answer", ""), "answers": {}, "scores": {}} for r in records]
     with tqdm(total=len(models) * len(records), desc="report: greedy answers", unit="prompt") as progress:
         for column, path in models.items():
@@ -347,6 +355,7 @@ def answer_table(pipeline: Pipeline) -> tuple[list[str], list[dict[str, Any]]]:
                 for row, record, answer in zip(rows[start:], records[start:], answers):
                     row["answers"][column], row["scores"][column] = answer, score_example(record, answer)
                 progress.update(len(answers))
+    cache_path.write_text(json.dumps({"key": key, "columns": list(models), "rows": rows}, indent=1) + "\n")
     return list(models), rows
 
 
@@ -358,8 +367,9 @@ def _cell(text: str, limit: int = 120) -> str:
 
 def write_report(pipeline: Pipeline) -> Path:
     root, report_dir = pipeline.root, pipeline.root / "report"
-    shutil.rmtree(report_dir, ignore_errors=True)  # no stale plots from stages that no longer exist
-    report_dir.mkdir(parents=True)
+    for stale in report_dir.glob("*.png"):  # no plots left from stages that no longer exist
+        stale.unlink()
+    report_dir.mkdir(parents=True, exist_ok=True)
     title = f"# Lantern pipeline `{pipeline.config.name}`\n\nFolder `{root}`, written {time.strftime('%Y-%m-%d %H:%M')}."
     lines, plots, metrics = [title, "", "## Stages", ""], [], {}
     if "prepare" in pipeline.config.stages:
@@ -378,7 +388,7 @@ def write_report(pipeline: Pipeline) -> Path:
     overview_png(metrics, report_dir / "overview.png")
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
 
-    columns, rows = answer_table(pipeline)
+    columns, rows = answer_table(pipeline, report_dir / "answers.json")
     lines += ["", f"## Greedy answers to {len(rows)} held-out prompts", "", "Score: the task's ground-truth checker, 0 to 1.", ""]
     lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
     lines.append("|---" * (4 + len(columns)) + "|")
@@ -387,7 +397,6 @@ def write_report(pipeline: Pipeline) -> Path:
         lines.append(f"| {i} | {row['task']} | {_cell(row['prompt'])} | {_cell(row['reference'], 80)} | {answers} |")
     means = " | ".join(f"**{sum(r['scores'][c] for r in rows) / max(len(rows), 1):.3f}**" for c in columns)
     lines.append(f"| | **mean score** | | | {means} |")
-    (report_dir / "answers.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     path = root / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -396,14 +405,27 @@ def write_report(pipeline: Pipeline) -> Path:
 def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     """Run the configured stages (skipping the up-to-date ones), write OUT_DIR/report.md, print where
     everything is and return OUT_DIR."""
-    pipeline = Pipeline(load_config(PipelineConfig, config_path, overrides))
+    # STAGE.KEY=VALUE (e.g. sft.trainer.max_steps=50) is appended to that stage's overrides: one stage
+    # setting changes from the command line without restating the preset's list
+    staged: dict[str, list[str]] = {}
+    plain = []
+    for item in overrides:
+        stage, _, rest = item.partition("=")[0].strip().partition(".")
+        if stage in MODEL_STAGES and rest and rest.split(".")[0] not in ("config", "overrides"):
+            staged.setdefault(stage, []).append(item.strip()[len(stage) + 1 :])
+        else:
+            plain.append(item)
+    config = load_config(PipelineConfig, config_path, plain)
+    for stage, items in staged.items():
+        getattr(config, stage).overrides.extend(items)
+    pipeline = Pipeline(config)
     pipeline.run()
     report = write_report(pipeline)
     lines = [f"\npipeline {pipeline.config.name} finished: {pipeline.root}", f"report:      {report}"]
     for stage in pipeline.config.stages:
         if stage != "prepare":
             lines.append(f"{stage + ':':<12} {pipeline.stage_dir(stage) / 'final'}  ({pipeline.status[stage]})")
-    wandb_runs = sorted(pipeline.root.glob("*/wandb/offline-run-*"))
+    wandb_runs = [run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/offline-run-*"))]
     lines += [f"W&B offline: {run}" for run in wandb_runs]
     if wandb_runs:
         lines.append(f"upload with: wandb sync {' '.join(str(run) for run in wandb_runs)}")

@@ -1,0 +1,151 @@
+"""The end-to-end pipeline (prepare → pretrain → SFT → RM → PPO → report) on the tiny preset: what it leaves
+behind, incremental re-runs (skip, changed config, interrupted stage) and starting from a given checkpoint.
+
+The full run happens once per module (about a minute on 2 cores); the other slow tests build on its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from models import load_checkpoint
+from models.heads import load_scalar_model
+from trainer.errors import ConfigError
+from trainer.pipeline import RECORD, run_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")
+MODEL_STAGES = ("pretrain", "sft", "rm", "ppo")
+PROMPTS = 4  # report.prompts in tiny.yaml
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> dict:
+    """One full pipeline run; the presets name repository-relative files, so it runs from the repo root."""
+    out = tmp_path_factory.mktemp("pipeline") / "tiny"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        start = time.perf_counter()
+        returned = run_pipeline(TINY, [f"out_dir={out}"])
+        seconds = time.perf_counter() - start
+    finally:
+        os.chdir(cwd)
+    return {"out": out, "returned": returned, "seconds": seconds}
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _statuses(caplog) -> dict[str, str]:
+    """stage -> status from the pipeline's "STAGE: STATUS in Ns" log lines."""
+    found = {}
+    for record in caplog.records:
+        match = re.match(r"(\w+): (ran|resumed|skipped: up to date) in ", record.getMessage())
+        if record.name == "lantern.pipeline" and match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def _table_rows(report: str) -> list[list[str]]:
+    """Numbered rows of the answer table, split into cells."""
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in report.splitlines() if re.match(r"\| \d+ \|", line)]
+
+
+def test_stage_list_is_checked_before_anything_runs(tmp_path, in_repo):
+    for stages in ("[sft,pretrain]", "[pretrain,distill]", "[sft,sft]"):
+        with pytest.raises(ConfigError, match="stages must be"):
+            run_pipeline(TINY, [f"out_dir={tmp_path}", f"stages={stages}"])
+    with pytest.raises(ConfigError, match="report"):
+        run_pipeline(TINY, [f"out_dir={tmp_path}", "report.prompt=3"])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
+    out = tiny_run["out"]
+    assert tiny_run["returned"] == out
+    report = (out / "report.md").read_text()
+    for stage in ("prepare", *MODEL_STAGES):
+        assert f"**{stage}**" in report
+        assert (out / ("data" if stage == "prepare" else stage) / RECORD).is_file()
+    for number in ("val/loss", "val/accuracy", "eval/gt_score", "eval/rm_score", "ppo/kl"):
+        assert number in report
+
+    links = re.findall(r"!\[[^\]]*\]\((report/[^)]+\.png)\)", report)
+    assert "report/overview.png" in links and {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval"} <= {Path(p).stem for p in links}
+    for link in links:
+        data = (out / link).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024, link
+
+    for stage in ("pretrain", "sft", "ppo"):
+        assert load_checkpoint(out / stage / "final").config.dim == 128
+    reward_model, metadata = load_scalar_model(out / "rm" / "final")
+    assert metadata["stage"] == "rm" and "reward_std" in metadata
+
+    # the wiring: each stage started from the previous stage's final/ and logged into one group
+    sft, ppo = (out / "sft" / "config.yaml").read_text(), (out / "ppo" / "config.yaml").read_text()
+    assert f"checkpoint: {out / 'pretrain' / 'final'}" in sft and "group: tiny" in sft
+    assert f"policy: {out / 'sft' / 'final'}" in ppo and f"reward_model: {out / 'rm' / 'final'}" in ppo
+
+    rows = _table_rows(report)
+    assert len(rows) == PROMPTS and all(len(row) == 4 + 3 for row in rows)  # #, task, prompt, reference + 3 models
+    assert "| base | sft | ppo |" in report and "**mean score**" in report
+    answers = json.loads((out / "report" / "answers.json").read_text())
+    assert answers["columns"] == ["base", "sft", "ppo"]
+    assert all(0.0 <= row["scores"][c] <= 1.0 for row in answers["rows"] for c in answers["columns"])
+
+
+@pytest.mark.slow
+def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, caplog, in_repo):
+    out = tiny_run["out"]
+    caplog.set_level(logging.INFO, logger="lantern.pipeline")
+    before = {stage: _mtimes(out / stage) for stage in MODEL_STAGES}
+
+    start = time.perf_counter()
+    run_pipeline(TINY, [f"out_dir={out}"])
+    assert time.perf_counter() - start < tiny_run["seconds"] / 2
+    assert _statuses(caplog) == {stage: "skipped: up to date" for stage in ("prepare", *MODEL_STAGES)}
+    assert {stage: _mtimes(out / stage) for stage in MODEL_STAGES} == before
+
+    caplog.clear()
+    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])  # appended to the preset's sft overrides
+    assert _statuses(caplog) == {"prepare": "skipped: up to date", "pretrain": "skipped: up to date", "sft": "ran", "rm": "ran", "ppo": "ran"}
+    assert _mtimes(out / "pretrain") == before["pretrain"]
+    assert json.loads((out / "sft" / "final" / "lantern.json").read_text())["metadata"]["step"] == 3
+    assert (out / "sft.previous" / "final").is_dir()  # the old run moved aside, not resumed from
+    assert "**sft** (ran" in (out / "report.md").read_text()
+
+    # interrupted: no record but a pending marker with the same hash → the stage resumes from its checkpoints
+    (out / "ppo" / RECORD).rename(out / "ppo" / "pipeline_stage.pending.json")
+    caplog.clear()
+    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])
+    assert _statuses(caplog)["ppo"] == "resumed" and _statuses(caplog)["sft"] == "skipped: up to date"
+    assert (out / "ppo" / RECORD).is_file() and not (out / "ppo" / "pipeline_stage.pending.json").exists()
+
+
+@pytest.mark.slow
+def test_alignment_stages_from_a_start_checkpoint(tiny_run, tmp_path, caplog, in_repo):
+    caplog.set_level(logging.INFO, logger="lantern.pipeline")
+    start = tiny_run["out"] / "pretrain" / "final"
+    out = run_pipeline(TINY, [f"out_dir={tmp_path / 'aligned'}", "stages=[sft,rm,ppo]", f"start_checkpoint={start}"])
+    assert _statuses(caplog) == {"sft": "ran", "rm": "ran", "ppo": "ran"}
+    assert not (out / "pretrain").exists()
+    assert f"checkpoint: {start}" in (out / "sft" / "config.yaml").read_text()
+    report = (out / "report.md").read_text()
+    assert "**sft**" in report and "**pretrain**" not in report
+    rows = _table_rows(report)
+    assert len(rows) == PROMPTS and all(len(row) == 7 for row in rows)  # base = the start checkpoint
