@@ -26,6 +26,9 @@ def plot_curves(
             continue
         steps, values = zip(*points)
         axes.plot(steps, values, label=name, marker="o" if len(points) < 30 else None, markersize=3)
+    from matplotlib.ticker import MaxNLocator
+
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     if log_y:
