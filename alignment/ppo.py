@@ -409,9 +409,8 @@ def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: R
 
     from data.prompts import PromptDataModule
     from data.tokenizer import Tokenizer
-    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
+    from trainer.build import check_trainer_config, fit_stage, start_run_directory
     from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot
-    from trainer.config import to_yaml
 
     check_trainer_config(config.trainer)  # before anything is created
     check_ppo_config(config)
@@ -420,9 +419,7 @@ def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: R
     datamodule = PromptDataModule(config.data, batch_size=config.ppo.rollout_batch_size)
     datamodule.setup("fit")
 
-    run_dir = run_directory(config.run.out_dir, config.run.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    run_dir = start_run_directory(config)
     tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
     callbacks = [
         DataProgress(),
@@ -437,7 +434,4 @@ def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: R
         config, models["policy"], models["critic"], models["reference"], models["reward_model"], tokenizer,
         reward_stats=models["reward_stats"], reward_fn=reward_fn,
     )  # fmt: skip
-    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
-    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=False)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_resume(config.checkpoint, run_dir / "checkpoints"), weights_only=True)
-    return run_dir if trainer.is_global_zero else None
+    return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False)

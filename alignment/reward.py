@@ -11,7 +11,6 @@ exported model's metadata: PPO computes ``(reward - reward_mean) / reward_std`` 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -168,10 +167,9 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
     from data.preference_datamodule import PreferenceDataModule
     from data.tokenizer import Tokenizer
-    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
-    from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
-    from trainer.config import to_yaml
+    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
+    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
+    from trainer.checks import check_initial_model
     from trainer.errors import ConfigError
 
     check_trainer_config(config.trainer)
@@ -179,14 +177,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         raise ConfigError(f"loss.normalization_pairs must be >= 1, got {config.loss.normalization_pairs}")
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
-    source = config.init.checkpoint or "the model (model.vocab_size)"
-    check_tokenizer_fits_model(tokenizer, model.config, model_name=source)
-    if config.init.checkpoint:
-        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
-    if config.data.seq_len > model.config.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.config.max_seq_len})"
-        )
+    check_initial_model(config, tokenizer, model.config)
     datamodule = PreferenceDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
@@ -196,13 +187,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     datamodule.setup("fit")  # loading and encoding errors surface before any process is launched
     datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
 
-    run_dir = run_directory(config.run.out_dir, config.run.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    (run_dir / "data_stats.json").write_text(json.dumps(datamodule.stats, indent=2, default=str))
-    on_gpu = torch.cuda.is_available() and config.trainer.accelerator != "cpu"
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    run_dir = start_run_directory(config, data_stats=datamodule.stats)
     tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
     mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
     callbacks = [
@@ -212,7 +197,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         Throughput(
             datamodule.tokens_per_micro_batch,
             model.config.flops_per_token(max(mean_side, 1)),
-            device_peak_flops(device, dtype, config.trainer.peak_tflops),
+            peak_flops(config.trainer),
         ),
         LossPlot(run_dir, metrics=("train/loss", "val/loss"), title=f"Reward model: {config.run.name}"),
         LossPlot(
@@ -226,8 +211,4 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         ExportFinal(run_dir / "final", tokenizer_file, metadata=lambda module: module.export_metadata(), attribute="model"),
         *(extra_callbacks or []),
     ]
-    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
-    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
-    resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
-    trainer.fit(RewardModule(config, model, tokenizer), datamodule=datamodule, ckpt_path=resume, weights_only=True)
-    return run_dir if trainer.is_global_zero else None
+    return fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)

@@ -152,21 +152,14 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None."""
     from data.sft_datamodule import SFTDataModule
     from data.tokenizer import Tokenizer
-    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
-    from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
-    from trainer.config import to_yaml
-    from trainer.errors import ConfigError
+    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
+    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
+    from trainer.checks import check_initial_model
 
     check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
-    source = config.init.checkpoint or "the model (model.vocab_size)"
-    check_tokenizer_fits_model(tokenizer, model.config, model_name=source)
-    if config.init.checkpoint:
-        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
-    if config.data.seq_len > model.config.max_seq_len:
-        raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.config.max_seq_len})")
+    check_initial_model(config, tokenizer, model.config)
     datamodule = SFTDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
@@ -175,12 +168,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     )
     datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
 
-    run_dir = run_directory(config.run.out_dir, config.run.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    (run_dir / "data_stats.json").write_text(json.dumps(datamodule.stats, indent=2, default=str))
-    device = torch.device("cuda") if torch.cuda.is_available() and config.trainer.accelerator != "cpu" else torch.device("cpu")
-    dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    run_dir = start_run_directory(config, data_stats=datamodule.stats)
     tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
     callbacks = [
         DataProgress(),
@@ -188,7 +176,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
         Throughput(
             config.loader.micro_batch_size * config.data.seq_len,
             model.config.flops_per_token(config.data.seq_len),
-            device_peak_flops(device, dtype, config.trainer.peak_tflops),
+            peak_flops(config.trainer),
         ),
         LossPlot(run_dir, metrics=("train/loss", "val/loss", "val/loss_short", "val/loss_long"), title=f"SFT: {config.run.name}"),
         LossPlot(
@@ -201,8 +189,4 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
         ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "sft", "tokenizer": str(tokenizer.path)}),
         *(extra_callbacks or []),
     ]
-    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
-    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
-    resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
-    trainer.fit(SFTModule(config, model, tokenizer), datamodule=datamodule, ckpt_path=resume, weights_only=True)
-    return run_dir if trainer.is_global_zero else None
+    return fit_stage(config, SFTModule(config, model, tokenizer), datamodule, run_dir, callbacks)

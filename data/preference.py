@@ -32,11 +32,9 @@ layout, resumption and step totals are the SFT stage's.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -44,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data.prepare import normalize_dataclass
 from data.sft import (  # SFT's loaders and row checks: the same files, errors and bad-row reasons
     BadRow,
     _check_messages,
@@ -52,8 +51,7 @@ from data.sft import (  # SFT's loaders and row checks: the same files, errors a
     _type,
     encode_chats,
     hold_out,
-    read_records,
-    resolve_sources,
+    load_rows,
 )
 from data.tokenizer import Tokenizer
 
@@ -90,13 +88,10 @@ class PreferenceDataConfig:
 
 def normalize_config(config: PreferenceDataConfig | Mapping[str, Any]) -> PreferenceDataConfig:
     """A validated copy with plain Python types (accepts a dict or an OmegaConf-built object)."""
-    if isinstance(config, PreferenceDataConfig):
-        config = dataclasses.asdict(config)
-    config = PreferenceDataConfig(**dict(config))
-    for name in ("train", "val"):  # a bare string would be iterated character by character
-        value = getattr(config, name)
-        setattr(config, name, [value] if isinstance(value, str) else [str(v) for v in value])
+    return normalize_dataclass(PreferenceDataConfig, config, ("train", "val"), validate_config)
 
+
+def validate_config(config: PreferenceDataConfig) -> None:
     def bad(message: str) -> ValueError:
         return ValueError(f"preference data config: {message}")
 
@@ -111,7 +106,6 @@ def normalize_config(config: PreferenceDataConfig | Mapping[str, Any]) -> Prefer
         raise bad(f"val_fraction must be in [0, 1), got {config.val_fraction}")
     if config.num_proc < 1:
         raise bad(f"num_proc must be >= 1, got {config.num_proc}")
-    return config
 
 
 # -----------------------------------------------------------------------------
@@ -217,30 +211,11 @@ def load_chats(
     config: PreferenceDataConfig, sources: Sequence[str], split: str = "train"
 ) -> tuple[list[PreferenceChat], dict[str, Any]]:
     """Every good row of `sources` as a PreferenceChat, plus {rows_read, skipped: {reason: count}}."""
-    fmt, files = resolve_sources(config, sources)  # data/sft.py's: only reads config.format
-    chats: list[PreferenceChat] = []
-    skipped: Counter[str] = Counter()
-    rows = 0
-    for source in files:
-        label = f"hub dataset {source}" if fmt == "hub" else source
-        records, columns = read_records(fmt, source, config.num_proc)
-        schema = detect_schema(columns, config, label)
-        for index, record in enumerate(records):
-            where = f"{label}, row {index + 1}"
-            try:
-                chats.append(record_to_chat(record, schema, config, where))
-            except BadRow as bad:
-                if config.on_bad_row == "error":
-                    raise ValueError(
-                        f"{where}: {bad.problem} ({bad.reason}; schema {schema}); fix the row or set on_bad_row: skip"
-                    ) from None
-                if not skipped[bad.reason]:
-                    log.warning("%s: skipping bad rows; first %s: %s: %s", split, bad.reason, where, bad.problem)
-                skipped[bad.reason] += 1
-        rows += len(records)
-    if skipped:
-        log.warning("%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items())))
-    return chats, {"rows_read": rows, "skipped": dict(sorted(skipped.items()))}
+
+    def convert(record: Mapping[str, Any], schema: str, where: str) -> PreferenceChat:
+        return record_to_chat(record, schema, config, where)
+
+    return load_rows(config, sources, split, detect_schema, convert, log)  # data/sft.py's loop, logged as RM
 
 
 def _stripped(turns: Messages) -> list[tuple[str, str]]:

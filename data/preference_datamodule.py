@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
 from data.preference import (
@@ -25,22 +23,16 @@ from data.preference import (
     log_summary,
     normalize_config,
 )
-from data.sft import SFTBatchPlan
-from data.sft_datamodule import SFTDataModule, _PlanLoader
+from data.sft_datamodule import PlanDataModule
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.rm")
 
 
-class PreferenceDataModule(L.LightningDataModule):
-    # The stream bookkeeping is SFTDataModule's (itself PretrainDataModule's): rank and world size from the
-    # attached trainer, mark_consumed / consumed_samples, and the checkpointed sampler state.
-    rank = SFTDataModule.rank
-    world_size = SFTDataModule.world_size
-    mark_consumed = SFTDataModule.mark_consumed
-    consumed_samples = SFTDataModule.consumed_samples
-    state_dict = SFTDataModule.state_dict
-    load_state_dict = SFTDataModule.load_state_dict
+class PreferenceDataModule(PlanDataModule):
+    # Built once and trained through an SFTBatchPlan as SFTDataModule (PlanDataModule); the stream bookkeeping
+    # (rank, world size, mark_consumed / consumed_samples, checkpointed sampler state) is StreamDataModule's.
+    row_batches = PreferenceTrainBatches
 
     def __init__(
         self,
@@ -51,38 +43,23 @@ class PreferenceDataModule(L.LightningDataModule):
         num_workers: int = 0,
         val_micro_batch_size: int | None = None,
     ):
-        super().__init__()
         if micro_batch_size < 1 or accumulate_grad_batches < 1:
             raise ValueError(
                 f"micro_batch_size and accumulate_grad_batches must be >= 1, got {micro_batch_size}, {accumulate_grad_batches}"
             )
-        self.config = normalize_config(config)
-        self.seq_len = self.config.seq_len
-        self.micro_batch_size = micro_batch_size
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.num_workers = num_workers
-        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
-        self.data: PreferenceData | None = None
-        self.tokenizer: Tokenizer | None = None
-        self.train_sampler: SFTBatchPlan | None = None
-        self._pending_state: dict | None = None
+        super().__init__(
+            normalize_config(config),
+            micro_batch_size=micro_batch_size,
+            accumulate_grad_batches=accumulate_grad_batches,
+            num_workers=num_workers,
+            val_micro_batch_size=val_micro_batch_size,
+        )
 
-    def setup(self, stage: str | None = None) -> None:
-        """Load, convert, filter and encode both splits (once; the val hold-out needs the train pairs)."""
-        if self.data is not None:
-            return
-        self.tokenizer = Tokenizer.load(self.config.tokenizer)
-        self.data = build_preference_data(self.config, self.tokenizer)
-        log_summary(self.data.stats)
-
-    def _require_data(self) -> PreferenceData:
-        if self.data is None:
-            self.setup("fit")
-        return self.data
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self._require_data().stats
+    def build_data(self, tokenizer: Tokenizer) -> PreferenceData:
+        """Load, convert, filter and encode both splits; logs their summary."""
+        data = build_preference_data(self.config, tokenizer)
+        log_summary(data.stats)
+        return data
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -100,35 +77,9 @@ class PreferenceDataModule(L.LightningDataModule):
                 "data or lower loader.micro_batch_size / trainer.accumulate_grad_batches"
             )
 
-    def _loader(self, dataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
-        return loader_class(
-            dataset,
-            batch_size=None,  # the datasets return whole micro-batches
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-            **kwargs,
-        )
-
     def train_dataloader(self) -> DataLoader:
-        data = self._require_data()
         self.check_step_fits(self.world_size)
-        plan = SFTBatchPlan(
-            data.train,
-            micro_batch_size=self.micro_batch_size,
-            accumulate=self.accumulate_grad_batches,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=self.config.seed,
-            shuffle=True,
-        )
-        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
-            plan.load_state_dict(self.train_sampler.state_dict())
-        if self._pending_state is not None:
-            plan.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.train_sampler = plan
-        return self._loader(PreferenceTrainBatches(data.train), _PlanLoader, sampler=plan)
+        return super().train_dataloader()
 
     def eval_batches(self, split: str = "val", limit: int | None = None) -> PreferenceEvalBatches | None:
         """This rank's share of the first `limit` pairs of a split (all of them with None), in equal numbers

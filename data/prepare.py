@@ -31,7 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -127,15 +127,28 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 # inputs
 
 
+C = TypeVar("C")
+
+
+def normalize_dataclass(
+    cls: type[C], config: C | Mapping[str, Any], list_fields: Sequence[str], validate: Callable[[C], None]
+) -> C:
+    """A validated copy of `config` as a plain `cls` (callers may pass a `cls`, a dict or an OmegaConf-built
+    object), shared by the data configs (prepare, SFT, preference). Each of `list_fields` becomes a list of str:
+    a bare string would be iterated character by character, and OmegaConf hands over a ListConfig."""
+    if isinstance(config, cls):
+        config = dataclasses.asdict(config)
+    config = cls(**dict(config))
+    for name in list_fields:
+        value = getattr(config, name)
+        setattr(config, name, [value] if isinstance(value, str) else [str(v) for v in value])
+    validate(config)
+    return config
+
+
 def _normalize_config(config: PrepareConfig | dict) -> PrepareConfig:
     """A validated copy with plain Python types (callers may pass a dict or an OmegaConf-built object)."""
-    if isinstance(config, PrepareConfig):
-        config = dataclasses.asdict(config)
-    config = PrepareConfig(**dict(config))
-    # A bare string would be iterated character by character; OmegaConf hands over a ListConfig.
-    config.source = [config.source] if isinstance(config.source, str) else [str(s) for s in config.source]
-    _validate_config(config)
-    return config
+    return normalize_dataclass(PrepareConfig, config, ("source",), _validate_config)
 
 
 def _validate_config(config: PrepareConfig) -> None:

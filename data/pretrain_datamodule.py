@@ -6,7 +6,8 @@ Lightning would replace the StreamSampler with a DistributedSampler and lose the
 
 The training loop must report what it trained on: call `datamodule.mark_consumed()` once per
 micro-batch, inside training_step (before any checkpoint of that step is written), so the
-checkpointed position is exactly the next unseen sample.
+checkpointed position is exactly the next unseen sample. That bookkeeping (rank, world size, stream
+position, checkpoint state) is data/stream_datamodule.py's, shared with the other datamodules.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from data.packed import PackedDataset, StreamSampler
 from data.prepare import read_manifest
+from data.stream_datamodule import StreamDataModule
 
 log = logging.getLogger("lantern.data")
 
@@ -50,7 +51,7 @@ class _StreamLoader(DataLoader):
         self.batch_sampler.sampler.load_state_dict(state)
 
 
-class PretrainDataModule(L.LightningDataModule):
+class PretrainDataModule(StreamDataModule):
     def __init__(
         self,
         data_dir: str,
@@ -78,22 +79,6 @@ class PretrainDataModule(L.LightningDataModule):
         self.val_batches = val_batches
         self.train_dataset: PackedDataset | None = None
         self.val_dataset: PackedDataset | None = None
-        self.train_sampler: StreamSampler | None = None
-        # Sampler state restored before the sampler exists (Lightning restores checkpoints after
-        # setup() but before train_dataloader()); applied when the sampler is built.
-        self._pending_state: dict | None = None
-
-    # --- distributed ---------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        trainer = getattr(self, "trainer", None)
-        return int(trainer.global_rank) if trainer is not None else 0
-
-    @property
-    def world_size(self) -> int:
-        trainer = getattr(self, "trainer", None)
-        return int(trainer.world_size) if trainer is not None else 1
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -146,13 +131,7 @@ class PretrainDataModule(L.LightningDataModule):
         sampler = StreamSampler(
             len(self.train_dataset), rank=self.rank, world_size=self.world_size, shuffle=True, seed=self.seed
         )
-        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
-            sampler.load_state_dict(self.train_sampler.state_dict())
-        if self._pending_state is not None:
-            sampler.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.train_sampler = sampler
-        batches = BatchSampler(sampler, self.micro_batch_size, drop_last=True)
+        batches = BatchSampler(self._attach_sampler(sampler), self.micro_batch_size, drop_last=True)
         return self._loader(self.train_dataset, _StreamLoader, batch_sampler=batches)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -174,41 +153,3 @@ class PretrainDataModule(L.LightningDataModule):
             )
         sampler = _ShardedRange(total, self.rank, world)
         return self._loader(self.val_dataset, sampler=sampler, batch_size=batch, shuffle=False, drop_last=False)
-
-    # --- stream position -------------------------------------------------------
-
-    def mark_consumed(self, micro_batches: int = 1) -> None:
-        """Report that every rank trained on `micro_batches` more micro-batches."""
-        if self.train_sampler is None:
-            raise RuntimeError("mark_consumed() before train_dataloader(): there is no stream to advance")
-        self.train_sampler.advance(micro_batches * self.micro_batch_size * self.world_size)
-
-    @property
-    def consumed_samples(self) -> int:
-        """Global samples trained on so far (summed over ranks)."""
-        if self.train_sampler is not None:
-            return self.train_sampler.consumed
-        return int(self._pending_state["consumed"]) if self._pending_state else 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints under this class's name."""
-        if self.train_sampler is not None:
-            sampler_state = self.train_sampler.state_dict()
-        elif self._pending_state is not None:
-            sampler_state = dict(self._pending_state)
-        else:
-            return {}  # nothing trained yet; Lightning stores nothing for an empty dict
-        return {"sampler": sampler_state, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "sampler" not in state_dict:
-            return
-        if state_dict.get("seq_len", self.seq_len) != self.seq_len:
-            raise ValueError(
-                f"checkpoint data stream was built with seq_len {state_dict['seq_len']}, now {self.seq_len}: "
-                "the stream position cannot be carried over"
-            )
-        if self.train_sampler is not None:
-            self.train_sampler.load_state_dict(state_dict["sampler"])
-        else:
-            self._pending_state = dict(state_dict["sampler"])

@@ -11,12 +11,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning as L
 from torch.utils.data import BatchSampler, DataLoader
 
 from data.packed import StreamSampler
-from data.pretrain_datamodule import PretrainDataModule
 from data.sft import BadRow, _check_messages, read_records, resolve_sources
+from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.prompts")
@@ -85,17 +84,10 @@ def load_prompts(config: PromptDataConfig, sources: list[str], tokenizer: Tokeni
     return prompts, stats
 
 
-class PromptDataModule(L.LightningDataModule):
+class PromptDataModule(StreamDataModule):
     """Batches of ``batch_size`` prompts per rank (lists of prompt dicts), from one deterministic global
-    stream like the other datamodules; ``mark_consumed`` after each rollout makes resumes exact."""
-
-    # rank / world size from the trainer, stream position and checkpoint state: as PretrainDataModule's
-    rank = PretrainDataModule.rank
-    world_size = PretrainDataModule.world_size
-    mark_consumed = PretrainDataModule.mark_consumed
-    consumed_samples = PretrainDataModule.consumed_samples
-    state_dict = PretrainDataModule.state_dict
-    load_state_dict = PretrainDataModule.load_state_dict
+    stream like the other datamodules; ``mark_consumed`` after each rollout makes resumes exact. Rank / world
+    size from the trainer, stream position and checkpoint state: StreamDataModule's."""
 
     def __init__(self, config: PromptDataConfig, *, batch_size: int) -> None:
         super().__init__()
@@ -104,10 +96,8 @@ class PromptDataModule(L.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"rollout batch size must be >= 1, got {batch_size}")
         self.config = config
-        self.micro_batch_size = batch_size  # names PretrainDataModule's shared methods read
+        self.micro_batch_size = batch_size  # names StreamDataModule's methods read
         self.seq_len = config.max_prompt_tokens
-        self.train_sampler: StreamSampler | None = None
-        self._pending_state: dict | None = None
         self.train_prompts: list[dict] | None = None
         self.val_prompts: list[dict] = []
         self.stats: dict[str, Any] = {}
@@ -133,9 +123,5 @@ class PromptDataModule(L.LightningDataModule):
                 f"prompts on each of {self.world_size} ranks"
             )
         sampler = StreamSampler(len(self.train_prompts), rank=self.rank, world_size=self.world_size, seed=self.config.seed)
-        if self._pending_state is not None:
-            sampler.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.train_sampler = sampler
-        batches = BatchSampler(sampler, self.micro_batch_size, drop_last=True)
+        batches = BatchSampler(self._attach_sampler(sampler), self.micro_batch_size, drop_last=True)
         return DataLoader(self.train_prompts, batch_sampler=batches, collate_fn=list)

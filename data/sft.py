@@ -35,17 +35,18 @@ import tempfile
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from data.packed import IGNORE_INDEX, StreamSampler
-from data.prepare import PrepareConfig, _choose_val, _json_rows, _load, resolve_inputs
+from data.prepare import PrepareConfig, _choose_val, _json_rows, _load, normalize_dataclass, resolve_inputs
 from data.tokenizer import CHAT_ROLES, Tokenizer
 
 log = logging.getLogger("lantern.sft")
+T = TypeVar("T")
 
 SCHEMAS = ("auto", "messages", "prompt_response", "alpaca")
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
@@ -91,14 +92,7 @@ class SFTDataConfig:
 
 def normalize_config(config: SFTDataConfig | Mapping[str, Any]) -> SFTDataConfig:
     """A validated copy with plain Python types (accepts a dict or an OmegaConf-built object)."""
-    if isinstance(config, SFTDataConfig):
-        config = dataclasses.asdict(config)
-    config = SFTDataConfig(**dict(config))
-    for name in ("train", "val"):  # a bare string would be iterated character by character
-        value = getattr(config, name)
-        setattr(config, name, [value] if isinstance(value, str) else [str(v) for v in value])
-    validate_config(config)
-    return config
+    return normalize_dataclass(SFTDataConfig, config, ("train", "val"), validate_config)
 
 
 def validate_config(config: SFTDataConfig) -> None:
@@ -271,36 +265,55 @@ def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataCo
     return messages
 
 
-def load_conversations(
-    config: SFTDataConfig, sources: Sequence[str], split: str = "train"
-) -> tuple[list[Conversation], dict[str, Any]]:
-    """Every good row of `sources` as a Conversation, plus {rows_read, skipped: {reason: count}}."""
+def load_rows(
+    config: Any,
+    sources: Sequence[str],
+    split: str,
+    detect: Callable[[Sequence[str], Any, str], str],
+    convert: Callable[[Mapping[str, Any], str, str], T],
+    logger: logging.Logger = log,
+) -> tuple[list[T], dict[str, Any]]:
+    """`convert(record, schema, where)` of every good row of `sources`, plus {rows_read, skipped: {reason: count}}.
+
+    The loop SFT and preference data share: config.format selects the files, config.num_proc the processes
+    that load them, config.on_bad_row what a BadRow does (raise a ValueError naming file, row, reason and
+    schema, or skip and count, warning through `logger`); `detect(columns, config, label)` gives each file's
+    schema."""
     fmt, files = resolve_sources(config, sources)
-    conversations: list[Conversation] = []
+    items: list[T] = []
     skipped: Counter[str] = Counter()
     rows = 0
     for source in files:
         label = f"hub dataset {source}" if fmt == "hub" else source
         records, columns = read_records(fmt, source, config.num_proc)
-        schema = detect_schema(columns, config, label)
+        schema = detect(columns, config, label)
         for index, record in enumerate(records):
             where = f"{label}, row {index + 1}"
             try:
-                messages = record_to_messages(record, schema, config)
+                items.append(convert(record, schema, where))
             except BadRow as bad:
                 if config.on_bad_row == "error":
                     raise ValueError(
                         f"{where}: {bad.problem} ({bad.reason}; schema {schema}); fix the row or set on_bad_row: skip"
                     ) from None
                 if not skipped[bad.reason]:
-                    log.warning("%s: skipping bad rows; first %s: %s: %s", split, bad.reason, where, bad.problem)
+                    logger.warning("%s: skipping bad rows; first %s: %s: %s", split, bad.reason, where, bad.problem)
                 skipped[bad.reason] += 1
-                continue
-            conversations.append(Conversation(messages, record, where))
         rows += len(records)
     if skipped:
-        log.warning("%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items())))
-    return conversations, {"rows_read": rows, "skipped": dict(sorted(skipped.items()))}
+        logger.warning("%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items())))
+    return items, {"rows_read": rows, "skipped": dict(sorted(skipped.items()))}
+
+
+def load_conversations(
+    config: SFTDataConfig, sources: Sequence[str], split: str = "train"
+) -> tuple[list[Conversation], dict[str, Any]]:
+    """Every good row of `sources` as a Conversation, plus {rows_read, skipped: {reason: count}}."""
+
+    def convert(record: Mapping[str, Any], schema: str, where: str) -> Conversation:
+        return Conversation(record_to_messages(record, schema, config), record, where)
+
+    return load_rows(config, sources, split, detect_schema, convert)
 
 
 def hold_out(conversations: list, config: SFTDataConfig) -> tuple[list, list]:

@@ -17,11 +17,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from data.pretrain_datamodule import PretrainDataModule
 from data.sft import (
     SFTBatchPlan,
     SFTData,
@@ -32,6 +30,7 @@ from data.sft import (
     log_summary,
     normalize_config,
 )
+from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.sft")
@@ -48,71 +47,56 @@ class _PlanLoader(DataLoader):
         self.sampler.load_state_dict(state)
 
 
-class SFTDataModule(L.LightningDataModule):
-    # Shared with PretrainDataModule (they only use rank / world_size / micro_batch_size / seq_len /
-    # train_sampler / _pending_state): rank and world size from the attached trainer, the stream position
-    # (mark_consumed advances micro_batches x micro_batch_size x world_size positions), and the checkpoint
-    # state, which is kept pending until train_dataloader() builds the plan.
-    rank = PretrainDataModule.rank
-    world_size = PretrainDataModule.world_size
-    tokens_per_micro_batch = PretrainDataModule.tokens_per_micro_batch
-    mark_consumed = PretrainDataModule.mark_consumed
-    consumed_samples = PretrainDataModule.consumed_samples
-    state_dict = PretrainDataModule.state_dict
-    load_state_dict = PretrainDataModule.load_state_dict
+class PlanDataModule(StreamDataModule):
+    """What SFTDataModule and PreferenceDataModule share: the data is built once, both splits together (the val
+    hold-out needs the train rows), and trained on through an SFTBatchPlan of whole micro-batches (`row_batches`
+    turns the plan's items into batches). The stream bookkeeping (rank, world size, mark_consumed, checkpoint
+    state) is StreamDataModule's. Subclasses check their arguments, then pass a normalised config here."""
+
+    row_batches: type[Dataset]  # SFTTrainBatches / PreferenceTrainBatches over data.train
 
     def __init__(
         self,
-        config: SFTDataConfig | Mapping[str, Any],
+        config: Any,
         *,
         micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        num_workers: int = 0,
-        val_micro_batch_size: int | None = None,
+        accumulate_grad_batches: int,
+        num_workers: int,
+        val_micro_batch_size: int | None,
     ):
         super().__init__()
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        if val_micro_batch_size is not None and val_micro_batch_size < 1:
-            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
-        self.config = normalize_config(config)
+        self.config = config
         self.seq_len = self.config.seq_len
         self.micro_batch_size = micro_batch_size
         self.accumulate_grad_batches = accumulate_grad_batches
         self.num_workers = num_workers
         self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
-        self.data: SFTData | None = None
+        self.data: Any = None
         self.tokenizer: Tokenizer | None = None
-        self.train_sampler: SFTBatchPlan | None = None
-        self._pending_state: dict | None = None
-        self._val_examples: list[dict[str, Any]] | None = None
 
     # --- setup -----------------------------------------------------------------
 
+    def build_data(self, tokenizer: Tokenizer) -> Any:
+        """Both splits and their stats (data/sft.py's SFTData, data/preference.py's PreferenceData)."""
+        raise NotImplementedError
+
     def setup(self, stage: str | None = None) -> None:
-        """Load, encode, upsample and lay out both splits (once; the val hold-out needs the train rows)."""
+        """Load and encode both splits (once; the val hold-out needs the train rows)."""
         if self.data is not None:
             return
         self.tokenizer = Tokenizer.load(self.config.tokenizer)
-        self.data = build_sft_data(self.config, self.tokenizer)
-        log_summary(self.data.stats)
+        self.data = self.build_data(self.tokenizer)
 
-    def _require_data(self) -> SFTData:
+    def _require_data(self) -> Any:
         if self.data is None:
             self.setup("fit")
         return self.data
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Loading, encoding, upsampling and packing numbers per split (see data/sft.py build_sft_data)."""
+        """Loading and encoding numbers per split (see data/sft.py build_sft_data, data/preference.py
+        build_preference_data)."""
         return self._require_data().stats
-
-    @property
-    def supervised_tokens_per_row(self) -> float:
-        """Average supervised targets per train row, for throughput reports (tokens_per_micro_batch counts all)."""
-        return float(self._require_data().stats["train"]["supervised_tokens_per_row"])
 
     # --- loaders ---------------------------------------------------------------
 
@@ -137,13 +121,53 @@ class SFTDataModule(L.LightningDataModule):
             seed=self.config.seed,
             shuffle=True,
         )
-        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
-            plan.load_state_dict(self.train_sampler.state_dict())
-        if self._pending_state is not None:
-            plan.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.train_sampler = plan
-        return self._loader(SFTTrainBatches(data.train), _PlanLoader, sampler=plan)
+        return self._loader(self.row_batches(data.train), _PlanLoader, sampler=self._attach_sampler(plan))
+
+
+class SFTDataModule(PlanDataModule):
+    row_batches = SFTTrainBatches
+
+    def __init__(
+        self,
+        config: SFTDataConfig | Mapping[str, Any],
+        *,
+        micro_batch_size: int,
+        accumulate_grad_batches: int = 1,
+        num_workers: int = 0,
+        val_micro_batch_size: int | None = None,
+    ):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if val_micro_batch_size is not None and val_micro_batch_size < 1:
+            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
+        super().__init__(
+            normalize_config(config),
+            micro_batch_size=micro_batch_size,
+            accumulate_grad_batches=accumulate_grad_batches,
+            num_workers=num_workers,
+            val_micro_batch_size=val_micro_batch_size,
+        )
+        self._val_examples: list[dict[str, Any]] | None = None
+
+    def build_data(self, tokenizer: Tokenizer) -> SFTData:
+        """Load, encode, upsample and lay out both splits; logs their summary."""
+        data = build_sft_data(self.config, tokenizer)
+        log_summary(data.stats)
+        return data
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens in one micro-batch on one rank, padding included (multiply by world_size for the global count)."""
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def supervised_tokens_per_row(self) -> float:
+        """Average supervised targets per train row, for throughput reports (tokens_per_micro_batch counts all)."""
+        return float(self._require_data().stats["train"]["supervised_tokens_per_row"])
+
+    # --- validation ------------------------------------------------------------
 
     def val_batches(self, rank: int | None = None, world_size: int | None = None) -> SFTValBatches | None:
         """The validation micro-batches of one rank (default: this one); None without validation rows."""

@@ -246,6 +246,36 @@ def generate(
     return GenerationOutput(*(t.clone() for t in (out.tokens, out.mask, out.logprobs, out.lengths)))
 
 
+def complete(
+    model: Transformer,
+    tokenizer,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> str:
+    """The decoded continuation of one encoded prompt, stopped at and without the tokenizer's stop token
+    (``lantern generate``, the end-of-pretraining sample). ``tokenizer`` gives stop_ids, pad_id and decode."""
+    out = generate(
+        model,
+        [prompt],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        generator=generator,
+    )
+    new_tokens = out.tokens[0][out.mask[0]].tolist()
+    if new_tokens and new_tokens[-1] in tokenizer.stop_ids:  # a row ends at its first stop token
+        new_tokens = new_tokens[:-1]
+    return tokenizer.decode(new_tokens)
+
+
 def _generate(
     model: Transformer,
     prompts: list[list[int]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -15,14 +16,34 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
-from trainer.callbacks import latest_checkpoint
-from trainer.config import CheckpointConfig, ConfigError, LoggerConfig, TrainerConfig
+from trainer.callbacks import device_peak_flops, latest_checkpoint
+from trainer.config import CheckpointConfig, ConfigError, LoggerConfig, TrainerConfig, to_dict, to_yaml
 
 log = logging.getLogger(__name__)
 
 
 def run_directory(out_dir: str, name: str) -> Path:
     return Path(out_dir) / name
+
+
+def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -> Path:
+    """The stage's run folder (run.out_dir / run.name), created, with the resolved config written to config.yaml
+    and, when given, the datamodule's loading statistics to data_stats.json."""
+    run_dir = run_directory(config.run.out_dir, config.run.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    if data_stats is not None:
+        (run_dir / "data_stats.json").write_text(json.dumps(data_stats, indent=2, default=str))
+    return run_dir
+
+
+def peak_flops(config: TrainerConfig) -> float:
+    """The peak FLOP/s Throughput reports MFU against: trainer.peak_tflops, else the device's (see
+    trainer.callbacks.device_peak_flops) in the dtype trainer.precision computes in."""
+    on_gpu = torch.cuda.is_available() and config.accelerator != "cpu"
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if config.precision.startswith("bf16") else torch.float32
+    return device_peak_flops(device, dtype, config.peak_tflops)
 
 
 def check_trainer_config(config: TrainerConfig) -> None:
@@ -198,3 +219,21 @@ def make_trainer(
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )
+
+
+def fit_stage(
+    config: Any,
+    module: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    run_dir: Path,
+    callbacks: list[L.Callback],
+    *,
+    validate: bool = True,
+) -> Path | None:
+    """The end every stage shares: logger, trainer, resume (checkpoint.resume, from run_dir/checkpoints) and fit.
+    Returns run_dir on rank 0, None on the other ranks."""
+    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
+    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
+    resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    return run_dir if trainer.is_global_zero else None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from models.model import ModelConfig
+from trainer.errors import ConfigError
 
 
 class HasVocab(Protocol):
@@ -37,3 +38,15 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
                     f"set {key}={candidate}"
                 )
             return
+
+
+def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:
+    """A stage that starts from ``init.checkpoint`` (or a seeded ``model``) and reads ``data.seq_len`` tokens
+    (SFT, reward model): the tokenizer fits the model and is the one the checkpoint carries, and the sequences
+    fit its max_seq_len."""
+    source = config.init.checkpoint or "the model (model.vocab_size)"
+    check_tokenizer_fits_model(tokenizer, model, model_name=source)
+    if config.init.checkpoint:
+        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
+    if config.data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len})")

@@ -50,7 +50,7 @@ def _generate(args: argparse.Namespace) -> None:
     import torch
 
     from data.tokenizer import Tokenizer
-    from models.generation import generate
+    from models.generation import complete
     from trainer.checks import check_tokenizer_fits_model
 
     tokenizer = Tokenizer.load(_resolve_tokenizer_spec(args))
@@ -60,22 +60,17 @@ def _generate(args: argparse.Namespace) -> None:
         prompt = tokenizer.encode_chat_prompt([{"role": "user", "content": args.prompt}])
     else:
         prompt = tokenizer.encode(args.prompt, bos=True)
-    generator = torch.Generator().manual_seed(args.seed)
-    out = generate(
+    text = complete(
         model,
-        [prompt],
+        tokenizer,
+        prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        stop_ids=tokenizer.stop_ids,
-        pad_id=tokenizer.pad_id,
-        generator=generator,
+        generator=torch.Generator().manual_seed(args.seed),
     )
-    new_tokens = out.tokens[0][out.mask[0]].tolist()
-    if new_tokens and new_tokens[-1] in tokenizer.stop_ids:
-        new_tokens = new_tokens[:-1]
-    print(args.prompt + tokenizer.decode(new_tokens))
+    print(args.prompt + text)
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -95,40 +90,41 @@ def _prepare(args: argparse.Namespace) -> None:
     print(f"prepared {config.data.out_dir} ({splits})")
 
 
-def _pretrain(args: argparse.Namespace) -> None:
-    from trainer.config import PretrainConfig, load_config
-    from trainer.pretrain import run_pretrain
+def _run_stage(args: argparse.Namespace, schema: type, run) -> None:
+    """A training stage: its config (file + overrides) run by `run`; rank 0 prints where everything is."""
+    from trainer.config import load_config
 
-    run_dir = run_pretrain(load_config(PretrainConfig, args.config, args.overrides))
+    run_dir = run(load_config(schema, args.config, args.overrides))
     if run_dir is not None:  # rank 0 only
         _print_run_summary(run_dir)
 
 
+def _pretrain(args: argparse.Namespace) -> None:
+    from trainer.config import PretrainConfig
+    from trainer.pretrain import run_pretrain
+
+    _run_stage(args, PretrainConfig, run_pretrain)
+
+
 def _sft(args: argparse.Namespace) -> None:
     from alignment.sft import run_sft
-    from trainer.config import SFTConfig, load_config
+    from trainer.config import SFTConfig
 
-    run_dir = run_sft(load_config(SFTConfig, args.config, args.overrides))
-    if run_dir is not None:
-        _print_run_summary(run_dir)
+    _run_stage(args, SFTConfig, run_sft)
 
 
 def _rm(args: argparse.Namespace) -> None:
     from alignment.reward import run_rm
-    from trainer.config import RMConfig, load_config
+    from trainer.config import RMConfig
 
-    run_dir = run_rm(load_config(RMConfig, args.config, args.overrides))
-    if run_dir is not None:
-        _print_run_summary(run_dir)
+    _run_stage(args, RMConfig, run_rm)
 
 
 def _ppo(args: argparse.Namespace) -> None:
     from alignment.ppo import run_ppo
-    from trainer.config import PPOConfig, load_config
+    from trainer.config import PPOConfig
 
-    run_dir = run_ppo(load_config(PPOConfig, args.config, args.overrides))
-    if run_dir is not None:
-        _print_run_summary(run_dir)
+    _run_stage(args, PPOConfig, run_ppo)
 
 
 def _pipeline(args: argparse.Namespace) -> None:

@@ -12,14 +12,16 @@ interrupted (``pipeline_stage.pending.json`` with the same hash, no record) resu
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from trainer.config import PPOConfig, PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
 from trainer.errors import ConfigError
@@ -118,7 +120,8 @@ class Pipeline:
     def stage_dir(self, stage: str) -> Path:
         return self.root / "data" if stage == "prepare" else self.root / stage
 
-    def load_stage_config(self, stage: str) -> Any:
+    def load_stage_config(self, stage: str) -> tuple[Any, dict[str, str]]:
+        """The stage's preset + its overrides + the wiring, and the hashes of everything it reads."""
         schema, upstream = MODEL_STAGES["pretrain" if stage == "prepare" else stage]
         section: StageSection = getattr(self.config, "pretrain" if stage == "prepare" else stage)
         logger = self.config.logger
@@ -128,8 +131,9 @@ class Pipeline:
         }  # fmt: skip
         if stage in ("prepare", "pretrain"):
             wiring["data.out_dir"] = str(self.corpus)
+        inputs: dict[str, str] = {}
         for key, source in upstream.items():
-            path, _ = self.upstream(source)
+            path, inputs[source] = self.upstream(source)
             if path is not None:  # else the preset's own value stays (e.g. a random init)
                 wiring[key] = str(path)
         for key, name in DEMO_FILES.get(stage, {}).items():
@@ -140,8 +144,14 @@ class Pipeline:
         if config.trainer.strategy != "single":
             # each rank would re-run the whole pipeline and race on its records; run such stages on their own
             raise ConfigError(f"{stage}: the pipeline runs single-process stages; got trainer.strategy={config.trainer.strategy}")
+        for key, source in upstream.items():
+            if key not in wiring and (value := functools.reduce(getattr, key.split("."), config)):
+                log.info("%s: %s=%s from the preset (no %s output in this pipeline)", stage, key, value, source)
+                inputs[source] = _folder_fingerprint(Path(value))  # its contents are an input all the same
+        if stage != "prepare":
+            inputs["data"] = self.upstream("prepare")[1] if stage == "pretrain" else self.demo_hash
         self.configs[stage] = config
-        return config
+        return config, inputs
 
     def upstream(self, stage: str) -> tuple[Path | None, str]:
         """Where a stage's input comes from: this run's output, else start_checkpoint (a language model),
@@ -176,7 +186,7 @@ class Pipeline:
 
         # prepare() is idempotent with exact change detection (input sha256, tokenizer fingerprint, settings):
         # calling it costs seconds, and the manifest it leaves is the data's identity for the stages after.
-        digest = _data_hash(prepare(self.load_stage_config("prepare").data))
+        digest = _data_hash(prepare(self.load_stage_config("prepare")[0].data))
         record = _read_json(self.stage_dir("prepare") / RECORD)
         self.status["prepare"] = "skipped: up to date" if record and record["hash"] == digest else "ran"
         if self.status["prepare"] == "ran":
@@ -184,34 +194,41 @@ class Pipeline:
         self.outputs["prepare"] = (self.corpus, digest)
 
     def model_stage(self, stage: str) -> None:
-        config = self.load_stage_config(stage)
-        inputs = {source: self.upstream(source)[1] for source in MODEL_STAGES[stage][1].values()}
-        inputs["data"] = self.upstream("prepare")[1] if stage == "pretrain" else self.demo_hash
+        config, inputs = self.load_stage_config(stage)
         digest = _sha(to_yaml(config), json.dumps(inputs, sort_keys=True))  # before resume is set: not part of it
         run_dir, final = self.stage_dir(stage), self.stage_dir(stage) / "final"
         record, pending = _read_json(run_dir / RECORD), _read_json(run_dir / PENDING)
         if record and record["hash"] == digest and final.is_dir():
             self.status[stage] = "skipped: up to date"
         else:
-            if record is None and pending and pending["hash"] == digest:
-                config.checkpoint.resume, self.status[stage] = "auto", "resumed"  # interrupted: its own resume
-            else:
-                # new or changed config: never resume another config's checkpoints; keep one backup, not a pile
-                if run_dir.exists():
-                    backup = run_dir.with_name(f"{stage}.previous")
-                    shutil.rmtree(backup, ignore_errors=True)
-                    run_dir.rename(backup)
-                    log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
-                config.checkpoint.resume, self.status[stage] = "none", "ran"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            _write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)
             start = time.perf_counter()
-            RUNNERS[stage](config)
-            if not final.is_dir():  # e.g. resumed from a checkpoint at max_steps: Lightning skips on_train_end
-                raise RuntimeError(f"{stage} ended without writing {final}; re-run it from scratch (delete {run_dir})")
+            resume = record is None and bool(pending) and pending["hash"] == digest  # interrupted, same config
+            self.train(stage, config, digest, resume)
+            if resume and not final.is_dir():
+                # its last checkpoint was already at max_steps: Lightning then skips on_train_end and the export
+                log.warning("%s: the resumed run exported no final model; training it again from scratch", stage)
+                self.train(stage, config, digest, resume=False)
+            if not final.is_dir():
+                raise RuntimeError(f"{stage} ended without writing {final}")
             _write_record(run_dir, {"stage": stage, "hash": digest, "inputs": inputs, "seconds": round(time.perf_counter() - start, 1)})
             (run_dir / PENDING).unlink(missing_ok=True)
         self.outputs[stage] = (final, digest)
+
+    def train(self, stage: str, config: Any, digest: str, resume: bool) -> None:
+        run_dir = self.stage_dir(stage)
+        if resume:
+            config.checkpoint.resume, self.status[stage] = "auto", "resumed"  # the stage's own resume
+        else:
+            # new or changed: never resume another config's checkpoints; keep one backup, not a pile of them
+            if run_dir.exists():
+                backup = run_dir.with_name(f"{stage}.previous")
+                shutil.rmtree(backup, ignore_errors=True)
+                run_dir.rename(backup)
+                log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
+            config.checkpoint.resume, self.status[stage] = "none", "ran"
+        _write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
+        module, function = RUNNERS[stage]
+        getattr(importlib.import_module(module), function)(config)
 
 
 def _write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> None:
@@ -221,31 +238,8 @@ def _write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> N
     temporary.replace(folder / name)  # atomic: a crash leaves the old record or the new one
 
 
-def _run_pretrain(config: PretrainConfig) -> None:
-    from trainer.pretrain import run_pretrain
-
-    run_pretrain(config)
-
-
-def _run_sft(config: SFTConfig) -> None:
-    from alignment.sft import run_sft
-
-    run_sft(config)
-
-
-def _run_rm(config: RMConfig) -> None:
-    from alignment.reward import run_rm
-
-    run_rm(config)
-
-
-def _run_ppo(config: PPOConfig) -> None:
-    from alignment.ppo import run_ppo
-
-    run_ppo(config)
-
-
-RUNNERS: dict[str, Callable[[Any], None]] = {"pretrain": _run_pretrain, "sft": _run_sft, "rm": _run_rm, "ppo": _run_ppo}
+# stage -> (module, function): imported only when the stage runs, so loading a config stays light
+RUNNERS = {"pretrain": ("trainer.pretrain", "run_pretrain"), "sft": ("alignment.sft", "run_sft"), "rm": ("alignment.reward", "run_rm"), "ppo": ("alignment.ppo", "run_ppo")}
 
 
 # ---- the report ----
@@ -254,7 +248,7 @@ Series = dict[str, list[tuple[int, float]]]
 TABLE_MODELS = {"base": "pretrain", "sft": "sft", "ppo": "ppo"}  # column -> the stage whose final/ answers
 
 
-def stage_metrics(run_dir: Path) -> Series:
+def stage_metrics(stage: str, run_dir: Path) -> Series:
     """Every metric,step,value CSV the stage's plots left (metrics.csv, accuracy.csv, kl.csv, ...), plus PPO's
     evaluation history, which only its checkpoints keep."""
     import csv
@@ -265,7 +259,7 @@ def stage_metrics(run_dir: Path) -> Series:
             for row in csv.DictReader(handle):
                 if {"metric", "step", "value"} <= row.keys():
                     series.setdefault(row["metric"], []).append((int(row["step"]), float(row["value"])))
-    if (run_dir / "eval.png").is_file():
+    if stage == "ppo":
         import torch
 
         from trainer.callbacks import latest_checkpoint
@@ -295,27 +289,33 @@ def headline(stage: str, series: Series) -> str:
 
 
 def overview_png(metrics: dict[str, Series], path: Path) -> Path:
+    """2x2: each stage's held-out measure; quantities of another scale go on a right-hand axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        ("pretraining", "pretrain", ("train/loss", "val/loss"), "loss"),
-        ("SFT", "sft", ("val/loss", "val/accuracy"), "val loss / exact-match accuracy"),
-        ("reward model", "rm", ("train/accuracy", "val/accuracy"), "pairwise accuracy"),
-        ("PPO (held-out prompts)", "ppo", ("eval/gt_score", "eval/rm_score", "ppo/kl"), "score / KL (nats)"),
+    panels = [  # title, stage, (left metrics, label), (right metrics, label)
+        ("pretraining", "pretrain", (("train/loss", "val/loss"), "loss"), ((), "")),
+        ("SFT", "sft", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
+        ("reward model", "rm", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
+        ("PPO: greedy answers to held-out prompts", "ppo", (("eval/gt_score", "eval/rm_score"), "score"), (("ppo/kl",), "KL to the SFT model (nats)")),
     ]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=110)
-    for ax, (title, stage, names, ylabel) in zip(axes.flat, panels):
-        for name in names:
-            points = metrics.get(stage, {}).get(name)
-            if points:
-                ax.plot(*zip(*points), label=name, marker="o" if len(points) < 30 else None, markersize=3)
-        ax.set(title=title, xlabel="rollout" if stage == "ppo" else "optimizer step", ylabel=ylabel)
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8), dpi=110)
+    for ax, (title, stage, left, right) in zip(axes.flat, panels):
+        lines = []
+        for axis, (names, label), style in ((ax, left, "-"), (ax.twinx() if right[0] else None, right, "--")):
+            for name in names if axis is not None else ():
+                points = metrics.get(stage, {}).get(name)
+                if points:
+                    color = f"C{len(lines)}"
+                    lines += axis.plot(*zip(*points), style, color=color, label=name, marker="o" if len(points) < 30 else None, markersize=3)
+            if axis is not None:
+                axis.set_ylabel(label)
+        ax.set(title=title, xlabel="rollout" if stage == "ppo" else "optimizer step")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
+        if lines:
+            ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
         else:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     figure.tight_layout()
@@ -339,6 +339,8 @@ def answer_table(pipeline: Pipeline, cache_path: Path) -> tuple[list[str], list[
     spec = next((pipeline.configs[s].data.tokenizer for s in ("sft", "ppo", "rm", "pretrain") if s in pipeline.configs), "default")
     models = {column: pipeline.upstream(stage) for column, stage in TABLE_MODELS.items()}
     models = {column: path for column, (path, _) in models.items() if path is not None and path.is_dir()}
+    if not models:
+        return [], []
     # Same models (by stage hash), prompts and settings as last time: reuse the answers, re-runs stay fast.
     key = _sha(json.dumps([spec, pipeline.demo_hash, str(pipeline.config.report), [(c, pipeline.upstream(TABLE_MODELS[c])[1]) for c in models]]))
     if (cache := _read_json(cache_path)) and cache.get("key") == key:
@@ -366,7 +368,7 @@ def _cell(text: str, limit: int = 120) -> str:
 
 
 def write_report(pipeline: Pipeline) -> Path:
-    root, report_dir = pipeline.root, pipeline.root / "report"
+    root, report_dir, path = pipeline.root, pipeline.root / "report", pipeline.root / "report.md"
     for stale in report_dir.glob("*.png"):  # no plots left from stages that no longer exist
         stale.unlink()
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +381,7 @@ def write_report(pipeline: Pipeline) -> Path:
         lines.append(f"- **prepare** ({pipeline.status['prepare']}): corpus {tokens}; demo tasks {demo.n_train} train, {demo.n_val} val, {demo.n_pairs} pairs")
     for stage in (s for s in pipeline.config.stages if s != "prepare"):
         run_dir = pipeline.stage_dir(stage)
-        metrics[stage] = stage_metrics(run_dir)
+        metrics[stage] = stage_metrics(stage, run_dir)
         seconds = (_read_json(run_dir / RECORD) or {}).get("seconds")
         lines.append(f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`")
         for png in sorted(run_dir.glob("*.png")):
@@ -389,6 +391,9 @@ def write_report(pipeline: Pipeline) -> Path:
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
 
     columns, rows = answer_table(pipeline, report_dir / "answers.json")
+    if not columns:
+        path.write_text("\n".join(lines) + "\n")
+        return path
     lines += ["", f"## Greedy answers to {len(rows)} held-out prompts", "", "Score: the task's ground-truth checker, 0 to 1.", ""]
     lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
     lines.append("|---" * (4 + len(columns)) + "|")
@@ -397,7 +402,6 @@ def write_report(pipeline: Pipeline) -> Path:
         lines.append(f"| {i} | {row['task']} | {_cell(row['prompt'])} | {_cell(row['reference'], 80)} | {answers} |")
     means = " | ".join(f"**{sum(r['scores'][c] for r in rows) / max(len(rows), 1):.3f}**" for c in columns)
     lines.append(f"| | **mean score** | | | {means} |")
-    path = root / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -425,9 +429,10 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     for stage in pipeline.config.stages:
         if stage != "prepare":
             lines.append(f"{stage + ':':<12} {pipeline.stage_dir(stage) / 'final'}  ({pipeline.status[stage]})")
-    wandb_runs = [run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/offline-run-*"))]
-    lines += [f"W&B offline: {run}" for run in wandb_runs]
-    if wandb_runs:
-        lines.append(f"upload with: wandb sync {' '.join(str(run) for run in wandb_runs)}")
+    wandb_runs = [run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/*run-*"))]
+    lines += [f"W&B run:     {run}" for run in wandb_runs]
+    offline = [str(run) for run in wandb_runs if run.name.startswith("offline-")]
+    if offline:
+        lines.append(f"upload the offline W&B runs with: wandb sync {' '.join(offline)}")
     print("\n".join(lines), flush=True)
     return pipeline.root

@@ -67,10 +67,9 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     from data.pretrain_datamodule import PretrainDataModule
     from data.prepare import check_manifest
     from data.tokenizer import Tokenizer
-    from trainer.build import check_trainer_config, make_logger, make_trainer, resolve_resume, run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput, device_peak_flops
+    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
+    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
     from trainer.checks import check_tokenizer_fits_model
-    from trainer.config import to_yaml
     from trainer.errors import ConfigError
 
     check_trainer_config(config.trainer)  # before anything is created
@@ -90,31 +89,22 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     )
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
 
-    run_dir = run_directory(config.run.out_dir, config.run.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    checkpoint_dir = run_dir / "checkpoints"
+    run_dir = start_run_directory(config)
     tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
-    precision_dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
-    device = torch.device("cuda") if torch.cuda.is_available() and config.trainer.accelerator != "cpu" else torch.device("cpu")
     callbacks = [
-        AtomicCheckpoint(checkpoint_dir, config.checkpoint.every_n_steps, config.checkpoint.keep_last),
+        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
         DataProgress(),
         Throughput(
             config.loader.micro_batch_size * config.loader.seq_len,
             config.model.flops_per_token(config.loader.seq_len),
-            device_peak_flops(device, precision_dtype, config.trainer.peak_tflops),
+            peak_flops(config.trainer),
         ),
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
         ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)}),
         *(extra_callbacks or []),
     ]
-    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
-    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger)
-    resume = resolve_resume(config.checkpoint, checkpoint_dir)
-    trainer.fit(PretrainModule(config), datamodule=datamodule, ckpt_path=resume, weights_only=True)
-    if not trainer.is_global_zero:
-        return None
+    if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks) is None:
+        return None  # not rank 0
     if config.sample.prompt:
         print_sample(run_dir / "final", tokenizer, config.sample)
     return run_dir
@@ -122,18 +112,16 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
 
 def print_sample(checkpoint: Path, tokenizer, sample) -> None:
     from models.checkpoint import load_checkpoint
-    from models.generation import generate
+    from models.generation import complete
 
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     prompt = tokenizer.encode(sample.prompt, bos=True)
-    out = generate(
+    text = complete(
         model,
-        [prompt],
+        tokenizer,
+        prompt,
         max_new_tokens=sample.max_new_tokens,
         temperature=sample.temperature,
-        stop_ids=tokenizer.stop_ids,
-        pad_id=tokenizer.pad_id,
         generator=torch.Generator().manual_seed(0),
     )
-    text = tokenizer.decode([t for t in out.tokens[0][out.mask[0]].tolist() if t not in tokenizer.stop_ids])
     print(f"\n--- sample from {checkpoint} ---\n{sample.prompt}{text}\n---")

@@ -3,9 +3,6 @@ wrong, each checked on a tiny model, then short runs (toy reward, resume, FSDP).
 
 import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from models.checkpoint import save_checkpoint
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
+from tests.helpers import run_cli
 from trainer.config import PPOConfig, load_config
 from trainer.errors import ConfigError
 
@@ -365,13 +363,10 @@ def test_fsdp_ppo_on_two_processes(setup, tmp_path):
         "logger.kind=none", "trainer.max_steps=2", "eval.every_n_rollouts=2", "trainer.accelerator=cpu", "run.name=run",
         "ppo.temperature=0",  # greedy rollouts: the same responses whatever the rank layout
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     runs = {"single": ["ppo.rollout_batch_size=8", "ppo.minibatch_size=4"], "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2"]}
     scores = {}
     for name, extra in runs.items():
-        command = [sys.executable, "-m", "trainer.cli", "ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path / name}", *common, *extra]
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-5000:]
+        run_cli("ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path / name}", *common, *extra)
         run_dir = tmp_path / name / "run"
         scores[name] = metrics(run_dir)["ppo/score"]
         assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "eval.png").is_file()

@@ -4,10 +4,7 @@ separable toy run with export, tokenizer checks, and (slow) 2-process FSDP again
 import csv
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -27,10 +24,10 @@ from data.demo_tasks import write_demo_dataset
 from data.preference import build_preference_data
 from data.tokenizer import Tokenizer
 from models.heads import load_scalar_model
+from tests.helpers import CaptureGradients, run_cli, words, write_jsonl
 from trainer.config import RMConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "the king is dead long live queen of england and thou art my lord good night sweet prince".split()
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +39,8 @@ def demo_pairs(tmp_path_factory) -> Path:
 def toy_pairs(tmp_path_factory) -> Path:
     """Separable pairs: random prompts, the chosen reply is always "yes" and the rejected one "no"."""
     rng = random.Random(0)
-    path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
-    records = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))), "chosen": "yes", "rejected": "no"} for _ in range(200)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    records = [{"prompt": words(rng, rng.randint(2, 12)), "chosen": "yes", "rejected": "no"} for _ in range(200)]
+    return write_jsonl(tmp_path_factory.mktemp("toy") / "toy.jsonl", records)
 
 
 def rm_config(pairs: Path, out_dir: Path, *overrides: str) -> RMConfig:
@@ -114,17 +109,6 @@ def test_score_is_read_at_the_eot_whatever_the_padding(toy_pairs, tmp_path):
 
 
 # ---- training ----
-
-
-class CaptureGradients(L.Callback):
-    """Copies every gradient just before the first optimizer step (as in tests/alignment/test_sft.py)."""
-
-    def __init__(self) -> None:
-        self.gradients: dict[str, torch.Tensor] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not self.gradients:
-            self.gradients = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
 
 
 def first_step_gradients(pairs: Path, out_dir: Path, micro_batch: int, accumulate: int) -> dict[str, torch.Tensor]:
@@ -239,14 +223,11 @@ def test_fsdp_rm_on_two_processes_matches_single_process(demo_pairs, tmp_path):
     pairs per step, so per-step losses agree to float rounding: within 1e-4 (measured: <= 1e-5 after 6 Adam
     steps), and the exported reward mean / std within 1e-3 relative."""
     common = [f"data.train=[{demo_pairs}]", "logger.kind=none", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.accelerator=cpu", "run.name=run"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     runs = {"single": ["loader.micro_batch_size=8"], "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=4"]}
     losses, accuracy, metadata = {}, {}, {}
     for name, extra in runs.items():
         out = tmp_path / name
-        command = [sys.executable, "-m", "trainer.cli", "rm", str(ROOT / "configs/rm/tiny.yaml"), f"run.out_dir={out}", *common, *extra]
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-5000:]
+        run_cli("rm", str(ROOT / "configs/rm/tiny.yaml"), f"run.out_dir={out}", *common, *extra)
         losses[name] = dict(read_metric(out / "run", "metrics.csv", "train/loss"))
         accuracy[name] = dict(read_metric(out / "run", "accuracy.csv", "val/accuracy"))
         metadata[name] = load_scalar_model(out / "run" / "final")[1]

@@ -1,17 +1,14 @@
 import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 from alignment.losses import per_example_mean, sft_loss_contribution
 from data.demo_tasks import write_demo_dataset
 from models.checkpoint import load_checkpoint
+from tests.helpers import CaptureGradients, run_cli
 from trainer.config import SFTConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,17 +25,6 @@ def sft_config(demo, out_dir, *overrides) -> SFTConfig:
         ROOT / "configs/sft/tiny.yaml",
         [f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides],
     )
-
-
-class CaptureGradients(L.Callback):
-    """Copies every gradient just before the first optimizer step, then stops training."""
-
-    def __init__(self) -> None:
-        self.gradients: dict[str, torch.Tensor] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not self.gradients:
-            self.gradients = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
 
 
 def first_step_gradients(demo, out_dir, micro_batch, accumulate, reduction) -> dict[str, torch.Tensor]:
@@ -131,7 +117,6 @@ def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
         f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", "logger.kind=none", "trainer.max_steps=6",
         "trainer.val_every_n_steps=6", "eval.generations=8", "trainer.accelerator=cpu", "run.name=run",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     runs = {
         "single": ["loader.micro_batch_size=4"],
         "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2", "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full"],
@@ -139,9 +124,7 @@ def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
     losses = {}
     for name, extra in runs.items():
         out = tmp_path / name
-        command = [sys.executable, "-m", "trainer.cli", "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={out}", *common, *extra]
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-5000:]
+        run_cli("sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={out}", *common, *extra)
         losses[name] = dict(read_metric(out / "run", "metrics.csv", "train/loss"))
         assert read_metric(out / "run", "accuracy.csv", "val/accuracy")
         assert (out / "run" / "final" / "model.safetensors").is_file()

@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 
 from data import demo_tasks as dt
-from data.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n_train=600, n_val=120, n_pairs=400)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.load("default")
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def test_split_too_short(tmp_path):
     with pytest.raises(ValueError) as err:
         PackedDataset(tmp_path / "val", seq_len=8)
     assert str(err.value) == (
-        f"split 'val' in {tmp_path} has 6 tokens, fewer than one sequence of seq_len+1=9; lower seq_len or add data"
+        f"split 'val' in {tmp_path} has 6 tokens, fewer than one sequence of seq_len+1=9; lower loader.seq_len or add data"
     )
     assert len(PackedDataset(tmp_path / "val", seq_len=5)) == 1  # exactly seq_len + 1 tokens: one sample
 
@@ -321,7 +321,7 @@ def test_datamodule_shards_by_rank(big_data_dir):
 def test_datamodule_errors(tmp_path, big_data_dir):
     with pytest.raises(ValueError, match="no manifest.json"):
         PretrainDataModule(str(tmp_path / "nothing"), seq_len=8, micro_batch_size=2).setup("fit")
-    with pytest.raises(ValueError, match="split 'val'.*lower seq_len"):
+    with pytest.raises(ValueError, match="split 'val'.*lower loader.seq_len"):
         PretrainDataModule(str(big_data_dir), seq_len=500, micro_batch_size=1).setup("fit")
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         PretrainDataModule(str(big_data_dir), seq_len=0, micro_batch_size=1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -11,19 +10,7 @@ import torch
 
 from data.preference import PreferenceDataConfig, PreferenceEvalBatches, build_preference_data, load_chats
 from data.preference_datamodule import PreferenceDataModule
-from data.tokenizer import Tokenizer
-
-WORDS = "the king is dead long live queen of england and thou art my lord good night sweet prince".split()
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.load("default")
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
+from tests.helpers import words, write_jsonl
 
 
 def config(files, **kwargs) -> PreferenceDataConfig:
@@ -165,7 +152,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped_and_counted(tmp_path, tok):
 
 def toy_pairs(tmp_path: Path, n: int, name: str = "toy.jsonl", seed: int = 0) -> Path:
     rng = random.Random(seed)
-    records = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))), "chosen": "yes", "rejected": "no"} for _ in range(n)]
+    records = [{"prompt": words(rng, rng.randint(1, 12)), "chosen": "yes", "rejected": "no"} for _ in range(n)]
     return write_jsonl(tmp_path / name, records)
 
 

@@ -21,11 +21,6 @@ def make_docs(n: int = NUM_DOCS) -> list[str]:
     return [f"Document {i}: to be, or not to be.\nThat is question number {i * 7}." for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.load("default")
-
-
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> tuple[Path, list[str]]:
     docs = make_docs()
@@ -406,5 +401,5 @@ def test_corpus_shorter_than_one_sequence(tmp_path):
         PackedDataset(Path(cfg.out_dir) / "val", seq_len=64)
     assert str(err.value) == (
         f"split 'val' in {cfg.out_dir} has {n_val} tokens, fewer than one sequence of seq_len+1=65; "
-        "lower seq_len or add data"
+        "lower loader.seq_len or add data"
     )

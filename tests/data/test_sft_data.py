@@ -21,19 +21,9 @@ from data.sft import (
 )
 from data.sft_datamodule import SFTDataModule
 from data.tokenizer import Tokenizer
+from tests.helpers import WORDS, words, write_jsonl
 
 IGNORE = -100
-WORDS = "the king is dead long live queen of england and thou art my lord good night sweet prince".split()
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.load("default")
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
 
 
 def config(files, **kwargs) -> SFTDataConfig:
@@ -44,10 +34,6 @@ def config(files, **kwargs) -> SFTDataConfig:
 def chat(user: str, answer: str, system: str | None = None) -> dict:
     turns = [{"role": "system", "content": system}] if system else []
     return {"messages": turns + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def row_examples(rows, index: int) -> list[tuple[np.ndarray, np.ndarray]]:

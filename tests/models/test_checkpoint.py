@@ -139,6 +139,19 @@ def test_hf_import_matches_transformers(tmp_path, tie, shard):
     assert (logits(model, ids) - logits(hf, ids)).abs().max().item() <= TOL
 
 
+def record_torch_load_flags(monkeypatch) -> list:
+    """From now on, every torch.load call appends its weights_only argument to the returned list."""
+    calls = []
+    real_load = torch.load
+
+    def checked_load(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", checked_load)
+    return calls
+
+
 def test_hf_legacy_rope_config_and_pytorch_bin(tmp_path, monkeypatch):
     """transformers 4.x layout: top-level rope_theta + rope_scaling, weights in pytorch_model.bin."""
     hf = hf_model(tie=False)
@@ -152,14 +165,7 @@ def test_hf_legacy_rope_config_and_pytorch_bin(tmp_path, monkeypatch):
     torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
     (tmp_path / "model.safetensors").unlink()
 
-    calls = []
-    real_load = torch.load
-
-    def checked_load(*args, **kwargs):
-        calls.append(kwargs.get("weights_only"))
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", checked_load)
+    calls = record_torch_load_flags(monkeypatch)
     model = load_checkpoint(tmp_path)
     assert calls == [True]
     assert model.config.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 32) and model.config.rope_theta == 10000.0
@@ -474,14 +480,7 @@ def test_meta_loading_calls_torch_load_weights_only(tmp_path, monkeypatch):
     (tmp_path / "params.json").write_text(json.dumps(meta_params(model.config)))
     for i, shard in enumerate(meta_shards(model, 2, 0)):
         torch.save(shard, tmp_path / f"consolidated.{i:02d}.pth")
-    calls = []
-    real_load = torch.load
-
-    def checked_load(*args, **kwargs):
-        calls.append(kwargs.get("weights_only"))
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", checked_load)
+    calls = record_torch_load_flags(monkeypatch)
     load_model_config(tmp_path)
     # Meta's rule (multiple_of 32 -> 192) disagrees with this model's 160: reported, not silently loaded
     with pytest.raises(ValueError, match="feed_forward.w1.weight: checkpoint \\(160, 64\\) vs model \\(192, 64\\)"):
