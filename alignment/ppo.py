@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -331,10 +332,15 @@ class PPOModule(LanguageModelModule):
         self.logger.log_table(key="ppo/samples", columns=["rollout", "prompt", "response", "score"], data=rows)
 
     def on_train_end(self) -> None:
+        """eval.png and eval.csv (metric,step,value) beside the run: the before/after numbers."""
         if self.trainer.is_global_zero and self.eval_history:
             from trainer.plots import plot_curves
 
-            plot_curves(self.eval_history, f"{self.trainer.default_root_dir}/eval.png", title="PPO: greedy answers to held-out prompts", xlabel="rollout", ylabel="score")
+            run_dir = Path(self.trainer.default_root_dir)
+            plot_curves(self.eval_history, run_dir / "eval.png", title="PPO: greedy answers to held-out prompts", xlabel="rollout", ylabel="score")
+            with open(run_dir / "eval.csv", "w") as handle:
+                handle.write("metric,step,value\n")
+                handle.writelines(f"{name},{step},{value}\n" for name, points in self.eval_history.items() for step, value in points)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

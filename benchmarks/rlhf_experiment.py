@@ -62,8 +62,7 @@ def main() -> None:
          f"trainer.max_steps={args.ppo_rollouts}", *args.ppo_override],
     )  # fmt: skip
     ppo_dir = run_ppo(ppo_config)
-    log = ppo_dir / "csv" / "metrics.csv"
-    gt, rm_score = series(log, "eval/gt_score"), series(log, "eval/rm_score")
+    gt, rm_score = series(ppo_dir / "eval.csv", "eval/gt_score"), series(ppo_dir / "eval.csv", "eval/rm_score")
     kl = series(ppo_dir / "kl.csv", "ppo/kl")
     results = {
         "rm_heldout_accuracy": rm_accuracy[-1][1] if rm_accuracy else None,

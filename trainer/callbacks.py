@@ -310,6 +310,13 @@ class ExportFinal(L.Callback):
         self.tokenizer_path = tokenizer_path
         self.metadata = metadata or {}
         self.attribute = attribute
+        self._exported = False
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A run resumed from its checkpoint at max_steps skips the training loop, and with it on_train_end:
+        export here instead (single process; under several processes the group may be gone by now)."""
+        if not self._exported and trainer.world_size == 1 and trainer.global_step >= (trainer.max_steps or 0):
+            self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "failed", False):
@@ -337,3 +344,4 @@ class ExportFinal(L.Callback):
                 save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)
             log.info("exported the final model to %s", self.directory)
         trainer.strategy.barrier("export-final")
+        self._exported = True
