@@ -205,7 +205,7 @@ class Pipeline:
             resume = record is None and bool(pending) and pending["hash"] == digest  # interrupted, same config
             self.train(stage, config, digest, resume)
             if resume and not final.is_dir():
-                # its last checkpoint was already at max_steps: Lightning then skips on_train_end and the export
+                # the stage's export is the only way a model leaves a run; never record a stage without one
                 log.warning("%s: the resumed run exported no final model; training it again from scratch", stage)
                 self.train(stage, config, digest, resume=False)
             if not final.is_dir():
