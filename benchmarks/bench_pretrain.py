@@ -119,16 +119,9 @@ def prepared_data(args: argparse.Namespace, scratch: Path) -> Path:
 
 def loader_alone(config, batches: int) -> float:
     """Seconds per batch of the training DataLoader iterated on its own (what the step waits for at most)."""
-    from data.pretrain_datamodule import PretrainDataModule
+    from trainer.pretrain import pretrain_datamodule
 
-    datamodule = PretrainDataModule(
-        config.data.out_dir,
-        config.loader.seq_len,
-        config.loader.micro_batch_size,
-        document_masking=config.loader.document_masking,
-        seed=config.run.seed,
-        num_workers=config.loader.num_workers,
-    )
+    datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")
     iterator = iter(datamodule.train_dataloader())
     next(iterator)  # first batch: worker start-up, not steady state
@@ -139,20 +132,11 @@ def loader_alone(config, batches: int) -> float:
 
 
 def train_once(config, args: argparse.Namespace) -> dict:
-    from data.pretrain_datamodule import PretrainDataModule
     from trainer.build import make_trainer, run_directory
     from trainer.callbacks import DataProgress, Throughput
-    from trainer.pretrain import PretrainModule
+    from trainer.pretrain import PretrainModule, pretrain_datamodule
 
-    datamodule = PretrainDataModule(
-        config.data.out_dir,
-        config.loader.seq_len,
-        config.loader.micro_batch_size,
-        document_masking=config.loader.document_masking,
-        seed=config.run.seed,
-        num_workers=config.loader.num_workers,
-        val_batches=config.loader.val_batches,
-    )
+    datamodule = pretrain_datamodule(config)
     timer = StepTimer(lambda: measure_peaks(args), args.peak_every)
     tokens_per_step = config.loader.micro_batch_size * config.loader.seq_len
     callbacks = [

@@ -13,7 +13,7 @@ each document alone would. Left padding is the same mechanism: padding is simply
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 

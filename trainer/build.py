@@ -186,6 +186,16 @@ def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path) -> str | None
     return str(path)
 
 
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, closed when a run stops on an error (NaN loss, interrupt) so it does not print
+    itself once more when the interpreter exits."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        for bar in (self._train_progress_bar, self._val_progress_bar):
+            if bar is not None:
+                bar.close()
+
+
 def make_trainer(
     config: TrainerConfig,
     *,
@@ -213,7 +223,7 @@ def make_trainer(
         log_every_n_steps=config.log_every_n_steps,
         logger=logger,
         # tqdm: plain progress lines that read well in logs and CI as well as in a terminal
-        callbacks=[TQDMProgressBar(refresh_rate=1), *callbacks],
+        callbacks=[ProgressBar(refresh_rate=1), *callbacks],
         enable_checkpointing=False,  # trainer.callbacks.AtomicCheckpoint saves instead
         use_distributed_sampler=False,  # the datamodules shard (and resume) their own samplers
         default_root_dir=str(run_dir),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -58,13 +57,27 @@ class PretrainModule(LanguageModelModule):
         self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, sync_dist=True)
 
 
+def pretrain_datamodule(config: PretrainConfig):
+    """The packed-window datamodule a pretraining config describes."""
+    from data.pretrain_datamodule import PretrainDataModule
+
+    return PretrainDataModule(
+        config.data.out_dir,
+        config.loader.seq_len,
+        config.loader.micro_batch_size,
+        document_masking=config.loader.document_masking,
+        seed=config.run.seed,
+        num_workers=config.loader.num_workers,
+        val_batches=config.loader.val_batches,
+    )
+
+
 def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train; returns the run folder (None on ranks other than 0).
 
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
     repeated per rank and must be idempotent.
     """
-    from data.pretrain_datamodule import PretrainDataModule
     from data.prepare import check_manifest
     from data.tokenizer import Tokenizer
     from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
@@ -78,15 +91,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     if config.loader.seq_len > config.model.max_seq_len:
         raise ConfigError(f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})")
     check_manifest(config.data.out_dir, tokenizer)
-    datamodule = PretrainDataModule(
-        config.data.out_dir,
-        config.loader.seq_len,
-        config.loader.micro_batch_size,
-        document_masking=config.loader.document_masking,
-        seed=config.run.seed,
-        num_workers=config.loader.num_workers,
-        val_batches=config.loader.val_batches,
-    )
+    datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
 
     run_dir = start_run_directory(config)

@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from models.model import ModelConfig, Transformer
 from trainer.optim import build_optimizer, parameter_groups, warmup_cosine
