@@ -407,12 +407,10 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
     return models
 
 
-def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None) -> "Path | None":
+def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None) -> Path | None:
     """Check everything that can be checked, then run PPO; returns the run folder on rank 0, else None.
 
     ``reward_fn`` replaces the reward model (tests, or a programmatic reward)."""
-    from pathlib import Path
-
     from data.prompts import PromptDataModule
     from data.tokenizer import Tokenizer
     from trainer.build import check_trainer_config, fit_stage, start_run_directory
@@ -426,7 +424,7 @@ def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: R
     datamodule.setup("fit")
 
     run_dir = start_run_directory(config)
-    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    tokenizer_file = tokenizer.file
     callbacks = [
         DataProgress(),
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),

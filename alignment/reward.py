@@ -188,7 +188,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    tokenizer_file = tokenizer.file
     mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
     callbacks = [
         DataProgress(),  # first: the batch counts as consumed before any callback may checkpoint

@@ -169,7 +169,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    tokenizer_file = tokenizer.file
     callbacks = [
         DataProgress(),
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),

@@ -43,10 +43,6 @@ class PreferenceDataModule(PlanDataModule):
         num_workers: int = 0,
         val_micro_batch_size: int | None = None,
     ):
-        if micro_batch_size < 1 or accumulate_grad_batches < 1:
-            raise ValueError(
-                f"micro_batch_size and accumulate_grad_batches must be >= 1, got {micro_batch_size}, {accumulate_grad_batches}"
-            )
         super().__init__(
             normalize_config(config),
             micro_batch_size=micro_batch_size,

@@ -65,6 +65,12 @@ class PlanDataModule(StreamDataModule):
         val_micro_batch_size: int | None,
     ):
         super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if val_micro_batch_size is not None and val_micro_batch_size < 1:
+            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
         self.config = config
         self.seq_len = self.config.seq_len
         self.micro_batch_size = micro_batch_size
@@ -136,12 +142,6 @@ class SFTDataModule(PlanDataModule):
         num_workers: int = 0,
         val_micro_batch_size: int | None = None,
     ):
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        if val_micro_batch_size is not None and val_micro_batch_size < 1:
-            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
         super().__init__(
             normalize_config(config),
             micro_batch_size=micro_batch_size,

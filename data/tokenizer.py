@@ -306,6 +306,11 @@ class Tokenizer:
     def is_special(self, id: int) -> bool:
         return id >= self.num_base_tokens
 
+    @property
+    def file(self) -> str | None:
+        """The rank file it was read from, to copy beside a checkpoint; None for cl100k_base (a package's data)."""
+        return self.path if Path(self.path).is_file() else None
+
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
 

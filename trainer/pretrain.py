@@ -95,7 +95,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
 
     run_dir = start_run_directory(config)
-    tokenizer_file = tokenizer.path if Path(str(tokenizer.path)).is_file() else None
+    tokenizer_file = tokenizer.file
     callbacks = [
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
         DataProgress(),
