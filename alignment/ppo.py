@@ -11,6 +11,7 @@ reference and training passes all compute log-probs with ``logprobs_and_entropy`
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,7 +385,8 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
             f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + ppo.response_max_tokens "
             f"({config.ppo.response_max_tokens}) exceed the policy's max_seq_len ({policy.config.max_seq_len})"
         )
-    models: dict[str, Any] = {"policy": policy, "reference": load_checkpoint(config.init.policy, dtype=torch.float32), "reward_model": None, "reward_stats": {}}
+    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
+    models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy), "reward_model": None, "reward_stats": {}}
     if reward_fn is None:
         if not config.init.reward_model:
             raise ConfigError("init.reward_model is required: the reward-model folder (`lantern rm`)")
@@ -397,10 +399,12 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
         check_same_tokenizer(tokenizer, config.init.reward_model, key="data.tokenizer (the reward model's)")
         models["reward_model"] = reward_model
         models["reward_stats"] = {k: metadata[k] for k in ("reward_mean", "reward_std") if k in metadata}
-    if config.init.critic == "reward_model" and config.init.reward_model:
+    if config.init.critic == "reward_model" and models["reward_model"] is not None:
+        critic = copy.deepcopy(models["reward_model"])
+    elif config.init.critic == "reward_model" and config.init.reward_model:  # a reward_fn run may still name an RM
         critic = load_scalar_model(config.init.reward_model)[0]
     else:
-        critic = ScalarModel.from_backbone(load_checkpoint(config.init.policy, dtype=torch.float32), init="zeros")
+        critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
     if not critic.config.tie_embeddings:
         critic.backbone.output.weight.requires_grad_(False)  # the critic never uses an LM head; DDP needs every trained weight used
     models["critic"] = critic
