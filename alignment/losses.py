@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from models.loss import IGNORE_INDEX
@@ -28,7 +29,9 @@ def per_example_mean(token_losses: Tensor, targets: Tensor, document_ids: Tensor
     keys = (torch.arange(batch, device=targets.device)[:, None] * (seq_len + 1) + document_ids)[valid]
     _, example_index = torch.unique(keys, return_inverse=True)
     count = int(example_index.max()) + 1 if example_index.numel() else 0
-    sums = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(0, example_index, token_losses[valid])
+    sums = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
+        0, example_index, token_losses[valid]
+    )
     sizes = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
         0, example_index, torch.ones_like(token_losses[valid])
     )
@@ -88,7 +91,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: Literal["k1", "k3"] = 
         return log_ratio
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with r = ref/policy: unbiased, >= 0
-    raise ValueError(f"ppo.kl.estimator must be 'k1' or 'k3', got {estimator!r}")
+    raise ValueError(f"ppo.kl_estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
 def masked_mean(values: Tensor, mask: Tensor, reduce_sum=identity) -> Tensor:
@@ -151,7 +154,9 @@ def ppo_policy_loss(
     return loss, stats
 
 
-def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_value: float, token_count: Tensor) -> Tensor:
+def ppo_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_value: float, token_count: Tensor
+) -> Tensor:
     """Clipped value loss: the critic may not move further than ``clip_value`` from its rollout estimate
     unless that also lowers the error."""
     clipped = old_values + (values - old_values).clamp(-clip_value, clip_value)
@@ -170,9 +175,11 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, reduce_sum
 class KLController:
     """β of the KL penalty: fixed, or adaptive (Ziegler et al. 2019) toward a target KL per sequence."""
 
-    def __init__(self, coef: float, *, adaptive: bool = False, target: float | None = None, horizon: int = 10000) -> None:
+    def __init__(
+        self, coef: float, *, adaptive: bool = False, target: float | None = None, horizon: int = 10000
+    ) -> None:
         if adaptive and (target is None or target <= 0 or horizon <= 0):
-            raise ValueError("ppo.kl.adaptive needs ppo.kl.target > 0 and ppo.kl.horizon > 0")
+            raise ValueError("ppo.kl_adaptive needs ppo.kl_target > 0 and ppo.kl_horizon > 0")
         self.value = coef
         self.adaptive = adaptive
         self.target = target
@@ -189,3 +196,78 @@ class KLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Critic-free RL: advantages from a group of G sampled responses to the same prompt. ``scores`` is
+# (num_prompts, G); each response's advantage applies to all of its tokens.
+
+
+def group_advantages(
+    scores: Tensor, *, baseline: Literal["grpo", "rloo"] = "grpo", scale: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO: (score − group mean) / group std (``scale=False`` keeps the difference, as Dr. GRPO argues, so
+    near-unanimous groups are not blown up). RLOO: score − mean of the *other* G − 1 scores, an unbiased
+    baseline because it does not depend on the response it judges. A group whose scores are all equal gets
+    zero advantage either way: it says nothing about which response is better."""
+    scores = scores.float()
+    group = scores.shape[-1]
+    if group < 2:
+        raise ValueError(f"group advantages need at least 2 samples per prompt, got {group}")
+    if baseline == "grpo":
+        centred = scores - scores.mean(-1, keepdim=True)
+        return centred / (scores.std(-1, keepdim=True) + eps) if scale else centred
+    if baseline == "rloo":
+        others_mean = (scores.sum(-1, keepdim=True) - scores) / (group - 1)
+        return scores - others_mean
+    raise ValueError(f"baseline must be 'grpo' or 'rloo', got {baseline!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Direct preference optimisation. Inputs are (B,) sequence log-probabilities of the chosen and rejected
+# responses under the policy and the frozen reference: sums over response tokens for DPO, means over
+# response tokens for IPO and SimPO (their papers' length normalisation; the caller reduces accordingly).
+
+PreferenceLoss = Literal["dpo", "ipo", "simpo"]
+
+
+def preference_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    reference_chosen: Tensor | None,
+    reference_rejected: Tensor | None,
+    *,
+    kind: PreferenceLoss = "dpo",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-pair losses (B,) and the implicit rewards of chosen and rejected, (B,) each, for logging margins
+    and accuracy (chosen reward > rejected reward).
+
+    - ``dpo`` (Rafailov et al. 2023): −log σ(β·h), h = (π_c − ref_c) − (π_r − ref_r); with label smoothing ε
+      (conservative DPO) −(1−ε)·log σ(β·h) − ε·log σ(−β·h). Policy = reference gives log 2.
+    - ``ipo`` (Azar et al. 2023): (h − 1/(2β))², which stops pushing once the margin reaches 1/(2β) instead of
+      driving it to infinity on deterministic preferences.
+    - ``simpo`` (Meng et al. 2024): −log σ(β·(π_c − π_r) − γ) with no reference model at all.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if kind == "simpo":
+        chosen_rewards, rejected_rewards = beta * policy_chosen, beta * policy_rejected
+        logits = chosen_rewards - rejected_rewards - simpo_gamma
+    elif kind in ("dpo", "ipo"):
+        if reference_chosen is None or reference_rejected is None:
+            raise ValueError(f"{kind} needs the reference model's log-probabilities")
+        chosen_rewards = beta * (policy_chosen - reference_chosen)
+        rejected_rewards = beta * (policy_rejected - reference_rejected)
+        logits = chosen_rewards - rejected_rewards
+        if kind == "ipo":
+            margin = logits / beta
+            return (margin - 1 / (2 * beta)).square(), chosen_rewards.detach(), rejected_rewards.detach()
+    else:
+        raise ValueError(f"loss must be 'dpo', 'ipo' or 'simpo', got {kind!r}")
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()

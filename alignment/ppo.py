@@ -12,16 +12,17 @@ reference and training passes all compute log-probs with ``logprobs_and_entropy`
 from __future__ import annotations
 
 import copy
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from alignment.evaluation import answer_prompts
-from alignment.reward import normalize_reward
 from alignment.losses import (
     KLController,
     explained_variance,
@@ -34,6 +35,7 @@ from alignment.losses import (
     ppo_value_loss,
     token_rewards,
 )
+from alignment.reward import normalize_reward
 from models.generation import generate, ids_and_positions, left_pad
 from models.heads import ScalarModel, gather_last
 from models.model import Transformer
@@ -41,6 +43,8 @@ from trainer.config import PPOConfig, to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.optim import build_optimizer
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, unsharded_for_generation
+
+log = logging.getLogger(__name__)
 
 RewardFunction = Callable[[Tensor, Tensor], Tensor]  # (input_ids (B, T), real mask (B, T)) -> scores (B,)
 
@@ -57,7 +61,9 @@ class Rollout:
     returns: Tensor  # (B, N)
 
 
-def response_logprobs(model: Transformer, input_ids: Tensor, real: Tensor, prompt_len: int, temperature: float) -> tuple[Tensor, Tensor]:
+def response_logprobs(
+    model: Transformer, input_ids: Tensor, real: Tensor, prompt_len: int, temperature: float
+) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies (B, N) of the response tokens (positions prompt_len..) of left-padded prompt +
     right-padded response rows; ``real`` marks real tokens. Rollout, reference and training all use this."""
     document_ids, position_ids = ids_and_positions(real)
@@ -96,9 +102,14 @@ class PPOModule(LanguageModelModule):
         self.reward_fn = reward_fn
         self.reward_stats = reward_stats or {}
         ppo = config.ppo
-        self.kl_controller = KLController(ppo.kl_coef, adaptive=ppo.kl_adaptive, target=ppo.kl_target, horizon=ppo.kl_horizon)
+        self.kl_controller = KLController(
+            ppo.kl_coef, adaptive=ppo.kl_adaptive, target=ppo.kl_target, horizon=ppo.kl_horizon
+        )
         self.eval_history: dict[str, list[tuple[int, float]]] = {}
-        self.sampler = torch.Generator().manual_seed(config.run.seed)
+        # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
+        # on another device), which is only known once Lightning has placed the module: see on_fit_start.
+        self.sampler: torch.Generator | None = None
+        self._pending_sampler_state: tuple[str, Tensor] | None = None  # from a checkpoint, applied in on_fit_start
 
     # ---- setup ----
 
@@ -111,9 +122,25 @@ class PPOModule(LanguageModelModule):
         dtype = torch.bfloat16 if self.config.ppo.frozen_dtype == "bfloat16" else torch.float32
         for name, model in self.frozen.items():
             self.frozen[name] = model.to(device=device, dtype=dtype)
+        self.sampler = torch.Generator(self.device).manual_seed(self.config.run.seed)
+        if self._pending_sampler_state is not None:
+            device_type, state = self._pending_sampler_state
+            if device_type == self.device.type:
+                self.sampler.set_state(state)
+            else:  # CPU and CUDA generator states are different things: resume reproducibly, not identically
+                log.warning(
+                    "the checkpoint's PPO sampler state is for %s, this run samples on %s: reseeding with run.seed + step",
+                    device_type, self.device.type,
+                )  # fmt: skip
+                self.sampler.manual_seed(self.config.run.seed + self.global_step)
+            self._pending_sampler_state = None
 
     def configure_optimizers(self) -> list[dict[str, Any]]:
-        total_updates = self.config.trainer.max_steps * self.config.ppo.epochs * (self.config.ppo.rollout_batch_size // self.config.ppo.minibatch_size)
+        total_updates = (
+            self.config.trainer.max_steps
+            * self.config.ppo.epochs
+            * (self.config.ppo.rollout_batch_size // self.config.ppo.minibatch_size)
+        )
         optimizers = []
         for module, optim in ((self.model, self.config.optim), (self.critic, self.config.critic_optim)):
             optimizer, schedule = build_optimizer(
@@ -138,7 +165,13 @@ class PPOModule(LanguageModelModule):
         train_stats = self.update(rollout)
         train_time = time.perf_counter() - start - rollout_time
         self.kl_controller.update(rollout_stats["kl"], len(prompts) * self.trainer.world_size)
-        metrics = {**rollout_stats, **train_stats, "kl_coef": self.kl_controller.value, "rollout_time": rollout_time, "train_time": train_time}
+        metrics = {
+            **rollout_stats,
+            **train_stats,
+            "kl_coef": self.kl_controller.value,
+            "rollout_time": rollout_time,
+            "train_time": train_time,
+        }
         metrics["generation_share"] = rollout_stats["generation_time"] / (rollout_time + train_time)
         for name, value in metrics.items():
             self.log(f"ppo/{name}", float(value), on_step=True, prog_bar=name in ("score", "kl"), rank_zero_only=True)
@@ -164,6 +197,7 @@ class PPOModule(LanguageModelModule):
                 self.model, [p["prompt_ids"] for p in prompts], max_new_tokens=ppo.response_max_tokens,
                 temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p, stop_ids=tokenizer.stop_ids,
                 pad_id=tokenizer.pad_id, generator=self.sampler,
+                compile=self.config.trainer.compile and self.device.type == "cuda",  # CUDA graphs; CPU stays eager
             )  # fmt: skip
         generation_time = time.perf_counter() - start
         prompt_ids, prompt_real = left_pad([p["prompt_ids"] for p in prompts], tokenizer.pad_id, self.device)
@@ -177,7 +211,7 @@ class PPOModule(LanguageModelModule):
         for rows in self._micro_batches(torch.arange(len(prompts))):
             old_logp.append(self._policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
             values.append(self._values(input_ids[rows], real[rows], P))
-            ref_logp.append(self._policy_logprobs(self.frozen["reference"], input_ids[rows], real[rows], P)[0])
+            ref_logp.append(self._reference_logprobs(input_ids[rows], real[rows], P))
         old_logp, values, ref_logp = torch.cat(old_logp), torch.cat(values), torch.cat(ref_logp)
         raw_scores = self._scores(input_ids, real)
         scores = normalize_reward(raw_scores, self.reward_stats)
@@ -194,7 +228,12 @@ class PPOModule(LanguageModelModule):
         advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
             advantages = masked_whiten(advantages, mask, reduce_sum=self._sum_over_ranks)
-        mean = lambda x: self._sum_over_ranks(torch.stack([x.float().sum(), torch.tensor(float(x.numel()), device=self.device)]))  # noqa: E731
+
+        def mean(x):
+            return self._sum_over_ranks(
+                torch.stack([x.float().sum(), torch.tensor(float(x.numel()), device=self.device)])
+            )
+
         stats = {
             "score": self._ratio(mean(scores)),
             "raw_score": self._ratio(mean(raw_scores)),
@@ -218,6 +257,14 @@ class PPOModule(LanguageModelModule):
 
     def _policy_logprobs(self, model, input_ids: Tensor, real: Tensor, P: int) -> tuple[Tensor, Tensor]:
         return response_logprobs(model, input_ids, real, P, self.config.ppo.temperature)
+
+    def _reference_logprobs(self, input_ids: Tensor, real: Tensor, P: int) -> Tensor:
+        """The frozen reference's log-probs, computed where it lives (ppo.frozen_device may be cpu while the
+        policy is on a GPU) and returned on the policy's device in fp32."""
+        reference = self.frozen["reference"]
+        device = next(reference.parameters()).device
+        logp = self._policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]
+        return logp.to(device=self.device, dtype=torch.float32)
 
     def _values(self, input_ids: Tensor, real: Tensor, P: int) -> Tensor:
         return response_values(self.critic, input_ids, real, P)
@@ -244,17 +291,28 @@ class PPOModule(LanguageModelModule):
         batch = rollout.mask.shape[0]
         for epoch in range(ppo.epochs):
             # The first epoch keeps the rollout's order (and so its micro-batches): the ratio starts at exactly 1.
-            order = torch.arange(batch) if epoch == 0 else torch.randperm(batch, generator=self.sampler)
+            # randperm's output must be on its generator's device
+            order = (
+                torch.arange(batch, device=self.device)
+                if epoch == 0
+                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device)
+            )
             for start in range(0, batch, ppo.minibatch_size):
                 rows = order[start : start + ppo.minibatch_size]
                 # normalise by the valid tokens of the whole minibatch on all ranks, whatever its micro-batching
                 token_count = self._sum_over_ranks(rollout.mask[rows].sum().float()).clamp(min=1)
                 for micro in self._micro_batches(rows):
                     mask = rollout.mask[micro]
-                    logp, entropy = self._policy_logprobs(self.model, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len)
+                    logp, entropy = self._policy_logprobs(
+                        self.model, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len
+                    )
                     values = self._values(rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len)
-                    policy_loss, stats = ppo_policy_loss(logp, rollout.old_logp[micro], rollout.advantages[micro], mask, ppo.clip_ratio, token_count)
-                    value_loss = ppo_value_loss(values, rollout.values[micro], rollout.returns[micro], mask, ppo.clip_value, token_count)
+                    policy_loss, stats = ppo_policy_loss(
+                        logp, rollout.old_logp[micro], rollout.advantages[micro], mask, ppo.clip_ratio, token_count
+                    )
+                    value_loss = ppo_value_loss(
+                        values, rollout.values[micro], rollout.returns[micro], mask, ppo.clip_value, token_count
+                    )
                     entropy_sum = (entropy * mask).sum()
                     loss = value_loss
                     if train_policy:
@@ -263,7 +321,14 @@ class PPOModule(LanguageModelModule):
                     self.manual_backward(loss * self.trainer.world_size)
                     if epoch == 0 and start == 0:
                         deviation = ((logp - rollout.old_logp[micro]).abs() * mask).max().detach()
-                        first += torch.stack([stats["approx_kl"], stats["clip_fraction"], torch.zeros_like(deviation), mask.sum().float()])
+                        first += torch.stack(
+                            [
+                                stats["approx_kl"],
+                                stats["clip_fraction"],
+                                torch.zeros_like(deviation),
+                                mask.sum().float(),
+                            ]
+                        )
                         first[2] = torch.maximum(first[2], deviation)
                     totals += torch.stack([
                         policy_loss.detach() * token_count, value_loss.detach() * token_count, entropy_sum.detach(),
@@ -304,7 +369,13 @@ class PPOModule(LanguageModelModule):
 
         prompts = self.trainer.datamodule.val_prompts[: self.config.eval.generations]
         mine = prompts[self.global_rank :: self.trainer.world_size]
-        answers = answer_prompts(self.model, self.tokenizer, [p["prompt_ids"] for p in mine], max_new_tokens=self.config.ppo.response_max_tokens, batch_size=self.config.eval.batch_size)
+        answers = answer_prompts(
+            self.model,
+            self.tokenizer,
+            [p["prompt_ids"] for p in mine],
+            max_new_tokens=self.config.ppo.response_max_tokens,
+            batch_size=self.config.eval.batch_size,
+        )
         sums = torch.zeros(6, device=self.device)  # gt score, count, exact, count, rm score, count
         for prompt, answer in zip(mine, answers):
             record = prompt["record"]
@@ -327,7 +398,12 @@ class PPOModule(LanguageModelModule):
         if not self.trainer.is_global_zero or not hasattr(self.logger, "log_table"):
             return
         rows = [
-            [self.global_step, self.tokenizer.decode(p["prompt_ids"]), self.tokenizer.decode(tokens[i][mask[i]].tolist()), float(scores[i])]
+            [
+                self.global_step,
+                self.tokenizer.decode(p["prompt_ids"]),
+                self.tokenizer.decode(tokens[i][mask[i]].tolist()),
+                float(scores[i]),
+            ]
             for i, p in enumerate(prompts[: self.config.eval.table_rows])
         ]
         self.logger.log_table(key="ppo/samples", columns=["rollout", "prompt", "response", "score"], data=rows)
@@ -338,25 +414,37 @@ class PPOModule(LanguageModelModule):
             from trainer.plots import plot_curves
 
             run_dir = Path(self.trainer.default_root_dir)
-            plot_curves(self.eval_history, run_dir / "eval.png", title="PPO: greedy answers to held-out prompts", xlabel="rollout", ylabel="score")
+            plot_curves(
+                self.eval_history,
+                run_dir / "eval.png",
+                title="PPO: greedy answers to held-out prompts",
+                xlabel="rollout",
+                ylabel="score",
+            )
             with open(run_dir / "eval.csv", "w") as handle:
                 handle.write("metric,step,value\n")
-                handle.writelines(f"{name},{step},{value}\n" for name, points in self.eval_history.items() for step, value in points)
+                handle.writelines(
+                    f"{name},{step},{value}\n" for name, points in self.eval_history.items() for step, value in points
+                )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["ppo"] = {"kl_controller": self.kl_controller.state_dict(), "sampler": self.sampler.get_state(), "eval_history": self.eval_history}
+        checkpoint["ppo"] = {
+            "kl_controller": self.kl_controller.state_dict(), "eval_history": self.eval_history,
+            "sampler": self.sampler.get_state(), "sampler_device": self.sampler.device.type,  # get_state is a CPU tensor
+        }  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint["ppo"]
         self.kl_controller.load_state_dict(state["kl_controller"])
-        self.sampler.set_state(state["sampler"])
+        # Lightning restores before on_fit_start, where the sampler is created on the module's device
+        self._pending_sampler_state = (state.get("sampler_device", "cpu"), state["sampler"])
         self.eval_history = {k: [tuple(p) for p in v] for k, v in state["eval_history"].items()}
 
 
 def check_ppo_config(config: PPOConfig) -> None:
-    from trainer.errors import ConfigError
+    from models.errors import ConfigError
 
     ppo = config.ppo
     if ppo.rollout_batch_size % ppo.minibatch_size or ppo.minibatch_size % ppo.micro_batch_size:
@@ -365,7 +453,9 @@ def check_ppo_config(config: PPOConfig) -> None:
             f"({ppo.minibatch_size}), and that of ppo.micro_batch_size ({ppo.micro_batch_size})"
         )
     if config.trainer.accumulate_grad_batches != 1:
-        raise ConfigError("trainer.accumulate_grad_batches must be 1 for PPO: accumulate with ppo.minibatch_size / ppo.micro_batch_size")
+        raise ConfigError(
+            "trainer.accumulate_grad_batches must be 1 for PPO: accumulate with ppo.minibatch_size / ppo.micro_batch_size"
+        )
     if not config.init.policy:
         raise ConfigError("init.policy is required: the SFT model folder PPO starts from")
 
@@ -373,9 +463,9 @@ def check_ppo_config(config: PPOConfig) -> None:
 def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction | None) -> dict[str, Any]:
     """Policy and reference (the SFT model), reward model and critic, checked to agree before any compute."""
     from models.checkpoint import load_checkpoint
+    from models.errors import ConfigError
     from models.heads import load_scalar_model
     from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
-    from trainer.errors import ConfigError
 
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
     check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
@@ -386,7 +476,12 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
             f"({config.ppo.response_max_tokens}) exceed the policy's max_seq_len ({policy.config.max_seq_len})"
         )
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
-    models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy), "reward_model": None, "reward_stats": {}}
+    models: dict[str, Any] = {
+        "policy": policy,
+        "reference": copy.deepcopy(policy),
+        "reward_model": None,
+        "reward_stats": {},
+    }
     if reward_fn is None:
         if not config.init.reward_model:
             raise ConfigError("init.reward_model is required: the reward-model folder (`lantern rm`)")
@@ -406,12 +501,16 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
     else:
         critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
     if not critic.config.tie_embeddings:
-        critic.backbone.output.weight.requires_grad_(False)  # the critic never uses an LM head; DDP needs every trained weight used
+        critic.backbone.output.weight.requires_grad_(
+            False
+        )  # the critic never uses an LM head; DDP needs every trained weight used
     models["critic"] = critic
     return models
 
 
-def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None) -> Path | None:
+def run_ppo(
+    config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None
+) -> Path | None:
     """Check everything that can be checked, then run PPO; returns the run folder on rank 0, else None.
 
     ``reward_fn`` replaces the reward model (tests, or a programmatic reward)."""
@@ -432,8 +531,20 @@ def run_ppo(config: PPOConfig, extra_callbacks: list | None = None, reward_fn: R
     callbacks = [
         DataProgress(),
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
-        LossPlot(run_dir, metrics=("ppo/score", "ppo/reward"), title="PPO: reward-model score and total reward per rollout", filename="reward.png", ylabel="mean per sequence"),
-        LossPlot(run_dir, metrics=("ppo/kl",), title="PPO: KL to the reference per sequence", filename="kl.png", ylabel="KL (nats)"),
+        LossPlot(
+            run_dir,
+            metrics=("ppo/score", "ppo/reward"),
+            title="PPO: reward-model score and total reward per rollout",
+            filename="reward.png",
+            ylabel="mean per sequence",
+        ),
+        LossPlot(
+            run_dir,
+            metrics=("ppo/kl",),
+            title="PPO: KL to the reference per sequence",
+            filename="kl.png",
+            ylabel="KL (nats)",
+        ),
         LossPlot(run_dir, metrics=("ppo/policy_loss", "ppo/value_loss"), title="PPO losses", filename="loss.png"),
         ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "ppo", "tokenizer": str(tokenizer.path)}),
         *(extra_callbacks or []),

@@ -101,7 +101,13 @@ class RewardModule(LanguageModelModule):
         # shares summed over micro-batches here and over ranks by the sync: the step's means over all its pairs
         for name, value in zip(("loss", "accuracy", "margin"), self._step_totals.clone()):
             self.log(
-                f"train/{name}", value, on_step=True, on_epoch=False, prog_bar=name != "margin", sync_dist=True, reduce_fx="sum"
+                f"train/{name}",
+                value,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=name != "margin",
+                sync_dist=True,
+                reduce_fx="sum",
             )
         self._step_totals.zero_()
 
@@ -145,7 +151,11 @@ class RewardModule(LanguageModelModule):
 
     def export_metadata(self) -> dict[str, Any]:
         """ExportFinal's metadata, called on every rank at the end of training."""
-        metadata: dict[str, Any] = {"stage": "rm", "tokenizer": str(self.tokenizer.path), "margin": self.config.loss.margin}
+        metadata: dict[str, Any] = {
+            "stage": "rm",
+            "tokenizer": str(self.tokenizer.path),
+            "margin": self.config.loss.margin,
+        }
         if self.config.loss.normalize_rewards:
             metadata.update(self.reward_normalization())
         return metadata
@@ -167,10 +177,10 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
     from data.preference_datamodule import PreferenceDataModule
     from data.tokenizer import Tokenizer
+    from models.errors import ConfigError
     from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
     from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
     from trainer.checks import check_initial_model
-    from trainer.errors import ConfigError
 
     check_trainer_config(config.trainer)
     if config.loss.normalization_pairs < 1:
@@ -208,7 +218,9 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
             ylabel="pairwise accuracy",
         ),
         # metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
-        ExportFinal(run_dir / "final", tokenizer_file, metadata=lambda module: module.export_metadata(), attribute="model"),
+        ExportFinal(
+            run_dir / "final", tokenizer_file, metadata=lambda module: module.export_metadata(), attribute="model"
+        ),
         *(extra_callbacks or []),
     ]
     return fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from alignment.evaluation import answer_prompts, exact_match
 from alignment.losses import per_example_mean, sft_loss_contribution
+from models.errors import ConfigError
 from models.model import Transformer
 from trainer.config import SFTConfig, to_dict
 from trainer.lm_module import LanguageModelModule
@@ -62,7 +64,15 @@ class SFTModule(LanguageModelModule):
         return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.log("train/loss", self._step_loss.clone(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True, reduce_fx="sum")
+        self.log(
+            "train/loss",
+            self._step_loss.clone(),
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            sync_dist=True,
+            reduce_fx="sum",
+        )
         self._step_loss.zero_()
 
     # ---- validation: loss by answer length, then greedy answers ----
@@ -97,23 +107,30 @@ class SFTModule(LanguageModelModule):
         budget = self.config.eval.generations
         examples = self.trainer.datamodule.val_examples[:budget]
         mine = examples[self.global_rank :: self.trainer.world_size]
-        margin = self.config.eval.max_new_tokens_margin
-        answers = answer_prompts(
-            self.model,
-            self.tokenizer,
-            [example["prompt_ids"] for example in mine],
-            max_new_tokens=[len(self.tokenizer.encode(e["reference"])) + margin for e in mine],
-            batch_size=self.config.eval.batch_size,
-        )
-        # [correct, total] for short then long examples
-        counts = torch.zeros(2 * len(KINDS), device=self.device)
+        answers = [""] * len(mine)
+        cut = 0
+        for batch in plan_generations(mine, self.tokenizer, self.config, self.model.config.max_seq_len):
+            cut += batch.cut
+            replies = answer_prompts(
+                self.model,
+                self.tokenizer,
+                [mine[i]["prompt_ids"] for i in batch.indices],
+                max_new_tokens=batch.budgets,
+                batch_size=len(batch.indices),  # one generate call: its budgets were fitted to its longest prompt
+            )
+            for index, reply in zip(batch.indices, replies):
+                answers[index] = reply
+        # [correct, total] for short then long examples, then the cut references: one all-reduce
+        counts = torch.zeros(2 * len(KINDS) + 1, device=self.device)
         for example, answer in zip(mine, answers):
             index = 2 * KINDS.index(example["kind"])
             counts[index] += float(exact_match(answer, example["reference"]))
             counts[index + 1] += 1
+        counts[-1] = cut
         counts = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        counts, cut = counts[:-1], counts[-1]
         self._write_samples(mine, answers)
-        metrics = {}
+        metrics = {"val/cut_references": cut}
         if sum(counts[1::2]):
             metrics["val/accuracy"] = sum(counts[0::2]) / sum(counts[1::2])
         for index, kind in enumerate(KINDS):
@@ -126,7 +143,13 @@ class SFTModule(LanguageModelModule):
         if not self.trainer.is_global_zero or not examples:
             return
         rows = [
-            [self.global_step, self.tokenizer.decode(e["prompt_ids"]), e["reference"], a, exact_match(a, e["reference"])]
+            [
+                self.global_step,
+                self.tokenizer.decode(e["prompt_ids"]),
+                e["reference"],
+                a,
+                exact_match(a, e["reference"]),
+            ]
             for e, a in zip(examples, answers)
         ][: self.config.eval.table_rows]
         columns = ["step", "prompt", "reference", "answer", "correct"]
@@ -136,6 +159,55 @@ class SFTModule(LanguageModelModule):
         with open(path, "a") as handle:
             for row in rows:
                 handle.write(json.dumps(dict(zip(columns, row))) + "\n")
+
+
+@dataclass
+class GenerationBatch:
+    indices: list[int]  # into the examples planned
+    budgets: list[int]  # max_new_tokens of each
+    cut: int  # examples whose reference is longer than their budget: exact match is impossible for them
+
+
+def plan_generations(
+    examples: list[dict], tokenizer: Any, config: SFTConfig, max_seq_len: int
+) -> list[GenerationBatch]:
+    """Validation generations in batches of eval.batch_size by prompt length, each budget the reference's
+    length plus eval.max_new_tokens_margin, cut to what the context leaves after the batch's longest prompt.
+    A reference that no longer fits is counted as cut (and can only score 0); a prompt that leaves no room
+    at all is a ConfigError naming the example."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["prompt_ids"]))
+    batches = []
+    for start in range(0, len(order), config.eval.batch_size):
+        indices = order[start : start + config.eval.batch_size]
+        longest = max(len(examples[i]["prompt_ids"]) for i in indices)
+        if longest >= max_seq_len:
+            example = max((examples[i] for i in indices), key=lambda e: len(e["prompt_ids"]))
+            raise ConfigError(
+                f"SFT validation prompt {example.get('where', '?')} has {longest} tokens: no room to generate within "
+                f"the model's max_seq_len {max_seq_len}; lower data.seq_len or set eval.generations=0"
+            )
+        room = max_seq_len - longest
+        references = [len(tokenizer.encode(examples[i]["reference"])) for i in indices]
+        budgets = [min(n + config.eval.max_new_tokens_margin, room) for n in references]
+        batches.append(GenerationBatch(indices, budgets, sum(n > room for n in references)))
+    return batches
+
+
+def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer: Any, max_seq_len: int) -> int:
+    """Before training: every validation generation fits the context (else the first validation would crash and
+    the training so far be lost). Returns how many references are cut, and warns when any are."""
+    if config.eval.generations == 0 or not examples:
+        return 0
+    cut = sum(b.cut for b in plan_generations(examples[: config.eval.generations], tokenizer, config, max_seq_len))
+    if cut:
+        log.warning(
+            "%d of the first %d validation references are longer than the context leaves after their prompts "
+            "(max_seq_len %d): they are cut and count as wrong (val/cut_references)",
+            cut,
+            min(len(examples), config.eval.generations),
+            max_seq_len,
+        )
+    return cut
 
 
 def load_initial_model(config: SFTConfig) -> Transformer:
@@ -167,6 +239,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
         num_workers=config.loader.num_workers,
     )
     datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
+    check_generation_budgets(config, datamodule.val_examples, tokenizer, model.config.max_seq_len)
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
     tokenizer_file = tokenizer.file
@@ -178,7 +251,11 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
             model.config.flops_per_token(config.data.seq_len),
             peak_flops(config.trainer),
         ),
-        LossPlot(run_dir, metrics=("train/loss", "val/loss", "val/loss_short", "val/loss_long"), title=f"SFT: {config.run.name}"),
+        LossPlot(
+            run_dir,
+            metrics=("train/loss", "val/loss", "val/loss_short", "val/loss_long"),
+            title=f"SFT: {config.run.name}",
+        ),
         LossPlot(
             run_dir,
             metrics=("val/accuracy", "val/accuracy_short", "val/accuracy_long"),

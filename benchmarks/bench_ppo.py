@@ -47,8 +47,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.generation import generate  # noqa: E402
-from models.model import ModelConfig, Transformer  # noqa: E402
+from models.generation import generate
+from models.model import ModelConfig, Transformer
 
 # ---------------------------------------------------------------- part 1: one process
 
@@ -64,7 +64,12 @@ def write_inputs(preset: str, root: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     policy = Transformer(ModelConfig.from_preset(preset))
     policy_dir = save_checkpoint(policy, root / "sft", tokenizer_path=tokenizer.path)
-    reward_dir = save_scalar_model(ScalarModel.from_backbone(policy), root / "rm", tokenizer_path=tokenizer.path, metadata={"reward_mean": 0.0, "reward_std": 1.0})
+    reward_dir = save_scalar_model(
+        ScalarModel.from_backbone(policy),
+        root / "rm",
+        tokenizer_path=tokenizer.path,
+        metadata={"reward_mean": 0.0, "reward_std": 1.0},
+    )
     demo = write_demo_dataset(root / "demo", n_train=8, n_val=96, n_pairs=4, seed=seed)
     return {"policy": policy_dir, "reward": reward_dir, "prompts": demo["prompts"], "params": policy.num_params()}
 
@@ -118,11 +123,32 @@ def generation_comparison(args, inputs: dict, config) -> list[tuple]:
     tokens = len(prompts) * n
     same_rows = lambda other: int((other == cached).all(dim=1).sum())  # noqa: E731
     lengths = [len(p) for p in prompts]
-    print(f"  generation prompts: {len(prompts)}, lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f}), {n} new tokens each", flush=True)
+    print(
+        f"  generation prompts: {len(prompts)}, lengths {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f}), {n} new tokens each",
+        flush=True,
+    )
     return [
-        (f"KV cache, batch {len(prompts)}", cached_s, tokens / cached_s, 1.0, f"{len(prompts)}/{len(prompts)} (reference)"),
-        ("KV cache, batch 1 (one prompt at a time)", single_s, tokens / single_s, cached_s / single_s, f"{same_rows(single)}/{len(prompts)}"),
-        (f"no cache (use_cache=False), batch {len(prompts)}", recompute_s, tokens / recompute_s, cached_s / recompute_s, f"{same_rows(recompute)}/{len(prompts)}"),
+        (
+            f"KV cache, batch {len(prompts)}",
+            cached_s,
+            tokens / cached_s,
+            1.0,
+            f"{len(prompts)}/{len(prompts)} (reference)",
+        ),
+        (
+            "KV cache, batch 1 (one prompt at a time)",
+            single_s,
+            tokens / single_s,
+            cached_s / single_s,
+            f"{same_rows(single)}/{len(prompts)}",
+        ),
+        (
+            f"no cache (use_cache=False), batch {len(prompts)}",
+            recompute_s,
+            tokens / recompute_s,
+            cached_s / recompute_s,
+            f"{same_rows(recompute)}/{len(prompts)}",
+        ),
     ]
 
 
@@ -149,8 +175,12 @@ def part_one(args) -> None:
         comparison = generation_comparison(args, inputs, config)
 
     print("\n### PPO step breakdown (from the logged ppo/* metrics)\n")
-    print("| rollout | gen tok/s | resp. len | generation s | scoring s | training s | step s | generation | scoring | training |")
-    print("|--------:|----------:|----------:|-------------:|----------:|-----------:|-------:|-----------:|--------:|---------:|")
+    print(
+        "| rollout | gen tok/s | resp. len | generation s | scoring s | training s | step s | generation | scoring | training |"
+    )
+    print(
+        "|--------:|----------:|----------:|-------------:|----------:|-----------:|-------:|-----------:|--------:|---------:|"
+    )
 
     def line(label: str, m: dict[str, float]) -> None:
         gen, roll, train = m["ppo/generation_time"], m["ppo/rollout_time"], m["ppo/train_time"]
@@ -167,7 +197,9 @@ def part_one(args) -> None:
     line(f"mean {2 if len(rows) > 1 else 1}-{len(rows)}", mean)
     print(f"\n(logged ppo/generation_share of the last rollout: {rows[-1]['ppo/generation_share']:.1%})")
 
-    print(f"\n### Generation alone, greedy, same prompts ({args.response_tokens} new tokens per row, prefill included, best of {args.repeats})\n")
+    print(
+        f"\n### Generation alone, greedy, same prompts ({args.response_tokens} new tokens per row, prefill included, best of {args.repeats})\n"
+    )
     print("| mode | seconds | tokens/s | speed vs KV cache batch | rows identical to KV cache batch |")
     print("|:-----|--------:|---------:|------------------------:|:--------------------------------:|")
     for label, seconds, tps, relative, same in comparison:
@@ -264,7 +296,9 @@ def fsdp_worker(rank: int, world: int, port: int, options: dict, result_file: st
         for _ in range(options["repeats"]):
             for name, fn in (("plain", plain), ("gathered", gathered)):
                 results[name].append(measure(fn))
-        unsharded_s, expected = best_time(lambda: generate(reference, prompts, max_new_tokens=n, temperature=0).tokens, options["repeats"])
+        unsharded_s, expected = best_time(
+            lambda: generate(reference, prompts, max_new_tokens=n, temperature=0).tokens, options["repeats"]
+        )
         mine = {
             "rank": rank,
             "unsharded_s": unsharded_s,
@@ -280,7 +314,9 @@ def fsdp_worker(rank: int, world: int, port: int, options: dict, result_file: st
             from torch.distributed.fsdp import FSDPModule
 
             fsdp_modules = sum(1 for m in model.modules() if isinstance(m, FSDPModule))
-            Path(result_file).write_text(json.dumps({"ranks": everyone, "fsdp_modules": fsdp_modules, "n_layers": config.n_layers}))
+            Path(result_file).write_text(
+                json.dumps({"ranks": everyone, "fsdp_modules": fsdp_modules, "n_layers": config.n_layers})
+            )
     finally:
         dist.destroy_process_group()
 
@@ -296,7 +332,13 @@ def part_two(args) -> None:
 
     world = 2
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned processes
-    options = {"preset": args.fsdp_preset or args.preset, "batch": args.fsdp_batch, "new_tokens": args.fsdp_new_tokens, "repeats": args.repeats, "seed": args.seed}
+    options = {
+        "preset": args.fsdp_preset or args.preset,
+        "batch": args.fsdp_batch,
+        "new_tokens": args.fsdp_new_tokens,
+        "repeats": args.repeats,
+        "seed": args.seed,
+    }
     print(
         f"\n## Part 2: FSDP2 generation — {world} gloo processes on CPU (1 thread each), preset={options['preset']}, "
         f"{options['batch']} prompts per rank (16-48 tokens), {options['new_tokens']} greedy new tokens, best of {options['repeats']}",
@@ -320,14 +362,25 @@ def part_two(args) -> None:
 
     seconds = {name: max(r[f"{name}_s"] for r in ranks) for name in ("plain", "gathered", "unsharded")}
     tokens = ranks[0]["tokens_generated"]
-    print(f"\nFSDP modules: {modules} ({layers} blocks + root); forwards per generation: {n} (prefill + {n - 1} decode steps; the last token is not fed back)\n")
-    print("| generation | all-gathers per generation (per rank) | function called | seconds (slowest rank) | tokens/s per rank | tokens = unsharded model |")
-    print("|:-----------|--------------------------------------:|:----------------|-----------------------:|------------------:|:------------------------:|")
-    for name, label in (("plain", "(a) plain FSDP2 (per-forward all-gathers)"), ("gathered", "(b) inside unsharded_for_generation")):
+    print(
+        f"\nFSDP modules: {modules} ({layers} blocks + root); forwards per generation: {n} (prefill + {n - 1} decode steps; the last token is not fed back)\n"
+    )
+    print(
+        "| generation | all-gathers per generation (per rank) | function called | seconds (slowest rank) | tokens/s per rank | tokens = unsharded model |"
+    )
+    print(
+        "|:-----------|--------------------------------------:|:----------------|-----------------------:|------------------:|:------------------------:|"
+    )
+    for name, label in (
+        ("plain", "(a) plain FSDP2 (per-forward all-gathers)"),
+        ("gathered", "(b) inside unsharded_for_generation"),
+    ):
         total, functions = counts(name)
         same = "yes" if all(r[f"{name}_same"] for r in ranks) else "NO"
         print(f"| {label} | {total} | {functions} | {seconds[name]:.3f} | {tokens / seconds[name]:.1f} | {same} |")
-    print(f"| unsharded model, no FSDP (reference) | 0 | - | {seconds['unsharded']:.3f} | {tokens / seconds['unsharded']:.1f} | (reference) |")
+    print(
+        f"| unsharded model, no FSDP (reference) | 0 | - | {seconds['unsharded']:.3f} | {tokens / seconds['unsharded']:.1f} | (reference) |"
+    )
     plain_total, gathered_total = counts("plain")[0], counts("gathered")[0]
     print(
         f"\nExpected: (a) (n_layers - 1) x {n} + 2 = {(layers - 1) * n + 2} (blocks 0..{layers - 2} reshard after every forward; "
@@ -336,7 +389,9 @@ def part_two(args) -> None:
     )
     if isinstance(plain_total, int) and isinstance(gathered_total, int) and gathered_total:
         print(f"All-gathers: {plain_total / gathered_total:.1f}x fewer with unsharded_for_generation.")
-    print(f"Speed-up of (b) over (a): {seconds['plain'] / seconds['gathered']:.2f}x (overhead of (b) over the unsharded model: {seconds['gathered'] / seconds['unsharded']:.2f}x).")
+    print(
+        f"Speed-up of (b) over (a): {seconds['plain'] / seconds['gathered']:.2f}x (overhead of (b) over the unsharded model: {seconds['gathered'] / seconds['unsharded']:.2f}x)."
+    )
 
 
 def main() -> None:
@@ -348,7 +403,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--response-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in part 1 (1: on a shared 2-core machine 2 threads were 3x slower)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in part 1 (1: on a shared 2-core machine 2 threads were 3x slower)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timings: best of this many")
     parser.add_argument("--fsdp-preset", default=None, help="model preset of part 2 (default: --preset)")
     parser.add_argument("--fsdp-batch", type=int, default=8, help="prompts per rank in part 2")

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from data.prepare import PrepareConfig, prepare  # noqa: E402
+from data.prepare import PrepareConfig, prepare
 
 CORPUS = REPO / "data" / "corpus" / "tinyshakespeare.txt"
 
@@ -85,9 +85,18 @@ def run(name: str, sources: list[Path], out_dir: Path, args: argparse.Namespace)
     assert {**touched_again, "inputs": None} == {**manifest, "inputs": None}, "the touched re-run rebuilt the data"
     tokens = sum(s["tokens"] for s in manifest["splits"].values())
     docs = sum(s["documents"] for s in manifest["splits"].values())
-    return {"corpus": name, "MB": size / 1e6, "docs": docs, "tokens": tokens, "prepare_s": first,
-            "tok_per_s": tokens / first, "cpu_s": cpu, "MB_per_s": size / 1e6 / first, "rerun_s": rerun,
-            "touched_s": touched}
+    return {
+        "corpus": name,
+        "MB": size / 1e6,
+        "docs": docs,
+        "tokens": tokens,
+        "prepare_s": first,
+        "tok_per_s": tokens / first,
+        "cpu_s": cpu,
+        "MB_per_s": size / 1e6 / first,
+        "rerun_s": rerun,
+        "touched_s": touched,
+    }
 
 
 def main() -> None:
@@ -106,8 +115,10 @@ def main() -> None:
 
         datasets.disable_progress_bars()  # prepare's own bar follows this switch too
 
-    print(f"prepare benchmark: tokenizer {args.tokenizer}, num_proc {args.num_proc}, {os.cpu_count()} CPUs, "
-          f"best of {args.repeats}\n")
+    print(
+        f"prepare benchmark: tokenizer {args.tokenizer}, num_proc {args.num_proc}, {os.cpu_count()} CPUs, "
+        f"best of {args.repeats}\n"
+    )
     rows = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         tmp = Path(tmp)
@@ -120,13 +131,17 @@ def main() -> None:
         print(f"generated {args.size_mb:g} MB corpus in {time.perf_counter() - t0:.1f}s ({args.files} files)\n")
         rows.append(run(f"generated {args.size_mb:g}MB", generated, tmp / "out-gen", args))
 
-    header = (f"{'corpus':<20} {'MB':>8} {'docs':>10} {'tokens':>13} {'prepare s':>10} {'tokens/s':>12} {'MB/s':>7} {'CPU s':>6} "
-              f"{'re-run s':>9} {'touched s':>10}")
+    header = (
+        f"{'corpus':<20} {'MB':>8} {'docs':>10} {'tokens':>13} {'prepare s':>10} {'tokens/s':>12} {'MB/s':>7} {'CPU s':>6} "
+        f"{'re-run s':>9} {'touched s':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['corpus']:<20} {r['MB']:>8.1f} {r['docs']:>10,} {r['tokens']:>13,} {r['prepare_s']:>10.2f} "
-              f"{r['tok_per_s']:>12,.0f} {r['MB_per_s']:>7.2f} {r['cpu_s']:>6.1f} {r['rerun_s']:>9.3f} {r['touched_s']:>10.3f}")
+        print(
+            f"{r['corpus']:<20} {r['MB']:>8.1f} {r['docs']:>10,} {r['tokens']:>13,} {r['prepare_s']:>10.2f} "
+            f"{r['tok_per_s']:>12,.0f} {r['MB_per_s']:>7.2f} {r['cpu_s']:>6.1f} {r['rerun_s']:>9.3f} {r['touched_s']:>10.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from data.bpe import train_bpe  # noqa: E402
-from data.tokenizer import Tokenizer  # noqa: E402
+from data.bpe import train_bpe
+from data.tokenizer import Tokenizer
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:
@@ -69,10 +69,12 @@ def main() -> None:
     print("-" * len(header))
     for name, tok in tokenizers.items():
         for mode, fn in modes.items():
-            secs, ids = best_time(lambda: fn(tok), args.repeats)
+            secs, ids = best_time(lambda fn=fn, tok=tok: fn(tok), args.repeats)
             n_tok = sum(len(x) for x in ids)
-            print(f"{name:<12} {mode:<28} {n_bytes / secs / 1e6:8.2f} {n_tok / secs / 1e6:8.2f} "
-                  f"{n_tok:9d} {n_bytes / n_tok:9.2f}")
+            print(
+                f"{name:<12} {mode:<28} {n_bytes / secs / 1e6:8.2f} {n_tok / secs / 1e6:8.2f} "
+                f"{n_tok:9d} {n_bytes / n_tok:9.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alignment.ppo import run_ppo  # noqa: E402
-from alignment.reward import run_rm  # noqa: E402
-from data.demo_tasks import write_demo_dataset  # noqa: E402
-from trainer.config import PPOConfig, RMConfig, load_config  # noqa: E402
+from alignment.ppo import run_ppo
+from alignment.reward import run_rm
+from data.demo_tasks import write_demo_dataset
+from trainer.config import PPOConfig, RMConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

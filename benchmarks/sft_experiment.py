@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alignment.sft import run_sft  # noqa: E402
-from data.demo_tasks import write_demo_dataset  # noqa: E402
-from trainer.config import SFTConfig, load_config  # noqa: E402
+from alignment.sft import run_sft
+from data.demo_tasks import write_demo_dataset
+from trainer.config import SFTConfig, load_config
 
 VARIANTS = {
     "a": ("unpacked, token loss", ["data.packing=false", "loss.reduction=token"]),
@@ -62,7 +62,9 @@ def last(path: Path, metric: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="runs/shakespeare/final", help="the pretrained model every variant starts from")
+    parser.add_argument(
+        "--base", default="runs/shakespeare/final", help="the pretrained model every variant starts from"
+    )
     parser.add_argument("--demo", default="runs/data/demo")
     parser.add_argument("--out", default="runs/sft-experiment")
     parser.add_argument("--steps", type=int, default=150)
@@ -113,11 +115,15 @@ def main() -> None:
             f"{r['supervised_tokens_per_s']:.0f} | {r['packing_efficiency']:.3f} | {r['short_share']:.2f} |"
         )
     if "a" in results and "b" in results:
-        table.append(f"\npacked / padded supervised tokens/s (same run): {results['b']['supervised_tokens_per_s'] / results['a']['supervised_tokens_per_s']:.2f}x")
+        table.append(
+            f"\npacked / padded supervised tokens/s (same run): {results['b']['supervised_tokens_per_s'] / results['a']['supervised_tokens_per_s']:.2f}x"
+        )
     text = "\n".join(table)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.md").write_text(f"{args.steps} steps from {args.base}, precision {args.precision}\n\n{text}\n")
+    (Path(args.out) / "results.md").write_text(
+        f"{args.steps} steps from {args.base}, precision {args.precision}\n\n{text}\n"
+    )
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
 
 

@@ -16,13 +16,15 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import rustbpe
 from tqdm import tqdm
 
+from data.prepare import check_utf8
 from data.tokenizer import LLAMA3_PAT, NUM_SPECIAL_TOKENS, Tokenizer
+from models.errors import DataError
 
 log = logging.getLogger(__name__)
 rust_log = logging.getLogger("rustbpe")
@@ -77,8 +79,9 @@ def _iter_chunks(files: list[Path], bar: tqdm) -> Iterator[str]:
                     chunk = "".join(buf)
                     bar.update(len(chunk.encode("utf-8")))
                     yield chunk
-        except UnicodeDecodeError as e:
-            raise ValueError(f"corpus file {f} is not valid UTF-8: {e}") from None
+        except UnicodeDecodeError:
+            check_utf8(f)  # names the line and byte offset
+            raise
 
 
 def _drop_info(record: logging.LogRecord) -> bool:
@@ -90,7 +93,10 @@ def _train_ranks(files: list[Path], n_ranks: int, pattern: str, total_bytes: int
     target = n_ranks
     for _ in range(4):
         bar = tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc="bpe: counting",
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="bpe: counting",
             disable=total_bytes < PROGRESS_MIN_BYTES,
         )
         trainer = rustbpe.Tokenizer()
@@ -117,6 +123,21 @@ def _train_ranks(files: list[Path], n_ranks: int, pattern: str, total_bytes: int
             )
         target += n_ranks - len(tokens)  # lost some to duplicates: train a little further
     raise RuntimeError(f"could not reach {n_ranks} unique BPE tokens")
+
+
+def check_output_file(out: str | os.PathLike, *, flag: str = "out") -> Path:
+    """``out`` must name a file that can be written: not an existing folder, not under a file."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise DataError(f"{flag} {path} is a folder; pass a file path such as {path / 'tokenizer.tiktoken'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"{flag} {path}: {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK):
+                raise DataError(f"{flag} {path}: folder {parent} is not writable")
+            break
+    return path
 
 
 def _write_atomic(out: Path, data: bytes) -> None:
@@ -151,7 +172,7 @@ def train_bpe(
             f"vocab_size={vocab_size!r} too small: need >= {min_vocab} "
             f"(256 byte tokens + at least 1 merge + {NUM_SPECIAL_TOKENS} special tokens)"
         )
-    out = Path(out).expanduser()
+    out = check_output_file(out)
     files = _corpus_files(corpus)
     total_bytes = sum(f.stat().st_size for f in files)
     if total_bytes == 0:
@@ -173,6 +194,12 @@ def train_bpe(
     if tok.decode(tok.encode(sample)) != sample:
         raise RuntimeError(f"trained tokenizer {out} failed to round-trip its own corpus")
 
-    log.info("bpe: vocab %d (%d ranks + %d specials) in %.2fs -> %s",
-             tok.vocab_size, n_ranks, NUM_SPECIAL_TOKENS, time.time() - t0, out)
+    log.info(
+        "bpe: vocab %d (%d ranks + %d specials) in %.2fs -> %s",
+        tok.vocab_size,
+        n_ranks,
+        NUM_SPECIAL_TOKENS,
+        time.time() - t0,
+        out,
+    )
     return out

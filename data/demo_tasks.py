@@ -39,9 +39,13 @@ import re
 import statistics
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+
+from data.prepare import check_utf8
+from models.errors import DataError
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus" / "tinyshakespeare.txt"
 
@@ -65,6 +69,7 @@ _WORD_RE = re.compile(r"[a-z]+")
 
 # -----------------------------------------------------------------------------
 # corpus: speeches, split pools, passages
+
 
 @dataclass(frozen=True)
 class Speech:
@@ -118,11 +123,11 @@ def parse_speeches(text: str) -> list[Speech]:
 
 
 @functools.lru_cache(maxsize=4)
-def _corpus_cached(path: str, mtime_ns: int) -> "Corpus":
+def _corpus_cached(path: str, mtime_ns: int) -> Corpus:
     return Corpus(parse_speeches(Path(path).read_text(encoding="utf-8")))
 
 
-def load_corpus(corpus_path: str | Path = DEFAULT_CORPUS) -> "Corpus":
+def load_corpus(corpus_path: str | Path = DEFAULT_CORPUS) -> Corpus:
     path = Path(corpus_path).resolve()
     return _corpus_cached(str(path), path.stat().st_mtime_ns)
 
@@ -156,7 +161,7 @@ class Corpus:
         self.vocab = [w for w, _ in counts.most_common() if len(w) >= 3 and w not in name_words][:VOCAB_SIZE]
         self.vocab_set = frozenset(self.vocab)
 
-    def pool(self, split: str) -> "Pool":
+    def pool(self, split: str) -> Pool:
         if split == "all":
             return Pool(self, [self.speeches])
         if split not in ("train", "val"):
@@ -259,6 +264,7 @@ def make_continue_speech(pool: Pool, rng: random.Random, i: int) -> TaskOutput:
 # -----------------------------------------------------------------------------
 # checkers: never raise on response text, always return a float in [0, 1]
 
+
 def _nonblank_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -311,6 +317,7 @@ def check_f1(meta: dict[str, Any], response: str) -> float:
 
 # -----------------------------------------------------------------------------
 # wrong answers for preference pairs: one rule per task
+
 
 def reject_speaker(pool: Pool, rng: random.Random, meta: dict[str, Any]) -> str:
     answer = meta["answer"]
@@ -365,6 +372,7 @@ def reject_continuation(pool: Pool, rng: random.Random, meta: dict[str, Any]) ->
 # -----------------------------------------------------------------------------
 # the task table
 
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -407,6 +415,7 @@ def score_example(record: dict[str, Any], response: Any) -> float:
 
 # -----------------------------------------------------------------------------
 # building records
+
 
 def _task_counts(n: int, short_share: float) -> list[tuple[str, int]]:
     """Exact counts: round(n * short_share) short examples spread evenly over the short
@@ -502,9 +511,37 @@ def prompt_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 # -----------------------------------------------------------------------------
 # files
 
+
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a JSON lines file; a bad line is named (file, line, and byte offset if mis-encoded)."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DataError(f"{path}, line {lineno}: invalid JSON ({error.msg})") from None
+    except UnicodeDecodeError:
+        check_utf8(path)
+        raise
+    return records
+
+
+def check_demo_arguments(out_dir: str | Path, *, n_train: int, n_val: int, n_pairs: int) -> None:
+    """Every count is at least 1 and ``out_dir`` is, or can become, a folder."""
+    for name, value, least in (("n_train", n_train, 1), ("n_val", n_val, 1), ("n_pairs", n_pairs, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise DataError(f"{name} must be an integer >= {least}, got {value!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"out {out} is a file; the demo data is a folder of files (give a folder path)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"out {out}: {parent} is a file, not a folder")
+            break
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -540,6 +577,7 @@ def write_demo_dataset(
     """Write train/val/prompts/pairs.jsonl + demo_manifest.json under out_dir and return
     their paths ({"train", "val", "prompts", "pairs", "manifest"}). A no-op when all files
     exist and the manifest records the same parameters."""
+    check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {key: out / name for key, name in DATA_FILES.items()}
@@ -576,6 +614,7 @@ def write_demo_dataset(
 
 # -----------------------------------------------------------------------------
 # statistics + CLI
+
 
 def answer_tokens(records: Iterable[dict[str, Any]], tokenizer=None) -> list[tuple[str, str, int]]:
     """(task, kind, supervised tokens) per record: the answer's tokens (stripped, as

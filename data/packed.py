@@ -11,8 +11,8 @@ Reading prepared token shards (data/prepare.py) for pretraining.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch

@@ -35,8 +35,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,6 +226,7 @@ def _stripped(turns: Messages) -> list[tuple[str, str]]:
 def drop_uninformative(chats: Sequence[PreferenceChat]) -> tuple[list[PreferenceChat], dict[str, int]]:
     """Pairs without a preference to learn: an empty reply on either side, or the same reply twice."""
     kept, counts = [], {"dropped_empty": 0, "dropped_identical": 0}
+
     def empty(turns: Messages) -> bool:
         return not turns or any(m["role"] == "assistant" and not m["content"].strip() for m in turns)
 
@@ -276,7 +278,7 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.chosen)
 
-    def subset(self, indices: Sequence[int]) -> "PreferencePairs":
+    def subset(self, indices: Sequence[int]) -> PreferencePairs:
         chosen, rejected, where = ([items[i] for i in indices] for items in (self.chosen, self.rejected, self.where))
         return PreferencePairs(chosen, rejected, where, self.seq_len, self.pad_id, self.pad_to_seq_len)
 
@@ -350,7 +352,13 @@ def _prepare(
     kept, drop_counts = drop_uninformative(chats)
     pairs, fit_counts = encode_pairs(kept, tokenizer, config)
     sides = pairs.row_tokens / 2 if len(pairs) else np.zeros(1)
-    stats = {"chats": len(chats), **drop_counts, **fit_counts, "pairs": len(pairs), "mean_side_tokens": float(sides.mean())}
+    stats = {
+        "chats": len(chats),
+        **drop_counts,
+        **fit_counts,
+        "pairs": len(pairs),
+        "mean_side_tokens": float(sides.mean()),
+    }
     return pairs, stats
 
 
@@ -390,8 +398,16 @@ def log_summary(stats: dict[str, Any]) -> None:
         log.info(
             "RM %s: %d rows read, skipped %s; dropped %d with an empty reply, %d with identical replies, %d too long; "
             "%d prompts truncated; %d pairs (%.1f tokens per side on average, seq_len %d)",
-            name, s["rows_read"], s["skipped"], s["dropped_empty"], s["dropped_identical"], s["dropped_too_long"],
-            s["truncated"], s["pairs"], s["mean_side_tokens"], stats["seq_len"],
+            name,
+            s["rows_read"],
+            s["skipped"],
+            s["dropped_empty"],
+            s["dropped_identical"],
+            s["dropped_too_long"],
+            s["truncated"],
+            s["pairs"],
+            s["mean_side_tokens"],
+            stats["seq_len"],
         )
 
 

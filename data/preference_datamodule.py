@@ -10,7 +10,8 @@ stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size,
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch.utils.data import DataLoader
 

@@ -19,6 +19,7 @@ inputs (size, mtime and sha256), so re-running with nothing changed returns at o
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import hashlib
@@ -29,14 +30,16 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from data.tokenizer import Tokenizer
+from models.errors import DataError
 
 log = logging.getLogger("lantern.prepare")
 
@@ -48,8 +51,12 @@ FORMATS = ("auto", "text", "json", "parquet", "hub")
 SAMPLE_BY = ("line", "paragraph", "document")
 
 _EXTENSIONS = {
-    ".txt": "text", ".text": "text", ".md": "text",
-    ".json": "json", ".jsonl": "json", ".ndjson": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
     ".parquet": "parquet",
 }
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets decompresses these on the fly
@@ -309,9 +316,7 @@ def stale_reason(
         if reason:
             return reason, old
         if touched:  # same content, new mtimes: refresh them so the next check is cheap again
-            old["inputs"] = [
-                {**entry, "mtime_ns": os.stat(entry["path"]).st_mtime_ns} for entry in old["inputs"]
-            ]
+            old["inputs"] = [{**entry, "mtime_ns": os.stat(entry["path"]).st_mtime_ns} for entry in old["inputs"]]
             _write_json_atomic(out_dir / MANIFEST_NAME, old)
     return _split_files_ok(out_dir, old), old
 
@@ -320,7 +325,7 @@ def stale_reason(
 # loading and validation (all before tokenizing)
 
 
-def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
+def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str, utf8_checked: bool = False):
     from datasets import load_dataset  # heavy import, only when there is work to do
     from datasets.exceptions import DatasetGenerationError
 
@@ -336,6 +341,9 @@ def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
     if all(os.path.getsize(f) == 0 for f in files):  # datasets would fail with a schema-inference error
         where = files[0] if len(files) == 1 else f"all {len(files)} input files ({files[0]}, ...)"
         raise ValueError(f"empty corpus: no non-empty documents in {where} (0 bytes)")
+    if fmt in ("text", "json") and not utf8_checked:  # pyarrow's JSON reader passes bad bytes through
+        for path in files:
+            check_utf8(path)
     try:
         return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
     except (DatasetGenerationError, UnicodeDecodeError) as error:
@@ -343,6 +351,39 @@ def _load(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str):
         located = _diagnose_json(files, config.text_field) if fmt == "json" else None
         cause = error.__cause__ or error
         raise ValueError(f"cannot read the {fmt} input: {located or f'{type(cause).__name__}: {cause}'}") from error
+
+
+def check_utf8(path: str | Path) -> None:
+    """Raise a DataError naming the file, line and byte offset of the first byte sequence that is not UTF-8
+    (a gzip file is checked after decompression; its offsets count decompressed bytes)."""
+    opener: Callable[..., Any] = open
+    if str(path).endswith(".gz"):
+        import gzip
+
+        opener = gzip.open
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:  # the common, valid case at C speed: 16 MiB blocks, nothing kept
+        with opener(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    offset = 0
+    with opener(path, "rb") as f:
+        # "\n" never occurs inside a multi-byte UTF-8 sequence, so lines can be decoded one at a time
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                bad = raw[error.start : error.start + 4]
+                raise DataError(
+                    f"{path}: line {lineno}, byte offset {offset + error.start}: not valid UTF-8 ({bad!r}: "
+                    f"{error.reason}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            offset += len(raw)
+    raise DataError(f"{path}: not valid UTF-8 (it ends inside a multi-byte character at byte offset {offset})")
 
 
 def _json_rows(path: str):
@@ -430,9 +471,7 @@ def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
 # tokenization and shard writing
 
 
-def _tokenize_batch(
-    batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, strip_newlines: bool
-):
+def _tokenize_batch(batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, strip_newlines: bool):
     """Arrow batch of texts -> Arrow table with one `ids` list per non-empty document."""
     import pyarrow as pa
 
@@ -492,7 +531,7 @@ class _ShardWriter:
         if self._file is not None:
             self._file.close()
         name = f"shard-{len(self.shards):05d}.bin"
-        self._file = open(self.dir / name, "wb")
+        self._file = open(self.dir / name, "wb")  # noqa: SIM115 - stays open across appends; closed by close()
         self.shards.append({"file": name, "tokens": 0})
 
     def close(self) -> dict:
@@ -502,7 +541,7 @@ class _ShardWriter:
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         np.save(self.dir / "doc_offsets.npy", offsets)
-        return {"tokens": int(offsets[-1]), "documents": int(len(lengths)), "shards": self.shards}
+        return {"tokens": int(offsets[-1]), "documents": len(lengths), "shards": self.shards}
 
 
 def _choose_val(num_docs: int, config: PrepareConfig) -> np.ndarray:
@@ -584,10 +623,16 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
     reason, old = stale_reason(config, tokenizer, None if fmt == "hub" else files)
     if reason is None and fmt != "hub":
-        log.info("prepared data in %s is up to date (%s train tokens); nothing to do", out_dir,
-                 f"{old['splits']['train']['tokens']:,}")
+        log.info(
+            "prepared data in %s is up to date (%s train tokens); nothing to do",
+            out_dir,
+            f"{old['splits']['train']['tokens']:,}",
+        )
         return old
 
+    if fmt in ("text", "json"):  # a mis-encoded input is named before anything is created or loaded
+        for path in files:
+            check_utf8(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clean_stale_build_dirs(out_dir)
     build_dir = out_dir / f".prepare-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -597,7 +642,7 @@ def prepare(config: PrepareConfig | dict) -> dict:
         # Stat and hash the inputs before reading them: a file edited while we work then looks
         # changed on the next run instead of silently matching stale shards.
         inputs = describe_inputs(files) if fmt != "hub" else []
-        ds = _load(fmt, files, config, cache_dir=str(build_dir / "hf-cache"))
+        ds = _load(fmt, files, config, cache_dir=str(build_dir / "hf-cache"), utf8_checked=True)
         if fmt == "hub":
             # A hub dataset has no file stats: its identity is the datasets fingerprint of the cached build.
             inputs = [{"path": files[0], "fingerprint": ds._fingerprint}]
@@ -621,8 +666,13 @@ def prepare(config: PrepareConfig | dict) -> dict:
             num_proc=config.num_proc if config.num_proc > 1 and len(ds) > 1 else None,
             remove_columns=ds.column_names,
             features=Features({"ids": List(Value("int32"))}),
-            fn_kwargs=dict(tokenizer=tokenizer, text_field=text_field, bos=config.add_bos, eos=config.add_eos,
-                           strip_newlines=fmt == "text" and config.sample_by == "paragraph"),
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                text_field=text_field,
+                bos=config.add_bos,
+                eos=config.add_eos,
+                strip_newlines=fmt == "text" and config.sample_by == "paragraph",
+            ),
             cache_file_name=str(build_dir / "hf-cache" / "tokens.arrow"),
             # An explicit fingerprint spares datasets from hashing the tokenizer's rank table.
             new_fingerprint=hashlib.sha256(
@@ -636,8 +686,11 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
         manifest = {
             "version": MANIFEST_VERSION,
-            "tokenizer": {"spec": config.tokenizer, "fingerprint": tokenizer.fingerprint,
-                          "vocab_size": tokenizer.vocab_size},
+            "tokenizer": {
+                "spec": config.tokenizer,
+                "fingerprint": tokenizer.fingerprint,
+                "vocab_size": tokenizer.vocab_size,
+            },
             "inputs": inputs,
             "settings": dataclasses.asdict(config),
             "dtype": dtype.name,
@@ -651,7 +704,12 @@ def prepare(config: PrepareConfig | dict) -> dict:
     train, val = splits["train"], splits["val"]
     log.info(
         "wrote %s: train %s tokens / %s docs, val %s tokens / %s docs (%s) in %.1fs",
-        out_dir, f"{train['tokens']:,}", f"{train['documents']:,}", f"{val['tokens']:,}", f"{val['documents']:,}",
-        dtype.name, manifest["seconds"],
+        out_dir,
+        f"{train['tokens']:,}",
+        f"{train['documents']:,}",
+        f"{val['tokens']:,}",
+        f"{val['documents']:,}",
+        dtype.name,
+        manifest["seconds"],
     )
     return manifest

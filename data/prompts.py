@@ -42,7 +42,11 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
         messages = _check_messages(record[config.messages_field], config.messages_field)
     elif record.get(config.prompt_field) is not None:
         prompt = record[config.prompt_field]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt, config.prompt_field)
+        messages = (
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else _check_messages(prompt, config.prompt_field)
+        )
     else:
         raise BadRow("missing_field", f"no {config.messages_field!r} or {config.prompt_field!r} field")
     reference = record.get("answer")
@@ -53,7 +57,9 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
     return messages, reference
 
 
-def load_prompts(config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def load_prompts(
+    config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Encoded prompts ``{"prompt_ids", "reference", "record", "where"}`` and counts of what was changed."""
     fmt, files = resolve_sources(config, sources)
     prompts: list[dict[str, Any]] = []
@@ -122,6 +128,8 @@ class PromptDataModule(StreamDataModule):
                 f"{len(self.train_prompts)} training prompts cannot fill one rollout of {self.micro_batch_size} "
                 f"prompts on each of {self.world_size} ranks"
             )
-        sampler = StreamSampler(len(self.train_prompts), rank=self.rank, world_size=self.world_size, seed=self.config.seed)
+        sampler = StreamSampler(
+            len(self.train_prompts), rank=self.rank, world_size=self.world_size, seed=self.config.seed
+        )
         batches = BatchSampler(self._attach_sampler(sampler), self.micro_batch_size, drop_last=True)
         return DataLoader(self.train_prompts, batch_sampler=batches, collate_fn=list)

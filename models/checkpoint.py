@@ -17,20 +17,23 @@ half-written checkpoint where a good one was.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from pickle import UnpicklingError  # only the exception: nothing here unpickles
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from models.atomic import EXPORT_MARKER, IfExists, atomic_directory, check_destination
+from models.errors import CheckpointError
 from models.model import ModelConfig, RopeScaling, Transformer
 
 __all__ = [
@@ -103,22 +106,57 @@ _META_SHARD_DIM: dict[str, int | None] = {
 # small helpers
 
 
+def read_torch_file(path: Path, *, mmap: bool = False) -> Any:
+    """The only torch.load in this module: weights_only=True, so a checkpoint can never run code. Failures are
+    one line naming the file; torch's own message (which advises ``weights_only=False``, i.e. running the
+    file's code) is never passed on."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except UnpicklingError as error:
+        text = str(error)
+        if "Weights only load failed" in text:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+            what = f" (it references {found.group(1)})" if found else ""
+            raise CheckpointError(
+                f"{path}: refused: the file is a pickle of Python objects, not only tensors{what}; "
+                "loading it could run arbitrary code"
+            ) from None
+        raise CheckpointError(
+            f"{path}: not a torch checkpoint (truncated or corrupt: {text.splitlines()[0]})"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({first})") from None
+
+
 def _torch_load(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
-    """The only torch.load in this module: weights_only=True, so a checkpoint can never run code."""
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    state = read_torch_file(path, mmap=mmap)
     if not isinstance(state, Mapping):
-        raise ValueError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
     return dict(state)
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({error})") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    """A key list short enough for one line (a wrong-model checkpoint can miss hundreds)."""
+    shown = repr(names[:limit])
+    return shown if len(names) <= limit else f"{shown[:-1]}, ... {len(names) - limit} more]"
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -177,14 +215,14 @@ def _check_state(state: Mapping[str, Tensor], config: ModelConfig, source: str) 
         if name in state and state[name].shape != shape
     ]
     problems = []
+    if mismatched:  # first: a shape names the key, the found and the expected shape
+        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched[:8])}")
     if missing:
-        problems.append(f"missing keys ({len(missing)}): {missing}")
+        problems.append(f"missing keys ({len(missing)}): {_listed(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
-    if problems:
-        raise ValueError(f"{source} does not match its config:\n  " + "\n  ".join(problems))
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+    if problems:  # one line: the CLI prints it as is
+        raise CheckpointError(f"{source} does not match its config: " + " | ".join(problems))
 
 
 def _build_model(
@@ -214,63 +252,6 @@ def _find_tokenizer(directory: Path) -> Path | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# atomic folder writes
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for filename in filenames:
-            with open(os.path.join(dirpath, filename), "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories; the rename still holds
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _atomic_directory(target: PathLike) -> Iterator[Path]:
-    """Yield a hidden sibling temp dir; on success it replaces ``target``, on error it is deleted.
-
-    The old folder is renamed aside (``.NAME.old-*``) before the new one is renamed in and deleted only after,
-    so at every instant either the complete old or the complete new checkpoint is on disk.
-    """
-    target = Path(target).absolute()
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"{target} exists and is not a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
-    tmp = target.parent / f".{target.name}.tmp-{token}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{token}"
-        os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        if old is not None:
-            os.replace(old, target)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
     # "format": "pt" is the metadata transformers checks for before it trusts a safetensors file.
     save_file(state, str(path), metadata={"format": "pt"})
@@ -281,7 +262,7 @@ def _save_safetensors(state: dict[str, Tensor], path: Path) -> None:
 
 
 def detect_format(path: PathLike) -> str:
-    """"native" (lantern.json), "hf" (config.json) or "meta" (params.json, also under original/)."""
+    """ "native" (lantern.json), "hf" (config.json) or "meta" (params.json, also under original/)."""
     directory = _checkpoint_dir(path)
     if (directory / NATIVE_CONFIG).is_file():
         return "native"
@@ -339,13 +320,18 @@ def load_model_config(path: PathLike, *, format: str = "auto") -> ModelConfig:
 def _native_config(directory: Path) -> ModelConfig:
     info = _read_json(directory / NATIVE_CONFIG)
     if info.get("format") != "lantern":
-        raise ValueError(f"{directory / NATIVE_CONFIG}: format is {info.get('format')!r}, expected 'lantern'")
+        raise CheckpointError(f"{directory / NATIVE_CONFIG}: format is {info.get('format')!r}, expected 'lantern'")
     if info.get("version") != NATIVE_FORMAT_VERSION:
         raise ValueError(
             f"{directory / NATIVE_CONFIG}: version {info.get('version')!r} is not supported "
             f"(this code reads version {NATIVE_FORMAT_VERSION})"
         )
-    return ModelConfig.from_dict(info["model"])
+    if not isinstance(info.get("model"), dict):
+        raise CheckpointError(f"{directory / NATIVE_CONFIG}: no 'model' section: not a Lantern checkpoint")
+    try:
+        return ModelConfig.from_dict(info["model"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{directory / NATIVE_CONFIG}: invalid model config: {error}") from None
 
 
 def _hf_to_config(hf: dict[str, Any], source: Path) -> ModelConfig:
@@ -464,16 +450,31 @@ def _meta_shard_paths(directory: Path) -> list[Path]:
         raise FileNotFoundError(f"{directory}: params.json found but no consolidated.00.pth")
     expected = [directory / f"consolidated.{i:02d}.pth" for i in range(len(shards))]
     if shards != expected:
-        raise ValueError(f"{directory}: model-parallel shards must be consolidated.00.pth ... "
-                         f"consolidated.{len(shards) - 1:02d}.pth, found {[p.name for p in shards]}")
+        raise ValueError(
+            f"{directory}: model-parallel shards must be consolidated.00.pth ... "
+            f"consolidated.{len(shards) - 1:02d}.pth, found {[p.name for p in shards]}"
+        )
     return shards
 
 
 def _meta_to_config(params: dict[str, Any], shard0: Mapping[str, Tensor], n_shards: int) -> ModelConfig:
     """Meta params.json -> ModelConfig. Things params.json leaves to Meta's runtime are inferred here."""
-    known = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-             "norm_eps", "rope_theta", "use_scaled_rope", "rope_scaling", "rope_scaling_factor", "max_seq_len",
-             "max_batch_size"}
+    known = {
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "multiple_of",
+        "ffn_dim_multiplier",
+        "norm_eps",
+        "rope_theta",
+        "use_scaled_rope",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "max_seq_len",
+        "max_batch_size",
+    }
     unknown = sorted(set(params) - known)
     if unknown:
         warnings.warn(f"params.json keys ignored by Lantern: {unknown}", stacklevel=3)
@@ -575,7 +576,7 @@ def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: s
 
 
 def _read_hf_weights(directory: Path) -> dict[str, Tensor]:
-    indexes = (("model.safetensors.index.json", load_file), ("pytorch_model.bin.index.json", _torch_load))
+    indexes = (("model.safetensors.index.json", read_safetensors), ("pytorch_model.bin.index.json", _torch_load))
     for index_name, reader in indexes:
         index_path = directory / index_name
         if index_path.is_file():
@@ -585,7 +586,7 @@ def _read_hf_weights(directory: Path) -> dict[str, Tensor]:
                 state.update(reader(directory / filename))
             return state
     if (directory / WEIGHTS).is_file():
-        return load_file(directory / WEIGHTS)
+        return read_safetensors(directory / WEIGHTS)
     if (directory / "pytorch_model.bin").is_file():
         return _torch_load(directory / "pytorch_model.bin")
     raise FileNotFoundError(
@@ -617,7 +618,7 @@ def _load_native(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     config = _native_config(directory)
     if not (directory / WEIGHTS).is_file():
         raise FileNotFoundError(f"{directory}: {NATIVE_CONFIG} found but no {WEIGHTS}")
-    return config, load_file(directory / WEIGHTS)
+    return config, read_safetensors(directory / WEIGHTS)
 
 
 def _load_hf(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -666,11 +667,15 @@ def save_checkpoint(
     *,
     tokenizer_path: PathLike | None = None,
     metadata: Mapping[str, Any] | None = None,
+    if_exists: IfExists = "replace-lantern",
+    sources: tuple[PathLike, ...] = (),
 ) -> Path:
-    """Write ``model`` as a native checkpoint folder, atomically (replacing any folder already there).
+    """Write ``model`` as a native checkpoint folder, atomically.
 
     ``metadata`` must be JSON-serialisable (step, tokenizer ids, ...); it is stored in lantern.json.
-    ``tokenizer_path`` is copied in as tokenizer.model.
+    ``tokenizer_path`` is copied in as tokenizer.model. An existing non-empty folder is replaced only when
+    Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never with
+    "refuse"; never one that contains ``sources`` (see ``models.atomic.check_destination``).
     """
     model = _unwrap(model)
     info = {
@@ -684,7 +689,7 @@ def save_checkpoint(
         raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
     state = _native_state(model)
     target = Path(directory)
-    with _atomic_directory(target) as tmp:
+    with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
         _save_safetensors(state, tmp / WEIGHTS)
         (tmp / NATIVE_CONFIG).write_text(text + "\n")
         if tokenizer_path is not None:
@@ -699,8 +704,17 @@ def _parse_size(size: int | str) -> int:
     if not match:
         raise ValueError(f"cannot parse shard size {size!r}; use bytes or e.g. '500MB', '5GB', '2GiB'")
     unit = (match.group(2) or "B").upper()
-    powers = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,  # decimal, as Hugging Face's max_shard_size
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    powers = {
+        "B": 1,
+        "KB": 1e3,
+        "MB": 1e6,
+        "GB": 1e9,
+        "TB": 1e12,  # decimal, as Hugging Face's max_shard_size
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     return int(float(match.group(1)) * powers[unit])
 
 
@@ -749,24 +763,28 @@ def export_hf(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
     tokenizer_path: PathLike | None = None,
+    if_exists: IfExists = "replace-lantern",
 ) -> Path:
     """Write a Hugging Face LlamaForCausalLM folder (config.json, safetensors, generation_config.json), atomically.
+    An existing folder is replaced as ``save_checkpoint`` says (``if_exists``).
 
     Accepts a Transformer or any checkpoint folder load_checkpoint reads. The tokenizer (``tokenizer_path`` or the
     checkpoint's tokenizer.model) goes to original/tokenizer.model, as in Meta's Hugging Face repos. bos/eos ids
     come from the checkpoint metadata (bos_token_id / eos_token_id) or else from that tokenizer file.
     """
     metadata: dict[str, Any] = {}
+    sources: tuple[PathLike, ...] = ()
     if isinstance(model_or_checkpoint_path, nn.Module):
         model = _unwrap(model_or_checkpoint_path)
     else:
+        sources = (model_or_checkpoint_path,)
         source = _checkpoint_dir(model_or_checkpoint_path)
         model = load_checkpoint(source)
         if detect_format(source) == "native":
             metadata = _read_json(source / NATIVE_CONFIG).get("metadata", {})
         if tokenizer_path is None:
             tokenizer_path = _find_tokenizer(source)
-    return _export_hf(model, out_dir, _as_dtype(dtype), max_shard_size, tokenizer_path, metadata)
+    return _export_hf(model, out_dir, _as_dtype(dtype), max_shard_size, tokenizer_path, metadata, if_exists, sources)
 
 
 def _export_hf(
@@ -776,6 +794,8 @@ def _export_hf(
     max_shard_size: int | str | None,
     tokenizer_path: PathLike | None,
     metadata: Mapping[str, Any],
+    if_exists: IfExists = "replace-lantern",
+    sources: tuple[PathLike, ...] = (),
 ) -> Path:
     bos, eos = metadata.get("bos_token_id"), metadata.get("eos_token_id")
     if tokenizer_path is not None and (bos is None or eos is None):
@@ -787,7 +807,8 @@ def _export_hf(
     hf_config = _config_to_hf(model.config, weights_dtype, bos, eos)  # refuses unsupported configs first
     hf_state = _native_to_hf_state(state, model.config)
     target = Path(out_dir)
-    with _atomic_directory(target) as tmp:
+    with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
+        (tmp / EXPORT_MARKER).write_text("written by lantern: `lantern convert` may replace this folder\n")
         _write_hf_weights(hf_state, tmp, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if bos is not None or eos is not None:
@@ -817,11 +838,14 @@ def convert(
     *,
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Convert a checkpoint folder (hf / meta / native / auto) to a native or Hugging Face folder.
 
     A tokenizer.model in ``src`` or ``src/original`` travels along; Hugging Face bos/eos ids are kept in the
-    native metadata (and written back on export). ``dtype`` None keeps the source dtype.
+    native metadata (and written back on export). ``dtype`` None keeps the source dtype. A non-empty ``dst``
+    is refused unless ``overwrite``, and a ``dst`` that is or contains ``src`` always (checked before reading
+    any weights).
     """
     if dst is None:
         raise ValueError("convert needs a destination folder (dst)")
@@ -830,6 +854,8 @@ def convert(
     source = _checkpoint_dir(src)
     if source.resolve() == Path(dst).resolve():
         raise ValueError(f"convert: source and destination are the same folder ({source})")
+    if_exists: IfExists = "replace" if overwrite else "refuse"
+    check_destination(dst, if_exists=if_exists, sources=(source,))
     fmt = _resolve_format(source, src_format)
     model = load_checkpoint(source, format=fmt, dtype=dtype)
     tokenizer = _find_tokenizer(source)
@@ -839,6 +865,8 @@ def convert(
     elif fmt == "hf":
         metadata = _hf_special_ids(source)
     if dst_format == "hf":
-        return _export_hf(model, dst, None, max_shard_size, tokenizer, metadata)
+        return _export_hf(model, dst, None, max_shard_size, tokenizer, metadata, if_exists, (source,))
     metadata = {**metadata, "converted_from": {"format": fmt, "path": str(source.absolute())}}
-    return save_checkpoint(model, dst, tokenizer_path=tokenizer, metadata=metadata)
+    return save_checkpoint(
+        model, dst, tokenizer_path=tokenizer, metadata=metadata, if_exists=if_exists, sources=(source,)
+    )

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models import fast_decode
 from models.model import Transformer
 
 PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
@@ -181,7 +182,9 @@ def _validate(
             raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
         for token in prompt:
             if not 0 <= token < config.vocab_size:
-                raise ValueError(f"prompt {row} holds token id {token}, outside the vocabulary [0, {config.vocab_size})")
+                raise ValueError(
+                    f"prompt {row} holds token id {token}, outside the vocabulary [0, {config.vocab_size})"
+                )
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     longest = max(len(p) for p in prompts)
@@ -200,6 +203,23 @@ def _validate(
             raise ValueError(f"stop/pad id {token} is outside the vocabulary [0, {config.vocab_size})")
 
 
+def _validate_fast_path(
+    model: Transformer, batch: int, first_token_mask: Tensor | None, use_cache: bool, static: bool
+) -> None:
+    if static and not use_cache:
+        raise ValueError("static_cache/compile need use_cache=True: they are KV-cache decoding")
+    if first_token_mask is not None:
+        shape = (batch, model.config.vocab_size)
+        if first_token_mask.dtype != torch.bool or tuple(first_token_mask.shape) != shape:
+            raise ValueError(
+                f"first_token_mask must be a bool tensor of shape {shape}, got {first_token_mask.dtype} {tuple(first_token_mask.shape)}"
+            )
+        if not bool(first_token_mask.any(dim=1).all()):
+            raise ValueError(
+                "first_token_mask allows no token for some row: every row needs at least one allowed token"
+            )
+
+
 def generate(
     model: Transformer,
     prompts: list[list[int]] | Tensor,
@@ -212,6 +232,9 @@ def generate(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    first_token_mask: Tensor | None = None,
+    static_cache: bool = False,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -225,20 +248,27 @@ def generate(
     pass recomputes the same numbers with ``sequence_logprobs(..., temperature=temperature)``.
 
     use_cache=False recomputes the full sequence every step (the reference path, same masking and positions).
+    static_cache=True decodes over a fixed-size, reused KV cache (``models.fast_decode``); compile=True also
+    compiles that decode step (torch.compile "reduce-overhead": CUDA graphs on CUDA) and implies static_cache.
+    Both give the eager path's tokens; on CPU the eager path is the fast default.
+    first_token_mask: (B, V) bool, True where a row's FIRST new token is allowed (token healing); other tokens
+    get logit -inf at that step, so log-probs of the first token are those of the constrained distribution.
     Runs under ``torch.inference_mode()`` with the model in eval mode; its previous train/eval mode is restored.
     """
     prompts = _as_prompt_list(prompts)
     stop_ids = _as_ids(stop_ids, "stop_ids")
     pad_id = _as_ids([pad_id], "pad_id")[0]
     _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id)
+    _validate_fast_path(model, len(prompts), first_token_mask, use_cache, static_cache or compile)
 
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             out = _generate(
-                model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, use_cache
-            )
+                model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, use_cache,
+                first_token_mask, static_cache or compile, compile,
+            )  # fmt: skip
     finally:
         model.train(was_training)
     # Clone outside inference mode: inference tensors cannot be saved for backward, and PPO builds its loss
@@ -256,9 +286,25 @@ def complete(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    heal: bool = False,
+    compile: bool = False,
 ) -> str:
     """The decoded continuation of one encoded prompt, stopped at and without the tokenizer's stop token
-    (``lantern generate``, the end-of-pretraining sample). ``tokenizer`` gives stop_ids, pad_id and decode."""
+    (``lantern generate``, the end-of-pretraining sample). ``tokenizer`` gives stop_ids, pad_id and decode.
+
+    heal=True applies token healing: ``tokenizer.heal_prompt`` backs off the prompt's last token and names the
+    tokens whose bytes start with the removed bytes; the first new token is drawn from those only, and the
+    removed bytes are cut from the front of the result, so it still continues the ORIGINAL prompt text. (A
+    prompt like "ROMEO:" ends inside the merged token ":\n"; unhealed, the model never saw ":" followed by a
+    newline token and may emit a stop token at once.)
+    """
+    removed = b""
+    first_token_mask = None
+    if heal:
+        prompt, removed, allowed = tokenizer.heal_prompt(prompt)
+        if removed:
+            first_token_mask = torch.zeros((1, model.config.vocab_size), dtype=torch.bool)
+            first_token_mask[0, allowed] = True
     out = generate(
         model,
         [prompt],
@@ -269,11 +315,17 @@ def complete(
         stop_ids=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id,
         generator=generator,
+        first_token_mask=first_token_mask,
+        compile=compile,
     )
     new_tokens = out.tokens[0][out.mask[0]].tolist()
     if new_tokens and new_tokens[-1] in tokenizer.stop_ids:  # a row ends at its first stop token
         new_tokens = new_tokens[:-1]
-    return tokenizer.decode(new_tokens)
+    if not removed:
+        return tokenizer.decode(new_tokens)
+    # Cut in bytes, not characters: the removed bytes may end inside a multi-byte character.
+    text = tokenizer.encoding.decode_bytes(new_tokens)
+    return text[len(removed) :].decode("utf-8", errors="replace")
 
 
 def _generate(
@@ -287,6 +339,9 @@ def _generate(
     pad_id: int,
     generator: torch.Generator | None,
     use_cache: bool,
+    first_token_mask: Tensor | None = None,
+    static: bool = False,
+    compile: bool = False,
 ) -> GenerationOutput:
     device = model.tok_embeddings.weight.device
     input_ids, real = left_pad(prompts, pad_id, device)
@@ -301,9 +356,16 @@ def _generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
 
     # The last generated token is never fed back, hence the -1.
-    kv_cache = model.new_kv_cache(batch, prompt_width + max_new_tokens - 1) if use_cache else None
+    cache_len = prompt_width + max_new_tokens - 1
+    if static:
+        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=compile and device.type == "cuda")
+        step_fn = fast_decode.compiled_decode_step() if compile else fast_decode.decode_step
+    else:
+        kv_cache = model.new_kv_cache(batch, cache_len) if use_cache else None
     logits = _last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
     new_document = torch.full((batch, 1), REAL_DOCUMENT, dtype=torch.long, device=device)
+    if first_token_mask is not None:
+        logits = logits.float().masked_fill(~first_token_mask.to(device), float("-inf"))
 
     steps = 0
     for step in range(max_new_tokens):
@@ -321,7 +383,12 @@ def _generate(
         # Feed the token back: it is real (document 1) at position = real tokens before it. Stopped rows feed
         # pads the same way; their outputs are discarded, so what they attend to does not matter.
         next_position = (n_real + step)[:, None]
-        if use_cache:
+        if static:
+            if compile:  # the previous step's graph outputs are consumed: let CUDA graphs reuse their memory
+                torch.compiler.cudagraph_mark_step_begin()
+            cache_position = torch.full((1,), prompt_width + step, dtype=torch.long, device=device)
+            logits = step_fn(model, kv_cache, next_token[:, None], next_position, cache_position).clone()
+        elif use_cache:
             logits = _last_logits(
                 model, next_token[:, None], position_ids=next_position, document_ids=new_document, kv_cache=kv_cache
             )

@@ -50,7 +50,7 @@ class ScalarModel(nn.Module):
         return self.backbone.config
 
     @classmethod
-    def from_backbone(cls, backbone: Transformer, init: Literal["normal", "zeros"] = "normal") -> "ScalarModel":
+    def from_backbone(cls, backbone: Transformer, init: Literal["normal", "zeros"] = "normal") -> ScalarModel:
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model.backbone = backbone
@@ -119,21 +119,33 @@ def _backbone_from_state(config: ModelConfig, state: dict[str, Tensor]) -> Trans
     return backbone
 
 
-def load_scalar_model(path: str | Path, *, dtype: torch.dtype | None = torch.float32) -> tuple[ScalarModel, dict[str, Any]]:
+def load_scalar_model(
+    path: str | Path, *, dtype: torch.dtype | None = torch.float32
+) -> tuple[ScalarModel, dict[str, Any]]:
     """(model, metadata) from a folder written by ``save_scalar_model``."""
     import json
 
-    from safetensors.torch import load_file
-
-    from models.checkpoint import load_checkpoint
+    from models.checkpoint import load_checkpoint, read_safetensors
+    from models.errors import CheckpointError
 
     path = Path(path)
     if not (path / HEAD_WEIGHTS).is_file():
-        raise FileNotFoundError(f"{path} has no {HEAD_WEIGHTS}: not a reward model / critic checkpoint (train one with `lantern rm`)")
+        raise FileNotFoundError(
+            f"{path} has no {HEAD_WEIGHTS}: not a reward model / critic checkpoint (train one with `lantern rm`)"
+        )
     backbone = load_checkpoint(path, dtype=dtype)
     metadata = json.loads((path / "lantern.json").read_text()).get("metadata", {})
     model = ScalarModel.from_backbone(backbone, init=metadata.get("head_init", "normal"))
-    head = load_file(str(path / HEAD_WEIGHTS))
+    head = read_safetensors(path / HEAD_WEIGHTS)
+    expected = {name: tuple(t.shape) for name, t in model.head.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in head.items()}
+    if found != expected:  # one line naming the file, key and both shapes, not load_state_dict's block
+        problems = [
+            f"{name}: checkpoint {found.get(name, 'missing')} vs model {expected.get(name, 'unexpected')}"
+            for name in sorted(set(found) | set(expected))
+            if found.get(name) != expected.get(name)
+        ]
+        raise CheckpointError(f"{path / HEAD_WEIGHTS} does not match the backbone: {'; '.join(problems)}")
     model.head.load_state_dict(head)
     if dtype is not None:
         model.head.to(dtype)

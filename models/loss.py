@@ -4,14 +4,20 @@ Per-token losses are returned (not only their mean) because stages reduce differ
 over tokens, SFT's ``example`` reduction averages per document first, PPO normalises by the accumulated
 batch's valid tokens.
 
-The chunked path never holds the full (B, T, V) fp32 logits: each chunk of tokens is projected, scored and
-dropped, and recomputed in backward (activation checkpointing per chunk). For Llama 3's V=128256 at T=4096
-that is the difference between gigabytes of logits and one chunk's worth (``benchmarks/bench_loss_memory.py``).
+Two paths never hold the full (B, T, V) fp32 logits; for Llama 3's V=128256 at T=4096 that is the difference
+between gigabytes of logits and one chunk's worth (``benchmarks/bench_loss_memory.py``):
+
+* ``fused_linear_cross_entropy`` (what the model uses): a custom autograd Function. Forward keeps only each
+  token's logsumexp; backward recomputes one chunk's logits and writes the logit gradient in closed form
+  (softmax - onehot, scaled), so the only extra work over full logits is one head matmul per chunk -- no
+  autograd graph of fp32 (chunk, V) intermediates, no second forward of the softmax.
+* ``chunked_cross_entropy``: the same chunking through activation checkpointing (generic, slower: it replays
+  the whole chunk forward under autograd); kept as an independent reference for the fused path.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -59,13 +65,17 @@ def cross_entropy(
     return reduce_losses(_token_losses(logits, targets, ignore_index, z_loss), targets, reduction, ignore_index)
 
 
+def _check_chunked_arguments(hidden: Tensor, targets: Tensor, chunk_size: int) -> None:
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not match")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+
 def _chunk_losses(
     hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float | None, ignore_index: int, z_loss: float
 ) -> Tensor:
-    logits = hidden @ weight.t()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits.float() / softcap)
-    return _token_losses(logits, targets, ignore_index, z_loss)
+    return _token_losses(_project(hidden, weight, softcap), targets, ignore_index, z_loss)
 
 
 def chunked_cross_entropy(
@@ -84,10 +94,7 @@ def chunked_cross_entropy(
     hidden (..., dim), weight (V, dim) (the LM head), targets (...). Tokens are processed ``chunk_size`` at a
     time; each chunk's logits are recomputed in backward instead of being kept.
     """
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not match")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    _check_chunked_arguments(hidden, targets, chunk_size)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
     pieces = []
@@ -100,3 +107,94 @@ def chunked_cross_entropy(
     # clone: a view returned from an FSDP2 root method would lose its pre-backward hook to any in-place op
     losses = torch.cat(pieces).view(targets.shape).clone()
     return reduce_losses(losses, targets, reduction, ignore_index)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token CE of ``hidden @ weight.T`` (optionally soft-capped, plus z-loss); logits recomputed per chunk.
+
+    With c = softcap, raw = h·Wᵀ, logits = c·tanh(raw/c), p = softmax(logits), lse = logsumexp(logits):
+    loss = lse - logits[target] + z·lse², so dloss/dlogits = p·(1 + 2z·lse) - onehot(target), and the tanh
+    contributes a factor 1 - (logits/c)². The gradient wrt raw is cast to the weight dtype before the two
+    backward matmuls, as autograd would do through ``.float()`` on the full-logits path.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, softcap: float | None,
+        ignore_index: int, z_loss: float,
+    ) -> Tensor:  # fmt: skip
+        valid = targets != ignore_index
+        safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+        losses = torch.empty(targets.shape, device=hidden.device, dtype=torch.float32)
+        log_z = torch.empty_like(losses)
+        for start in range(0, targets.numel(), chunk_size):
+            end = start + chunk_size
+            logits = _project(hidden[start:end], weight, softcap)
+            log_z[start:end] = torch.logsumexp(logits, dim=-1)
+            target_logits = logits.gather(-1, safe_targets[start:end, None]).squeeze(-1)
+            losses[start:end] = log_z[start:end] - target_logits
+        if z_loss:
+            losses = losses + z_loss * log_z.square()
+        losses = torch.where(valid, losses, torch.zeros_like(losses))
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z)
+        ctx.chunk_size, ctx.softcap, ctx.z_loss = chunk_size, softcap, z_loss
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, valid, log_z = ctx.saved_tensors
+        softcap, z_loss = ctx.softcap, ctx.z_loss
+        grad_losses = torch.where(valid, grad_losses.float(), torch.zeros_like(log_z))
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        )
+        for start in range(0, targets.numel(), ctx.chunk_size):
+            end = start + ctx.chunk_size
+            logits = _project(hidden[start:end], weight, softcap)
+            scale = grad_losses[start:end, None]
+            scale_p = scale * (1 + 2 * z_loss * log_z[start:end, None]) if z_loss else scale
+            grad_logits = torch.exp(logits - log_z[start:end, None]).mul_(scale_p)  # in place: one (chunk, V) buffer
+            grad_logits.scatter_add_(-1, targets[start:end, None], -scale)
+            if softcap is not None:
+                grad_logits.mul_(1 - (logits / softcap).square())
+            del logits
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                if grad_weight.dtype == weight.dtype:
+                    grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+                else:  # low-precision weights: accumulate chunks in fp32, round once at the end
+                    grad_weight.add_(grad_logits.t() @ hidden[start:end])
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _project(hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
+    """One chunk's fp32 logits (chunk, V), soft-capped when configured."""
+    logits = (hidden @ weight.t()).float()
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    z_loss: float = 0.0,
+    reduction: Reduction = "mean",
+) -> Tensor:
+    """Cross entropy of ``hidden @ weight.T`` (hidden (..., dim), weight (V, dim), targets (...)) in fp32.
+
+    Equals ``cross_entropy`` of the full logits in value and gradient, while holding one (chunk_size, V) block
+    of logits at a time, in forward and in backward.
+    """
+    _check_chunked_arguments(hidden, targets, chunk_size)
+    flat = _FusedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_size, softcap, ignore_index, z_loss
+    )
+    # clone: a view returned from an FSDP2 root method would lose its pre-backward hook to any in-place op
+    return reduce_losses(flat.view(targets.shape).clone(), targets, reduction, ignore_index)

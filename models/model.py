@@ -8,6 +8,9 @@ layout is handled by permuting wq/wk on import/export.
 Packed rows: ``document_ids`` (B, T) mark which document each token belongs to. Attention never crosses a
 document boundary and positions restart at 0 in each document, so a packed row computes exactly what running
 each document alone would. Left padding is the same mechanism: padding is simply another "document".
+
+Attention backends (``ModelConfig.attention``): SDPA, or FlexAttention for document-masked passes on CUDA;
+the masks, the KV cache and that choice live in ``models/attention.py``.
 """
 
 from __future__ import annotations
@@ -15,15 +18,25 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
-from models.loss import chunked_cross_entropy, cross_entropy
+from models.attention import (
+    KVCache,
+    attention_mask,
+    document_block_mask,
+    flex_attention_kernel,
+    positions_from_documents,
+    use_flex_attention,
+)
+from models.loss import cross_entropy, fused_linear_cross_entropy
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
 @dataclass
@@ -53,6 +66,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     qk_norm: bool = False
     logit_softcap: float | None = None
+    # auto: FlexAttention on CUDA when documents are masked (a block-sparse kernel instead of SDPA with a dense
+    # boolean mask, which falls off flash), SDPA otherwise (CPU, plain causal flash, KV-cache decoding).
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -67,9 +83,7 @@ class ModelConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
-            )
+            raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.dim / n_heads = {self.head_dim} must be even for RoPE")
         if self.norm_eps <= 0:
@@ -82,11 +96,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.ffn_hidden_dim must be > 0, got {self.ffn_hidden_dim}")
         if self.logit_softcap is not None and self.logit_softcap <= 0:
             raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         scaling = self.rope_scaling
         if scaling is not None and (scaling.factor < 1 or scaling.high_freq_factor <= scaling.low_freq_factor):
             raise ValueError(
-                "ModelConfig.rope_scaling needs factor >= 1 and high_freq_factor > low_freq_factor, "
-                f"got {scaling}"
+                f"ModelConfig.rope_scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got {scaling}"
             )
 
     @property
@@ -107,7 +122,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -115,7 +130,7 @@ class ModelConfig:
         return cls(**values)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset from ``configs/model/NAME.yaml`` (or a path to such a YAML file)."""
         from omegaconf import OmegaConf
 
@@ -171,7 +186,9 @@ def rope_frequencies(config: ModelConfig, device: torch.device | None = None) ->
             scaling.high_freq_factor - scaling.low_freq_factor
         )
         blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended))
+        inv_freq = torch.where(
+            wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+        )
     return inv_freq.float()
 
 
@@ -195,63 +212,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-class KVCache:
-    """Pre-allocated keys/values for every layer, plus the document id of every cached position.
-
-    Cached document ids let the same masking rule serve packed rows, left padding and decoding: a query
-    attends to a cached key only if both belong to the same document and the key is not in its future.
-    """
-
-    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        if max_len > config.max_seq_len:
-            raise ValueError(f"KV cache length {max_len} exceeds the model's max_seq_len {config.max_seq_len}")
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.document_ids = torch.full((batch_size, max_len), -1, device=device, dtype=torch.long)
-        self.max_len = max_len
-        self.length = 0  # positions filled so far (the same for every row)
-
-    def update(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Write (B, Hkv, T, D) keys/values at the current length; return everything cached so far."""
-        end = self.length + keys.shape[2]
-        self.keys[layer][:, :, self.length : end] = keys
-        self.values[layer][:, :, self.length : end] = values
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-
-def attention_mask(document_ids: Tensor | None, kv_cache: KVCache | None, seq_len: int) -> Tensor | None:
-    """Boolean (B, 1, T, S) mask: causal and within one document. None means plain causal attention.
-
-    Plain causal (no documents, no cache) returns None so SDPA can take its ``is_causal`` fast path.
-    """
-    if document_ids is None and kv_cache is None:
-        return None
-    offset = kv_cache.length if kv_cache is not None else 0
-    device = document_ids.device if document_ids is not None else kv_cache.document_ids.device
-    query_pos = torch.arange(offset, offset + seq_len, device=device)
-    key_pos = torch.arange(offset + seq_len, device=device)
-    causal = key_pos[None, :] <= query_pos[:, None]  # (T, S)
-    if document_ids is None:
-        return causal[None, None]
-    key_docs = document_ids
-    if kv_cache is not None:
-        kv_cache.document_ids[:, offset : offset + seq_len] = document_ids
-        key_docs = kv_cache.document_ids[:, : offset + seq_len]
-    same_doc = document_ids[:, :, None] == key_docs[:, None, :]  # (B, T, S)
-    return (causal[None] & same_doc)[:, None]
-
-
-def positions_from_documents(document_ids: Tensor) -> Tensor:
-    """Position of each token within its document: 0, 1, 2, ... restarting where the document id changes."""
-    batch, seq_len = document_ids.shape
-    index = torch.arange(seq_len, device=document_ids.device).expand(batch, seq_len)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start_index
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -269,7 +229,7 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None,
+        mask: Tensor | BlockMask | None,
         kv_cache: KVCache | None = None,
         layer_index: int = 0,
     ) -> Tensor:
@@ -283,9 +243,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_index, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if isinstance(mask, BlockMask):
+            out = flex_attention_kernel(q, k, v, mask, gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -311,7 +273,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
+    ) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer_index)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -364,7 +328,15 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
         cos, sin = rope_cos_sin(self.config, position_ids)
-        mask = attention_mask(document_ids, kv_cache, seq_len)
+        mask: Tensor | BlockMask | None
+        if use_flex_attention(self.config, document_ids, kv_cache):
+            if input_ids.device.type == "cpu" and torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad:
+                raise ValueError(
+                    "ModelConfig.attention='flex' has no backward on CPU (torch FlexAttention); use 'auto' or 'sdpa'"
+                )
+            mask = document_block_mask(document_ids)
+        else:
+            mask = attention_mask(document_ids, kv_cache, seq_len)
         x = self.tok_embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, kv_cache)
@@ -407,13 +379,14 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Per-token cross entropy (B, T) in fp32, 0 where targets are IGNORE_INDEX (-100).
 
-        With ``chunk_size`` the (B, T, V) logits are never materialised (see ``models/loss.py``); None computes
+        With ``chunk_size`` the (B, T, V) logits are never materialised (``fused_linear_cross_entropy`` in
+        ``models/loss.py``: one chunk of logits at a time, recomputed in backward); None computes
         full logits. Under FSDP2 the training code registers this method as a forward method.
         """
         hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
         if chunk_size is None:
             return cross_entropy(self.logits(hidden), targets, z_loss=z_loss, reduction="none")
-        return chunked_cross_entropy(
+        return fused_linear_cross_entropy(
             hidden,
             self.output.weight,
             targets,

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from data.prepare import PrepareConfig, prepare
 from data.tokenizer import Tokenizer
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     """The bundled default tokenizer."""
     return Tokenizer.load("default")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """The bundled corpus prepared once for the whole run, with the data settings of every tiny preset
+    (read-only to the tests that train on it)."""
+    out = tmp_path_factory.mktemp("data") / "shakespeare"
+    prepare(PrepareConfig(source=[str(CORPUS)], out_dir=str(out)))
+    return out

@@ -13,7 +13,26 @@ import lightning as L
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the king is dead long live queen of england and thou art my lord good night sweet prince".split()
+WORDS = [
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "queen",
+    "of",
+    "england",
+    "and",
+    "thou",
+    "art",
+    "my",
+    "lord",
+    "good",
+    "night",
+    "sweet",
+    "prince",
+]
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -33,7 +52,9 @@ class CaptureGradients(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.gradients:
-            self.gradients = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+            self.gradients = {
+                n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None
+            }
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

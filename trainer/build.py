@@ -15,9 +15,15 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from trainer.callbacks import device_peak_flops, latest_checkpoint
+from models.atomic import StorageError, storage_error, write_atomically
+from models.errors import LanternError, one_line
+from trainer.callbacks import AtomicCheckpoint, ExportFinal, SkipNonFiniteSteps, device_peak_flops
 from trainer.config import CheckpointConfig, ConfigError, LoggerConfig, TrainerConfig, to_dict, to_yaml
+from trainer.plots import read_csv_rows
+from trainer.storage import is_global_rank_zero, latest_checkpoint, lock_run_directory, release_run_directory
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +33,34 @@ def run_directory(out_dir: str, name: str) -> Path:
 
 
 def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -> Path:
-    """The stage's run folder (run.out_dir / run.name), created, with the resolved config written to config.yaml
-    and, when given, the datamodule's loading statistics to data_stats.json."""
+    """The stage's run folder (run.out_dir / run.name), created and locked for this run (global rank 0; see
+    trainer.storage.lock_run_directory), with the resolved config written to config.yaml and, when given,
+    the datamodule's loading statistics to data_stats.json. ``fit_stage`` releases the lock."""
+    if config.trainer.max_nonfinite_steps < 0:
+        raise ConfigError(
+            f"trainer.max_nonfinite_steps must be >= 0 (0 stops at the first NaN/Inf loss), got {config.trainer.max_nonfinite_steps}"
+        )
     run_dir = run_directory(config.run.out_dir, config.run.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    if data_stats is not None:
-        (run_dir / "data_stats.json").write_text(json.dumps(data_stats, indent=2, default=str))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if is_global_rank_zero():
+            lock_run_directory(run_dir)
+        write_atomically(run_dir / "config.yaml", to_yaml(config), what="run config")
+        if data_stats is not None:
+            write_atomically(
+                run_dir / "data_stats.json", json.dumps(data_stats, indent=2, default=str), what="data statistics"
+            )
+    except OSError as error:
+        raise LanternError(
+            str(error if isinstance(error, StorageError) else storage_error(error, run_dir, "run folder"))
+        ) from error
     return run_dir
 
 
 def peak_flops(config: TrainerConfig) -> float:
     """The peak FLOP/s Throughput reports MFU against: trainer.peak_tflops, else the device's (see
     trainer.callbacks.device_peak_flops) in the dtype trainer.precision computes in."""
-    on_gpu = torch.cuda.is_available() and config.accelerator != "cpu"
-    device = torch.device("cuda" if on_gpu else "cpu")
+    device = torch.device("cuda" if _runs_on_cuda(config) else "cpu")
     dtype = torch.bfloat16 if config.precision.startswith("bf16") else torch.float32
     return device_peak_flops(device, dtype, config.peak_tflops)
 
@@ -53,7 +72,14 @@ def check_trainer_config(config: TrainerConfig) -> None:
             f"trainer.strategy 'single' runs one process, but trainer.devices={config.devices} and "
             f"trainer.num_nodes={config.num_nodes}: use 'ddp' or 'fsdp' for more"
         )
-    for key in ("devices", "num_nodes", "max_steps", "accumulate_grad_batches", "val_every_n_steps", "log_every_n_steps"):
+    for key in (
+        "devices",
+        "num_nodes",
+        "max_steps",
+        "accumulate_grad_batches",
+        "val_every_n_steps",
+        "log_every_n_steps",
+    ):
         if getattr(config, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1, got {getattr(config, key)}")
     if config.cpu_offload and config.strategy != "fsdp":
@@ -61,7 +87,62 @@ def check_trainer_config(config: TrainerConfig) -> None:
     if config.cpu_offload and (config.accelerator == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("trainer.cpu_offload moves FSDP shards from GPU memory to pinned CPU memory: it needs GPUs")
     if config.init_device == "meta" and config.strategy != "fsdp":
-        raise ConfigError("trainer.init_device 'meta' needs trainer.strategy 'fsdp' (weights materialise after sharding)")
+        raise ConfigError(
+            "trainer.init_device 'meta' needs trainer.strategy 'fsdp' (weights materialise after sharding)"
+        )
+    # Here because every stage calls this first, before any model is built or any matmul runs.
+    resolve_precision(config)
+    apply_float32_matmul_precision(config)
+
+
+def _runs_on_cuda(config: TrainerConfig) -> bool:
+    return torch.cuda.is_available() and config.accelerator != "cpu"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (AVX-512 BF16 or AMX); without them a bf16 matmul takes a
+    reference path several times slower than fp32 (measured 5.5x for 1024x128x4096 on an AVX2-only CPU)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(config: TrainerConfig) -> str:
+    """trainer.precision ``auto`` becomes the fast choice of the device the run uses: ``bf16-mixed`` on a GPU
+    with bf16 (fp32 master weights, bf16 compute), ``32-true`` on CPU. An explicit bf16 precision on a CPU
+    without native bf16 kernels is honoured with a warning that says what it costs."""
+    on_cuda = _runs_on_cuda(config)
+    if config.precision == "auto":
+        config.precision = "bf16-mixed" if on_cuda and torch.cuda.is_bf16_supported() else "32-true"
+    elif config.precision.startswith("bf16") and not on_cuda and not cpu_has_native_bf16():
+        warnings.warn(
+            f"trainer.precision={config.precision} on a CPU without native bf16 kernels (no AVX-512 BF16 / AMX): "
+            "bf16 matmuls run several times slower than fp32 here; trainer.precision=auto picks 32-true on CPU",
+            stacklevel=2,
+        )
+    return config.precision
+
+
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+
+
+def apply_float32_matmul_precision(config: TrainerConfig) -> str:
+    """Set torch's float32 matmul precision from trainer.float32_matmul_precision and return what was set.
+
+    ``auto`` is ``high`` (TF32 tensor cores: a 10-bit mantissa, ~1e-3 relative error per product, several
+    times the fp32 throughput; the usual choice for training) when the run is on CUDA, and ``highest``
+    elsewhere, where the setting changes nothing on CPU.
+    """
+    value = config.float32_matmul_precision
+    if value not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"trainer.float32_matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {value!r}"
+        )
+    if value == "auto":
+        value = "high" if _runs_on_cuda(config) else "highest"
+    torch.set_float32_matmul_precision(value)
+    return value
 
 
 def make_strategy(config: TrainerConfig) -> Any:
@@ -78,11 +159,15 @@ def make_strategy(config: TrainerConfig) -> Any:
 
 
 def lightning_precision(config: TrainerConfig) -> str:
-    # Under FSDP2, bf16-mixed is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 master weights and gradient
-    # reduction), applied in trainer/parallel.py; Lightning must not add autocast on top.
+    # Under FSDP2, bf16-mixed is FSDP's MixedPrecisionPolicy (bf16 parameters for compute, fp32 master weights,
+    # fp32 gradient reduction), applied in trainer/parallel.py; Lightning must not add autocast on top.
     if config.strategy == "fsdp" and config.precision == "bf16-mixed":
         return "32-true"
     return config.precision
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_ONLINE_INIT_TIMEOUT_S = 20  # W&B's own is 90 s plus retries: a run must not wait minutes for a dead server
 
 
 def wandb_mode(config: LoggerConfig) -> str:
@@ -90,16 +175,30 @@ def wandb_mode(config: LoggerConfig) -> str:
     if config.mode != "auto":
         return config.mode
     if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+        mode = os.environ["WANDB_MODE"]
+        if mode in WANDB_MODES:
+            return mode
+        log.warning("WANDB_MODE=%r is not one of %s: logging offline", mode, ", ".join(WANDB_MODES))
+        return "offline"
     if not os.environ.get("WANDB_API_KEY"):
         return "offline"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or _wandb_base_url()).hostname or "api.wandb.ai"
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
         log.warning("W&B server %s unreachable: logging offline (sync later with `wandb sync`)", host)
         return "offline"
     return "online"
+
+
+def _wandb_base_url() -> str:
+    """The server the installed wandb talks to by default (it has changed between releases)."""
+    try:
+        import wandb  # deferred: only runs that log to W&B pay for importing it
+
+        return str(wandb.Settings().base_url)
+    except Exception:
+        return "https://api.wandb.ai"
 
 
 class SafeWandbLogger(WandbLogger):
@@ -110,7 +209,7 @@ class SafeWandbLogger(WandbLogger):
             return None
         try:
             return function(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - logging must never crash a run
+        except Exception as error:
             self._lantern_broken = True
             warnings.warn(f"W&B {action} failed ({error!r}); W&B logging is off for the rest of this run")
             return None
@@ -140,39 +239,99 @@ class SafeWandbLogger(WandbLogger):
             wandb.finish()
 
 
+class _HistoryWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv when it starts, so a resumed run would lose the
+    history before the resume. This one reads the old rows first and writes them back ahead of the new ones,
+    keeping only rows older than the first step logged after the resume (replayed steps are counted once)."""
+
+    def __init__(self, log_dir: str) -> None:
+        path = Path(log_dir) / self.NAME_METRICS_FILE
+        self.previous_rows = read_csv_rows(path) if path.is_file() else []
+        with warnings.catch_warnings():  # its "previous log files will be deleted" is not true here
+            warnings.filterwarnings("ignore", message="Experiment logs directory")
+            super().__init__(log_dir=log_dir)
+
+    def save(self) -> None:
+        if self.previous_rows and self.metrics:
+            first_new_step = min(int(row["step"]) for row in self.metrics)
+            kept = [row for row in self.previous_rows if _step_of(row) is not None and _step_of(row) < first_new_step]
+            self.metrics = [*kept, *self.metrics]
+            self.previous_rows = []
+        super().save()
+
+
+def _step_of(row: dict[str, Any]) -> int | None:
+    try:
+        return int(float(row["step"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class HistoryCSVLogger(CSVLogger):
+    """``logger.kind=csv``: Lightning's CSVLogger, but a resumed run keeps the metrics logged before it."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _HistoryWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
 def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparameters: dict[str, Any]) -> Logger | bool:
     if config.kind == "none":
         return False
     if config.kind == "csv":
-        return CSVLogger(save_dir=str(run_dir), name="csv", version="")
-    mode = wandb_mode(config)
+        return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
     os.environ.setdefault("WANDB_SILENT", "true")
+    mode = wandb_mode(config)
+    # wandb.init runs here (logger.experiment), not inside Lightning's setup, so that any W&B failure (a bad
+    # project name, a refused key, an unreachable server) becomes one warning and the run goes on: offline
+    # after a failed online start, else with the CSV logger.
+    for attempt in [mode, "offline"] if mode == "online" else [mode]:
+        try:
+            logger = SafeWandbLogger(
+                project=config.project,
+                name=run_name,
+                save_dir=str(run_dir),
+                group=config.group,
+                tags=list(config.tags),
+                mode=attempt,
+                config=hyperparameters,
+                settings=_wandb_settings(attempt),
+            )
+            if is_global_rank_zero():  # other ranks log nothing (Lightning gives them a dummy experiment)
+                logger.experiment  # noqa: B018 - starts the W&B run now
+            return logger
+        except Exception as error:
+            _finish_failed_wandb_run()
+            fallback = "logging offline" if attempt == "online" else f"logging to CSV in {run_dir / 'csv'} instead"
+            warnings.warn(f"cannot start W&B in {attempt} mode ({one_line(error)}); {fallback}", stacklevel=2)
+    return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
+
+
+def _finish_failed_wandb_run() -> None:
     try:
-        logger = SafeWandbLogger(
-            project=config.project,
-            name=run_name,
-            save_dir=str(run_dir),
-            group=config.group,
-            tags=list(config.tags),
-            mode=mode,
-            config=hyperparameters,
-            settings=_wandb_settings(),
-        )
-    except Exception as error:  # noqa: BLE001
-        warnings.warn(f"cannot start W&B ({error!r}); logging to CSV in {run_dir / 'csv'} instead")
-        return CSVLogger(save_dir=str(run_dir), name="csv", version="")
-    return logger
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+    except Exception:
+        pass
 
 
-def _wandb_settings() -> Any:
-    import wandb
+def _wandb_settings(mode: str) -> Any:
+    import wandb  # deferred: only runs that log to W&B pay for importing it
 
     # No console capture and no system-stats thread: fewer moving parts in offline CPU runs.
-    return wandb.Settings(console="off", x_disable_stats=True, silent=True)
+    timeout = {"init_timeout": WANDB_ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
+    return wandb.Settings(console="off", x_disable_stats=True, silent=True, **timeout)
 
 
 def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path) -> str | None:
-    """``auto``: the newest complete checkpoint of this run, if any; ``none``: start fresh; else a path."""
+    """``auto``: the newest checkpoint of this run that verifies against its checksum manifest (newer ones
+    that do not are skipped with a warning), if any; ``none``: start fresh; else a path."""
     if config.resume == "none":
         return None
     if config.resume == "auto":
@@ -231,6 +390,16 @@ def make_trainer(
     )
 
 
+def in_save_order(callbacks: list[L.Callback]) -> list[L.Callback]:
+    """Lightning calls callbacks in list order. Whatever records a step (metrics rows, throughput) must run
+    before that step's checkpoint is published, or a kill between the two loses the row for good (resume
+    starts after that step); the final export runs after the final checkpoint, so a failed export never
+    costs the training. Plot failures are warnings (trainer.callbacks.LossPlot), so plotting first is safe."""
+    saving = [c for c in callbacks if isinstance(c, AtomicCheckpoint)]
+    exporting = [c for c in callbacks if isinstance(c, ExportFinal)]
+    return [c for c in callbacks if c not in saving and c not in exporting] + saving + exporting
+
+
 def fit_stage(
     config: Any,
     module: L.LightningModule,
@@ -242,8 +411,14 @@ def fit_stage(
 ) -> Path | None:
     """The end every stage shares: logger, trainer, resume (checkpoint.resume, from run_dir/checkpoints) and fit.
     Returns run_dir on rank 0, None on the other ranks."""
-    logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
-    trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
-    resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    try:
+        logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
+        callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
+        trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
+        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    except (StorageError, FileExistsError) as error:  # a full or read-only disk, or final/ not Lantern's: one line
+        raise LanternError(str(error)) from error
+    finally:
+        release_run_directory(run_dir)
     return run_dir if trainer.is_global_zero else None

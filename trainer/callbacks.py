@@ -1,108 +1,38 @@
-"""Callbacks shared by every stage: atomic checkpoints, throughput/MFU, data progress, loss plots."""
+"""Callbacks shared by every stage: throughput/MFU, data progress, loss plots and metrics history, the
+NaN-step skip, the final export (atomic checkpoints are in trainer/storage.py, re-exported here)."""
 
 from __future__ import annotations
 
-import csv
 import logging
-import os
-import shutil
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
 
+from models.atomic import check_destination, storage_error
+from trainer.plots import metrics_csv_rows, plot_curves, read_metrics_csv, write_metrics_csv
+from trainer.storage import AtomicCheckpoint, latest_checkpoint  # noqa: F401 - every stage imports them from here
+
 log = logging.getLogger(__name__)
 
-LATEST = "latest"  # a file naming the newest complete checkpoint; replaced atomically
 
+class SkipNonFiniteSteps(L.Callback):
+    """Drops the gradients of an optimizer step whose loss was NaN/Inf (``LanguageModelModule.skip_step``,
+    set by ``stop_if_not_finite`` under ``trainer.max_nonfinite_steps``), so that the optimizer leaves the
+    weights and its own state as they were. Backward has run on every rank as usual: DDP and FSDP
+    collectives stay matched."""
 
-class AtomicCheckpoint(L.Callback):
-    """Saves every ``every_n_steps`` optimizer steps and at the end, so that a crash never corrupts the last
-    good checkpoint: each save goes to a hidden temporary path (a file, or a folder of shards under FSDP),
-    is renamed into place once every rank has written, and only then does ``latest`` point at it."""
-
-    def __init__(self, directory: str | Path, every_n_steps: int, keep_last: int = 3) -> None:
-        if every_n_steps < 1 or keep_last < 1:
-            raise ValueError("checkpoint.every_n_steps and checkpoint.keep_last must be >= 1")
-        self.directory = Path(directory)
-        self.every_n_steps = every_n_steps
-        self.keep_last = keep_last
-        self._last_saved_step = -1
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.is_global_zero:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(".tmp-*"):  # left by a crash mid-save: never a good checkpoint
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        trainer.strategy.barrier("atomic-checkpoint-setup")
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != self._last_saved_step:
-            self.save(trainer)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step != self._last_saved_step and not getattr(pl_module, "failed", False):
-            self.save(trainer)
-
-    def save(self, trainer: L.Trainer) -> Path:
-        step = trainer.global_step
-        name = f"step-{step:08d}.ckpt"
-        final = self.directory / name
-        temporary = self.directory / f".tmp-{name}"
-        trainer.save_checkpoint(temporary, weights_only=False)  # full state: optimizer, schedule, loops
-        trainer.strategy.barrier("atomic-checkpoint-written")
-        if trainer.is_global_zero:
-            _fsync_path(temporary)
-            if final.exists():
-                shutil.rmtree(final) if final.is_dir() else final.unlink()
-            os.replace(temporary, final)
-            _write_atomically(self.directory / LATEST, name + "\n")
-            _fsync_path(self.directory)
-            self._prune()
-        trainer.strategy.barrier("atomic-checkpoint-done")
-        self._last_saved_step = step
-        return final
-
-    def _prune(self) -> None:
-        checkpoints = sorted(self.directory.glob("step-*.ckpt"))
-        for old in checkpoints[: -self.keep_last]:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or None."""
-    pointer = Path(directory) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(directory) / pointer.read_text().strip()
-    return path if path.exists() else None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".tmp-{path.name}")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def _fsync_path(path: Path) -> None:
-    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] + [path]
-    for item in paths:
-        try:
-            fd = os.open(item, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:  # some filesystems refuse fsync on directories
-            pass
-        finally:
-            os.close(fd)
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if getattr(pl_module, "skip_step", None) == trainer.global_step:
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    parameter.grad = None
 
 
 class DataProgress(L.Callback):
@@ -134,7 +64,9 @@ class Throughput(L.Callback):
         self._last_step = -1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._tokens = trainer.global_step * trainer.accumulate_grad_batches * self.tokens_per_micro_batch * trainer.world_size
+        self._tokens = (
+            trainer.global_step * trainer.accumulate_grad_batches * self.tokens_per_micro_batch * trainer.world_size
+        )
         self._window_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -203,7 +135,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1
 class LossPlot(L.Callback):
     """Writes a PNG of metrics against step (``loss.png``: train and validation loss) beside the run at the
     end, also when the run stops on an error, and the points as CSV (``metrics.csv`` for loss.png, else
-    NAME.csv). Metrics are kept in memory on rank 0."""
+    NAME.csv). Metrics are kept in memory on rank 0 and appended to the CSV as they come, so that a run
+    killed (-9) and resumed keeps its whole history: a resumed run keeps the rows up to the step it resumed
+    from and records the replayed steps once. A failure to write metrics or plots (a full disk, a plotting
+    error) is a warning, never the end of a run."""
 
     def __init__(
         self,
@@ -220,9 +155,11 @@ class LossPlot(L.Callback):
         self.ylabel = ylabel
         self.csv_name = "metrics.csv" if filename == "loss.png" else Path(filename).with_suffix(".csv").name
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in metrics}
+        self._appending = False  # rows go to the CSV as they are recorded (off after a write failed)
 
     def _record(self, trainer: L.Trainer, validation: bool) -> None:
         # callback_metrics keeps the last validation values during training: read each kind in its own hook
+        rows = []
         for name in self.metrics:
             if name.startswith("val") != validation:
                 continue
@@ -232,16 +169,33 @@ class LossPlot(L.Callback):
             series = self.history[name]
             if not series or series[-1][0] != trainer.global_step:
                 series.append((trainer.global_step, float(value)))
+                rows.append((name, trainer.global_step, float(value)))
+        if rows and self._appending:
+            try:
+                with open(self.run_dir / self.csv_name, "a") as handle:
+                    handle.write(metrics_csv_rows(rows))  # one write per row set: only the last line can tear
+            except OSError as error:
+                self._appending = False
+                warnings.warn(
+                    f"cannot append to {self.run_dir / self.csv_name} ({error}); metrics stay in memory until the end"
+                )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """A resumed run continues the curves it left in metrics.csv (up to the step it resumed from)."""
-        previous = self.run_dir / self.csv_name
-        if trainer.global_step == 0 or not previous.is_file():
+        """The history so far: the rows of earlier attempts up to the step this one starts from (a resumed run;
+        later rows are replayed and recorded again), none for a fresh start; written back whole."""
+        if not trainer.is_global_zero:
             return
-        with open(previous, newline="") as handle:
-            for row in csv.DictReader(handle):
-                if row["metric"] in self.history and int(row["step"]) <= trainer.global_step:
-                    self.history[row["metric"]].append((int(row["step"]), float(row["value"])))
+        path = self.run_dir / self.csv_name
+        previous = {}
+        if trainer.global_step > 0 and path.is_file():
+            try:
+                previous = read_metrics_csv(path)
+            except (OSError, UnicodeDecodeError) as error:
+                warnings.warn(f"cannot read the metrics history {path} ({error}): it starts again here")
+        self.history = {
+            name: [(s, v) for s, v in previous.get(name, []) if s <= trainer.global_step] for name in self.metrics
+        }
+        self._appending = self._write_csv()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -255,20 +209,29 @@ class LossPlot(L.Callback):
         self.write(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.is_global_zero:  # a callback before this one (a checkpoint write) may have failed the step's end
+            self._record(trainer, validation=False)
         self.write(trainer)
+
+    def _write_csv(self) -> bool:
+        path = self.run_dir / self.csv_name
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_metrics_csv(self.history, path)
+        except OSError as error:
+            warnings.warn(f"cannot write {path} ({error}); training goes on")
+            return False
+        return True
 
     def write(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero or not any(self.history.values()):
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / self.csv_name, "w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["metric", "step", "value"])
-            for name, series in self.history.items():
-                writer.writerows((name, step, value) for step, value in series)
-        from trainer.plots import plot_curves
-
-        plot_curves(self.history, self.run_dir / self.filename, title=self.title, ylabel=self.ylabel)
+        self._write_csv()
+        path = self.run_dir / self.filename
+        try:
+            plot_curves(self.history, path, title=self.title, ylabel=self.ylabel)
+        except Exception as error:
+            warnings.warn(f"cannot draw {path} ({error!r}); the points are in {self.run_dir / self.csv_name}")
 
 
 def full_state_dict(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, torch.Tensor]:
@@ -312,6 +275,11 @@ class ExportFinal(L.Callback):
         self.attribute = attribute
         self._exported = False
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Before any compute: the run's end must not find a folder here that Lantern did not write (checked
+        on every rank, so that all of them stop)."""
+        check_destination(self.directory, if_exists="replace-lantern")
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A run resumed from its checkpoint at max_steps skips the training loop, and with it on_train_end:
         export here instead (single process; under several processes the group may be gone by now)."""
@@ -321,27 +289,40 @@ class ExportFinal(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "failed", False):
             return
-        from models.heads import ScalarModel
-
         model = getattr(pl_module, self.attribute)
         state = full_state_dict(model, trainer)
         metadata = self.metadata(pl_module) if callable(self.metadata) else dict(self.metadata)
         if trainer.is_global_zero:
-            metadata = {**metadata, "step": trainer.global_step}
-            if isinstance(model, ScalarModel):
-                from models.heads import save_scalar_model
-
-                save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
-            else:
-                from models.checkpoint import save_checkpoint
-                from models.model import Transformer
-
-                with torch.device("meta"):
-                    plain = Transformer(model.config)
-                plain.load_state_dict(state, assign=True, strict=True)
-                if model.config.tie_embeddings:
-                    plain.output.weight = plain.tok_embeddings.weight
-                save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)
+            try:
+                self._save(model, state, {**metadata, "step": trainer.global_step})
+            except OSError as error:
+                if isinstance(error, FileExistsError):
+                    raise
+                saved = latest_checkpoint(self.directory.parent / "checkpoints")
+                kept = (
+                    f"the training state is in {saved}: `lantern export {saved} {self.directory}` writes the model later"
+                    if saved
+                    else ""
+                )
+                raise storage_error(error, self.directory, "final model", kept=kept) from error
             log.info("exported the final model to %s", self.directory)
         trainer.strategy.barrier("export-final")
         self._exported = True
+
+    def _save(self, model: torch.nn.Module, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+        from models.heads import ScalarModel
+
+        if isinstance(model, ScalarModel):
+            from models.heads import save_scalar_model
+
+            save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
+            return
+        from models.checkpoint import save_checkpoint
+        from models.model import Transformer
+
+        with torch.device("meta"):
+            plain = Transformer(model.config)
+        plain.load_state_dict(state, assign=True, strict=True)
+        if model.config.tie_embeddings:
+            plain.output.weight = plain.tok_embeddings.weight
+        save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)

@@ -10,14 +10,15 @@ import logging
 import sys
 from pathlib import Path
 
-from trainer.errors import LanternError
+from models.errors import LanternError, one_line
 
 log = logging.getLogger("lantern")
 
 
 def _tokenizer_train(args: argparse.Namespace) -> None:
-    from data.bpe import train_bpe
+    from data.bpe import check_output_file, train_bpe
 
+    check_output_file(args.out, flag="--out")  # before minutes of training, not after
     out = train_bpe(corpus=args.corpus, vocab_size=args.vocab_size, out=args.out)
     print(f"wrote tokenizer ({args.vocab_size} tokens incl. specials) to {out}")
 
@@ -40,7 +41,10 @@ def _resolve_tokenizer_spec(args: argparse.Namespace) -> str:
     if args.tokenizer:
         return args.tokenizer
     if args.checkpoint:
-        for candidate in (Path(args.checkpoint) / "tokenizer.model", Path(args.checkpoint) / "original" / "tokenizer.model"):
+        for candidate in (
+            Path(args.checkpoint) / "tokenizer.model",
+            Path(args.checkpoint) / "original" / "tokenizer.model",
+        ):
             if candidate.is_file():
                 return str(candidate)
     return "default"
@@ -56,6 +60,10 @@ def _generate(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.load(_resolve_tokenizer_spec(args))
     model = _load_model_for_generation(args)
     check_tokenizer_fits_model(tokenizer, model.config, model_name=args.checkpoint or f"preset {args.preset}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    model = model.to(device)
     if args.chat:
         prompt = tokenizer.encode_chat_prompt([{"role": "user", "content": args.prompt}])
     else:
@@ -68,15 +76,24 @@ def _generate(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        generator=torch.Generator().manual_seed(args.seed),
+        # the generator lives where sampling happens (torch.multinomial refuses a CPU generator on CUDA)
+        generator=torch.Generator(model.tok_embeddings.weight.device).manual_seed(args.seed),
+        heal=args.heal and not args.chat,  # a chat prompt ends in header tokens: nothing to heal
+        compile=args.compile,
     )
     print(args.prompt + text)
 
 
 def _convert(args: argparse.Namespace) -> None:
+    from models.atomic import StorageError
     from models.checkpoint import convert
 
-    out = convert(src=args.src, src_format=args.src_format, dst=args.dst, dst_format=args.dst_format)
+    try:
+        out = convert(
+            src=args.src, src_format=args.src_format, dst=args.dst, dst_format=args.dst_format, overwrite=args.overwrite
+        )
+    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
+        raise LanternError(str(error)) from error
     print(f"wrote {args.dst_format} checkpoint to {out}")
 
 
@@ -86,7 +103,10 @@ def _prepare(args: argparse.Namespace) -> None:
 
     config = load_config(PretrainConfig, args.config, args.overrides)
     manifest = prepare(config.data)
-    splits = ", ".join(f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents" for name, split in manifest["splits"].items())
+    splits = ", ".join(
+        f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents"
+        for name, split in manifest["splits"].items()
+    )
     print(f"prepared {config.data.out_dir} ({splits})")
 
 
@@ -143,16 +163,21 @@ def _print_run_summary(run_dir: Path) -> None:
 
 
 def _demo_data(args: argparse.Namespace) -> None:
-    from data.demo_tasks import write_demo_dataset
+    from data.demo_tasks import check_demo_arguments, write_demo_dataset
 
+    check_demo_arguments(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs)
     paths = write_demo_dataset(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed)
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
 
 def _export(args: argparse.Namespace) -> None:
+    from models.atomic import StorageError
     from trainer.export import export_training_checkpoint
 
-    out = export_training_checkpoint(args.checkpoint, args.out)
+    try:
+        out = export_training_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
+        raise LanternError(str(error)) from error
     print(f"wrote native checkpoint to {out}")
 
 
@@ -188,13 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-heal", dest="heal", action="store_false", help="no token healing of the prompt's last token")
+    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    gen.add_argument(
+        "--compile", action="store_true", help="static KV cache + torch.compile'd decode step (CUDA graphs on CUDA)"
+    )
     gen.set_defaults(handler=_generate)
 
     convert = commands.add_parser("convert", help="convert checkpoints between formats")
     convert.add_argument("--from", dest="src_format", choices=["auto", "hf", "meta", "native"], default="auto")
     convert.add_argument("src", help="source checkpoint folder")
     convert.add_argument("--to", dest="dst_format", choices=["hf", "native"], required=True)
-    convert.add_argument("dst", help="destination folder")
+    convert.add_argument("dst", help="destination folder (empty or new, unless --overwrite)")
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty destination (never one that contains the source)"
+    )
     convert.set_defaults(handler=_convert)
 
     _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
@@ -202,9 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
     _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
     _add_stage(commands, "ppo", "optimise the SFT policy against the reward model with PPO", _ppo)
-    _add_stage(commands, "pipeline", "run prepare, pretrain, SFT, reward model and PPO from one config, with a report", _pipeline)
+    _add_stage(
+        commands,
+        "pipeline",
+        "run prepare, pretrain, SFT, reward model and PPO from one config, with a report",
+        _pipeline,
+    )
 
-    demo = commands.add_parser("demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)")
+    demo = commands.add_parser(
+        "demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)"
+    )
     demo.add_argument("--out", default="runs/data/demo")
     demo.add_argument("--n-train", type=int, default=4000)
     demo.add_argument("--n-val", type=int, default=400)
@@ -212,9 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_demo_data)
 
-    export = commands.add_parser("export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder")
+    export = commands.add_parser(
+        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder"
+    )
     export.add_argument("checkpoint")
-    export.add_argument("out")
+    export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (never one that contains the checkpoint)",
+    )
     export.set_defaults(handler=_export)
     return parser
 
@@ -236,9 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         args.handler(args)
-    except (ValueError, FileNotFoundError, LanternError) as error:
-        # Input errors are the user's to fix: one clear line, not a traceback.
-        print(f"lantern {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, LanternError) as error:
+        # Input errors (bad config, data, checkpoint, path; a full or read-only disk) are the user's to fix:
+        # one clear line, not a traceback. --verbose keeps the traceback for a bug report.
+        if args.verbose:
+            raise
+        print(f"lantern {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
     return 0
 

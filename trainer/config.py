@@ -8,6 +8,7 @@ loader and no custom resolvers, so a config never executes code.
 from __future__ import annotations
 
 import difflib
+import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -20,13 +21,14 @@ from data.preference import PreferenceDataConfig
 from data.prepare import PrepareConfig
 from data.prompts import PromptDataConfig
 from data.sft import SFTDataConfig
+from models.errors import ConfigError, one_line
 from models.model import ModelConfig
-from trainer.errors import ConfigError
+from trainer.checks import check_ranges
 
 CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
 
 Strategy = Literal["single", "ddp", "fsdp"]
-Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true"]
 
 
 @dataclass
@@ -61,7 +63,9 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     strategy: Strategy = "single"
-    precision: Precision = "32-true"
+    # auto: bf16-mixed on a GPU with bf16, 32-true on CPU (CPUs without native bf16 run bf16 matmuls several
+    # times slower than fp32); resolved before the run and recorded in its config.yaml
+    precision: Precision = "auto"
     accelerator: str = "auto"  # auto | cpu | gpu
     devices: int = 1
     num_nodes: int = 1
@@ -76,6 +80,12 @@ class TrainerConfig:
     loss_chunk_size: int | None = 1024  # tokens per LM-head chunk; None materialises full logits
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs by name, measured on CPU
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: allocate weights only after sharding (large models)
+    # NaN/Inf loss: 0 stops the run at the first such step; N > 0 skips up to N steps in a row (no weight or
+    # optimizer-state update; the schedule still advances) and stops at the next; the last good checkpoint is kept
+    max_nonfinite_steps: int = 0
+    # float32 matmuls: highest (true fp32) | high (TF32 on NVIDIA GPUs: ~1e-3 relative error, several times
+    # faster) | medium (bf16 passes); auto is high on CUDA and highest elsewhere (CPU ignores it)
+    float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"
 
 
 @dataclass
@@ -146,7 +156,9 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
     loss: SFTLossConfig = field(default_factory=SFTLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=20, weight_decay=0.0))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=20, weight_decay=0.0)
+    )
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -168,7 +180,9 @@ class RMConfig:
     data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
     loss: RMLossConfig = field(default_factory=RMLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=20, weight_decay=0.0))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=20, weight_decay=0.0)
+    )
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -217,6 +231,32 @@ def _explain(error: OmegaConfBaseException, schema: type, source: str) -> Config
     return ConfigError(f"{source}: invalid config key {key!r}: {message}{hint}")
 
 
+def _container_mismatch(raw: Any, schema: type, prefix: str = "") -> str | None:
+    """Where plain ``raw`` holds a scalar or list for a section, or a mapping or scalar for a list: the key path
+    and what is wrong, or None."""
+    if not isinstance(raw, dict) or not is_dataclass(schema):
+        return None
+    hints = typing.get_type_hints(schema)
+    for name, value in raw.items():
+        kind = hints.get(str(name))
+        if kind is None or value is None:
+            continue
+        options = (kind, *typing.get_args(kind))
+        section = next((option for option in options if is_dataclass(option)), None)
+        path = f"{prefix}{name}"
+        if section is not None:
+            if not isinstance(value, dict):
+                return f"{path} must be a section (a mapping of keys), got {type(value).__name__} {value!r}"
+            found = _container_mismatch(value, section, f"{path}.")
+            if found:
+                return found
+        elif any(option is list or typing.get_origin(option) is list for option in options) and not isinstance(
+            value, list
+        ):
+            return f"{path} must be a list, got {type(value).__name__} {value!r}"
+    return None
+
+
 def _type_at(schema: type, path: list[str]) -> type | None:
     current: Any = schema
     for part in path:
@@ -251,17 +291,25 @@ def load_config(schema: type[Schema], path: str | Path | None = None, overrides:
             value = _model_preset(value, f"override {item!r}")
         try:
             OmegaConf.update(raw, key, value, merge=True, force_add=True)
-        except OmegaConfBaseException as error:
-            raise ConfigError(f"override {item!r}: {error}") from error
+        except (OmegaConfBaseException, TypeError, ValueError) as error:  # e.g. a mapping given for a list
+            raise ConfigError(f"override {item!r}: invalid value for {key}: {one_line(error)}") from error
     if overrides:
         source = f"{source} (with overrides)"
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
-    except OmegaConfBaseException as error:
+        config = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, TypeError) as error:
+        # OmegaConf's merge errors ("Cannot merge incompatible container types") may name no key: find it
+        mismatch = _container_mismatch(OmegaConf.to_container(raw, resolve=False), schema)
+        if mismatch:
+            raise ConfigError(f"{source}: {mismatch}") from error
+        if isinstance(error, TypeError):
+            raise ConfigError(f"{source}: {one_line(error)}") from error
         raise _explain(error, schema, source) from error
     except ValueError as error:  # a dataclass's own check, e.g. "ModelConfig.dim ..." → "model.dim ..."
         raise ConfigError(f"{source}: {str(error).replace('ModelConfig.', 'model.')}") from error
+    check_ranges(config, source)  # negative steps, lr <= 0, probabilities outside [0, 1]: named by key path
+    return config  # type: ignore[return-value]
 
 
 def to_yaml(config: Any) -> str:
@@ -325,8 +373,12 @@ class PPOConfig:
     init: PPOInitConfig = field(default_factory=PPOInitConfig)
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0))
-    critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0)
+    )
+    critic_optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0)
+    )
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=100, val_every_n_steps=10**9))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_n_steps=20))
     logger: LoggerConfig = field(default_factory=LoggerConfig)

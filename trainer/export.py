@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import save_checkpoint
+from models.atomic import IfExists, check_destination
+from models.checkpoint import read_torch_file, save_checkpoint
+from models.errors import CheckpointError
 from models.model import ModelConfig, Transformer
 from trainer.callbacks import _plain_name
 
@@ -23,19 +25,38 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
 
         if not (path / ".metadata").is_file():
             raise ValueError(f"{path} is a folder but not a sharded (torch.distributed.checkpoint) checkpoint")
-        checkpoint = _load_distributed_checkpoint(path)
-        checkpoint.update(torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True))
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            checkpoint = _load_distributed_checkpoint(path)
+        # torch.distributed.checkpoint's errors are multi-line tracebacks of ranks (CheckpointException is
+        # a BaseException); the first line says what failed
+        except (CheckpointException, RuntimeError, ValueError, OSError, KeyError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(f"{path}: unreadable sharded checkpoint ({first})") from None
+        checkpoint.update(read_torch_file(path / _METADATA_FILENAME))
         return checkpoint
-    return torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = read_torch_file(path)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path}: not a training checkpoint (holds a {type(checkpoint).__name__}, not a dict)")
+    return checkpoint
 
 
-def export_training_checkpoint(path: str | Path, out: str | Path, *, prefix: str = "model.") -> Path:
-    """Write the ``prefix``-ed submodule of a training checkpoint (the LM by default) as a native folder."""
+def export_training_checkpoint(
+    path: str | Path, out: str | Path, *, prefix: str = "model.", overwrite: bool = False
+) -> Path:
+    """Write the ``prefix``-ed submodule of a training checkpoint (the LM by default) as a native folder.
+    A non-empty ``out`` is refused unless ``overwrite``; one that is or contains ``path``, always (both
+    checked before anything is read)."""
+    if_exists: IfExists = "replace" if overwrite else "refuse"
+    check_destination(out, if_exists=if_exists, sources=(path,))
     checkpoint = read_training_checkpoint(path)
     try:
         config = checkpoint["hyper_parameters"]["config"]
     except KeyError as error:
-        raise ValueError(f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint") from error
+        raise ValueError(
+            f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint"
+        ) from error
     model_config = ModelConfig.from_dict(config["model"])
     state = {
         _plain_name(name[len(prefix) :]): tensor
@@ -58,4 +79,6 @@ def export_training_checkpoint(path: str | Path, out: str | Path, *, prefix: str
         resolved = Tokenizer.load(tokenizer).path
         tokenizer_path = resolved if Path(str(resolved)).is_file() else None
     metadata = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
-    return save_checkpoint(model, out, tokenizer_path=tokenizer_path, metadata=metadata)
+    return save_checkpoint(
+        model, out, tokenizer_path=tokenizer_path, metadata=metadata, if_exists=if_exists, sources=(path,)
+    )

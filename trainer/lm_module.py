@@ -1,18 +1,25 @@
 """What every stage's LightningModule shares: parallelism, optimiser and schedule, gradient clipping with a
-logged norm, the NaN/Inf stop, and RNG state in checkpoints. Stages subclass it and write their steps."""
+logged norm, the NaN/Inf stop, RNG state in checkpoints, and checkpoints whose parameter names are the plain
+model names whatever wraps the blocks (activation checkpointing, torch.compile, FSDP2), so a checkpoint saved
+under one combination of wrappers resumes under any other. Stages subclass it and write their steps."""
 
 from __future__ import annotations
 
+import logging
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
-from trainer.errors import NonFiniteLossError
+from models.errors import NonFiniteLossError
+from trainer.callbacks import _plain_name
 from trainer.optim import build_optimizer
 from trainer.parallel import configure_parallelism, grad_norm_and_clip
+
+log = logging.getLogger(__name__)
 
 
 class LanguageModelModule(L.LightningModule):
@@ -36,16 +43,37 @@ class LanguageModelModule(L.LightningModule):
         configure_parallelism(self.model, self.trainer, self.config.trainer)
 
     def stop_if_not_finite(self, loss: Tensor) -> None:
+        """Stop the run on a NaN/Inf loss, or, with ``trainer.max_nonfinite_steps`` = N > 0, skip up to N
+        optimizer steps in a row that have one: ``skip_step`` marks the step, whose gradients
+        ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the optimizer changes nothing."""
         finite = torch.isfinite(loss.detach()).float()
-        # Every rank must agree, or one rank would raise while the others wait in a collective.
+        # Every rank must agree, or one rank would raise (or skip) while the others wait in a collective.
         if self.trainer.world_size > 1:
             finite = self.trainer.strategy.reduce(finite, reduce_op="min")
-        if finite.item() < 1:
+        if finite.item() >= 1:
+            return
+        step, allowed = self.global_step, self.config.trainer.max_nonfinite_steps
+        first, count = getattr(self, "_nonfinite_run", (step, 0))  # the current run of consecutive bad steps
+        if step == first + count:  # the next step (or the first bad one): the run goes on
+            count += 1
+        elif step != first + count - 1:  # (the same step again is another micro-batch of it)
+            first, count = step, 1
+        self._nonfinite_run = (first, count)
+        if count > allowed:
             self.failed = True
+            in_a_row = f" after {count - 1} skipped in a row (trainer.max_nonfinite_steps={allowed})" if allowed else ""
             raise NonFiniteLossError(
-                f"loss is {loss.item()} at step {self.global_step}: training stopped; the last good checkpoint "
+                f"loss is {loss.item()} at step {step}{in_a_row}: training stopped; the last good checkpoint "
                 "is kept (lower optim.lr, enable optim.grad_clip or check the data)"
             )
+        self.skip_step = step
+        log.warning(
+            "loss is %s at step %d: step skipped (%d of trainer.max_nonfinite_steps=%d in a row)",
+            loss.item(),
+            step,
+            count,
+            allowed,
+        )
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)
@@ -66,7 +94,27 @@ class LanguageModelModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load weights saved under plain names (or under any other wrappers' names) into this module as it is
+        wrapped now. Every checkpoint path funnels through here: Lightning's single-process load, and its
+        FSDP2 loads, which fill the plain-named dict that ``torch.distributed.checkpoint`` builds and then
+        call this (DCP's own ``set_model_state_dict`` passes names that already match and are kept)."""
+        return super().load_state_dict(self._to_wrapped_names(state_dict), strict=strict, assign=assign)
+
+    def _to_wrapped_names(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        # keep_vars: names only, no detached copies; FSDP2's local shards need no collective for this.
+        current = super().state_dict(keep_vars=True).keys()
+        wrapped = {_plain_name(name): name for name in current}
+        return {
+            (name if name in current else wrapped.get(_plain_name(name), name)): value
+            for name, value in state_dict.items()
+        }
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # torch.compile's ``_orig_mod.`` is in nn.Module.state_dict() names (FSDP2's DCP state dicts strip it
+        # already): save plain names, which load_state_dict maps back onto whatever wraps the blocks then.
+        if "state_dict" in checkpoint:
+            checkpoint["state_dict"] = {_plain_name(name): value for name, value in checkpoint["state_dict"].items()}
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()

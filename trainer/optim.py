@@ -21,9 +21,9 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings_and
             continue
         seen.add(id(param))
         is_embedding = "tok_embeddings" in name
-        if param.ndim >= 2 and (not is_embedding or decay_embeddings_and_norms):
-            decay.append(param)
-        elif param.ndim < 2 and decay_embeddings_and_norms:
+        if (param.ndim >= 2 and (not is_embedding or decay_embeddings_and_norms)) or (
+            param.ndim < 2 and decay_embeddings_and_norms
+        ):
             decay.append(param)
         else:
             no_decay.append(param)

@@ -3,12 +3,26 @@
 
 The model definition knows nothing of this: it only guarantees that each transformer block is its own module
 in ``model.layers``.
+
+Precision under FSDP2 (``trainer.strategy=fsdp``) is FSDP's ``MixedPrecisionPolicy``, not Lightning's autocast:
+
+- ``bf16-mixed``: the sharded master weights and the optimizer state stay fp32; each all-gather casts the
+  parameters to bf16, so forward and backward compute in bf16 (``param_dtype=bf16``); gradients are
+  reduce-scattered in fp32 (``reduce_dtype=fp32``: a bf16 sum over many ranks would lose the small
+  gradients) and land in fp32 on the fp32 shards the optimizer updates.
+- ``bf16-true``: the weights themselves are bf16 (cast before sharding); gradients are still reduced in fp32.
+- ``32-true``: everything fp32.
+
+Wrapper names: activation checkpointing adds ``_checkpoint_wrapped_module.`` and torch.compile ``_orig_mod.``
+to ``nn.Module.state_dict()`` names. Checkpoints never carry them (see trainer.lm_module.LanguageModelModule
+and trainer.callbacks.full_state_dict), so they load under any other combination of wrappers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -107,6 +121,7 @@ def configure_parallelism(model: nn.Module, trainer, config) -> None:
             model,
             strategy.device_mesh["data_parallel"],
             param_dtype=torch.bfloat16 if config.precision == "bf16-mixed" else None,
+            reduce_dtype=torch.float32,
             cpu_offload=config.cpu_offload,
             extra_forward_methods=("token_losses", "hidden_states"),
         )

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from models.errors import ConfigError
 from trainer.config import PPOConfig, PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
-from trainer.errors import ConfigError
 
 log = logging.getLogger("lantern.pipeline")
 
@@ -65,6 +65,7 @@ class PipelineConfig:
     out_dir: str | None = None  # None: runs/pipeline-NAME
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     start_checkpoint: str | None = None  # the model a stage starts from when the stage before it is not run
+    seed: int | None = None  # run.seed of every model stage; None: each stage preset's own seed
     demo: DemoDataSection = field(default_factory=DemoDataSection)
     logger: PipelineLoggerSection = field(default_factory=PipelineLoggerSection)
     pretrain: StageSection = field(default_factory=lambda: StageSection("configs/pretrain/tiny.yaml"))
@@ -81,7 +82,11 @@ MODEL_STAGES: dict[str, tuple[type, dict[str, str]]] = {
     "rm": (RMConfig, {"init.checkpoint": "sft"}),
     "ppo": (PPOConfig, {"init.policy": "sft", "init.reward_model": "rm"}),
 }
-DEMO_FILES = {"sft": {"data.train": "train", "data.val": "val"}, "rm": {"data.train": "pairs"}, "ppo": {"data.train": "prompts"}}
+DEMO_FILES = {
+    "sft": {"data.train": "train", "data.val": "val"},
+    "rm": {"data.train": "pairs"},
+    "ppo": {"data.train": "prompts"},
+}
 
 
 def _sha(*parts: str) -> str:
@@ -102,13 +107,19 @@ def _data_hash(manifest: dict[str, Any]) -> str:
 def _folder_fingerprint(path: Path) -> str:
     """Names, sizes and mtimes: enough to notice a replaced start checkpoint without hashing gigabytes."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-    return _sha(str(path.resolve()), *(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files))
+    return _sha(
+        str(path.resolve()), *(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    )
 
 
 class Pipeline:
     def __init__(self, config: PipelineConfig) -> None:
         unknown = [s for s in config.stages if s not in STAGES]
-        if unknown or config.stages != sorted(config.stages, key=STAGES.index) or len(set(config.stages)) != len(config.stages):
+        if (
+            unknown
+            or config.stages != sorted(config.stages, key=STAGES.index)
+            or len(set(config.stages)) != len(config.stages)
+        ):
             raise ConfigError(f"stages must be a subset of {list(STAGES)} in that order, got {config.stages}")
         self.config = config
         self.root = Path(config.out_dir or f"runs/pipeline-{config.name}")
@@ -131,6 +142,8 @@ class Pipeline:
         }  # fmt: skip
         if stage in ("prepare", "pretrain"):
             wiring["data.out_dir"] = str(self.corpus)
+        if self.config.seed is not None and stage != "prepare":
+            wiring["run.seed"] = self.config.seed
         inputs: dict[str, str] = {}
         for key, source in upstream.items():
             path, inputs[source] = self.upstream(source)
@@ -143,7 +156,9 @@ class Pipeline:
         config = load_config(schema, section.config, overrides)
         if config.trainer.strategy != "single":
             # each rank would re-run the whole pipeline and race on its records; run such stages on their own
-            raise ConfigError(f"{stage}: the pipeline runs single-process stages; got trainer.strategy={config.trainer.strategy}")
+            raise ConfigError(
+                f"{stage}: the pipeline runs single-process stages; got trainer.strategy={config.trainer.strategy}"
+            )
         for key, source in upstream.items():
             if key not in wiring and (value := functools.reduce(getattr, key.split("."), config)):
                 log.info("%s: %s=%s from the preset (no %s output in this pipeline)", stage, key, value, source)
@@ -176,7 +191,9 @@ class Pipeline:
         write_demo_dataset(self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed)
         self.demo_hash = _sha((self.demo / "demo_manifest.json").read_text())
         for index, stage in enumerate(self.config.stages, start=1):
-            print(f"\n=== pipeline {self.config.name}: stage {index}/{len(self.config.stages)}: {stage} ===", flush=True)
+            print(
+                f"\n=== pipeline {self.config.name}: stage {index}/{len(self.config.stages)}: {stage} ===", flush=True
+            )
             start = time.perf_counter()
             self.prepare() if stage == "prepare" else self.model_stage(stage)
             log.info("%s: %s in %.0fs", stage, self.status[stage], time.perf_counter() - start)
@@ -210,7 +227,10 @@ class Pipeline:
                 self.train(stage, config, digest, resume=False)
             if not final.is_dir():
                 raise RuntimeError(f"{stage} ended without writing {final}")
-            _write_record(run_dir, {"stage": stage, "hash": digest, "inputs": inputs, "seconds": round(time.perf_counter() - start, 1)})
+            _write_record(
+                run_dir,
+                {"stage": stage, "hash": digest, "inputs": inputs, "seconds": round(time.perf_counter() - start, 1)},
+            )
             (run_dir / PENDING).unlink(missing_ok=True)
         self.outputs[stage] = (final, digest)
 
@@ -239,7 +259,12 @@ def _write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> N
 
 
 # stage -> (module, function): imported only when the stage runs, so loading a config stays light
-RUNNERS = {"pretrain": ("trainer.pretrain", "run_pretrain"), "sft": ("alignment.sft", "run_sft"), "rm": ("alignment.reward", "run_rm"), "ppo": ("alignment.ppo", "run_ppo")}
+RUNNERS = {
+    "pretrain": ("trainer.pretrain", "run_pretrain"),
+    "sft": ("alignment.sft", "run_sft"),
+    "rm": ("alignment.reward", "run_rm"),
+    "ppo": ("alignment.ppo", "run_ppo"),
+}
 
 
 # ---- the report ----
@@ -251,14 +276,12 @@ TABLE_MODELS = {"base": "pretrain", "sft": "sft", "ppo": "ppo"}  # column -> the
 def stage_metrics(stage: str, run_dir: Path) -> Series:
     """Every metric,step,value CSV the stage's plots left (metrics.csv, accuracy.csv, kl.csv, ...), plus PPO's
     evaluation history, which only its checkpoints keep."""
-    import csv
+    from trainer.plots import read_metrics_csv
 
     series: Series = {}
-    for path in sorted(run_dir.glob("*.csv")):
-        with open(path, newline="") as handle:
-            for row in csv.DictReader(handle):
-                if {"metric", "step", "value"} <= row.keys():
-                    series.setdefault(row["metric"], []).append((int(row["step"]), float(row["value"])))
+    for path in sorted(run_dir.glob("*.csv")):  # a stage killed mid-run may have left a torn last row: dropped
+        for name, points in read_metrics_csv(path).items():
+            series.setdefault(name, []).extend(points)
     if stage == "ppo":
         import torch
 
@@ -267,7 +290,12 @@ def stage_metrics(stage: str, run_dir: Path) -> Series:
         checkpoint = latest_checkpoint(run_dir / "checkpoints")
         if checkpoint is not None:
             state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-            series.update({k: [(int(s), float(v)) for s, v in points] for k, points in state.get("ppo", {}).get("eval_history", {}).items()})
+            series.update(
+                {
+                    k: [(int(s), float(v)) for s, v in points]
+                    for k, points in state.get("ppo", {}).get("eval_history", {}).items()
+                }
+            )
     return series
 
 
@@ -299,7 +327,12 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
         ("pretraining", "pretrain", (("train/loss", "val/loss"), "loss"), ((), "")),
         ("SFT", "sft", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
         ("reward model", "rm", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
-        ("PPO: greedy answers to held-out prompts", "ppo", (("eval/gt_score", "eval/rm_score"), "score"), (("ppo/kl",), "KL to the SFT model (nats)")),
+        (
+            "PPO: greedy answers to held-out prompts",
+            "ppo",
+            (("eval/gt_score", "eval/rm_score"), "score"),
+            (("ppo/kl",), "KL to the SFT model (nats)"),
+        ),
     ]
     figure, axes = plt.subplots(2, 2, figsize=(12, 8), dpi=110)
     for ax, (title, stage, left, right) in zip(axes.flat, panels):
@@ -309,7 +342,14 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
                 points = metrics.get(stage, {}).get(name)
                 if points:
                     color = f"C{len(lines)}"
-                    lines += axis.plot(*zip(*points), style, color=color, label=name, marker="o" if len(points) < 30 else None, markersize=3)
+                    lines += axis.plot(
+                        *zip(*points),
+                        style,
+                        color=color,
+                        label=name,
+                        marker="o" if len(points) < 30 else None,
+                        markersize=3,
+                    )
             if axis is not None:
                 axis.set_ylabel(label)
         ax.set(title=title, xlabel="rollout" if stage == "ppo" else "optimizer step")
@@ -336,22 +376,49 @@ def answer_table(pipeline: Pipeline, cache_path: Path) -> tuple[list[str], list[
     from models import load_checkpoint
 
     records = load_jsonl(pipeline.demo / "prompts.jsonl")[: pipeline.config.report.prompts]
-    spec = next((pipeline.configs[s].data.tokenizer for s in ("sft", "ppo", "rm", "pretrain") if s in pipeline.configs), "default")
+    spec = next(
+        (pipeline.configs[s].data.tokenizer for s in ("sft", "ppo", "rm", "pretrain") if s in pipeline.configs),
+        "default",
+    )
     models = {column: pipeline.upstream(stage) for column, stage in TABLE_MODELS.items()}
     models = {column: path for column, (path, _) in models.items() if path is not None and path.is_dir()}
     if not models:
         return [], []
     # Same models (by stage hash), prompts and settings as last time: reuse the answers, re-runs stay fast.
-    key = _sha(json.dumps([spec, pipeline.demo_hash, str(pipeline.config.report), [(c, pipeline.upstream(TABLE_MODELS[c])[1]) for c in models]]))
+    key = _sha(
+        json.dumps(
+            [
+                spec,
+                pipeline.demo_hash,
+                str(pipeline.config.report),
+                [(c, pipeline.upstream(TABLE_MODELS[c])[1]) for c in models],
+            ]
+        )
+    )
     if (cache := _read_json(cache_path)) and cache.get("key") == key:
         return cache["columns"], cache["rows"]
     tokenizer = Tokenizer.load(spec)
     prompt_ids = [tokenizer.encode_chat_prompt(r["messages"]) for r in records]
-    rows = [{"task": r["task"], "prompt": r["messages"][-1]["content"], "reference": r.get("answer", ""), "answers": {}, "scores": {}} for r in records]
+    rows = [
+        {
+            "task": r["task"],
+            "prompt": r["messages"][-1]["content"],
+            "reference": r.get("answer", ""),
+            "answers": {},
+            "scores": {},
+        }
+        for r in records
+    ]
     with tqdm(total=len(models) * len(records), desc="report: greedy answers", unit="prompt") as progress:
         for column, path in models.items():
             model = load_checkpoint(path).eval()
-            budget = max(1, min(pipeline.config.report.max_new_tokens, model.config.max_seq_len - max(map(len, prompt_ids), default=0)))
+            budget = max(
+                1,
+                min(
+                    pipeline.config.report.max_new_tokens,
+                    model.config.max_seq_len - max(map(len, prompt_ids), default=0),
+                ),
+            )
             for start in range(0, len(records), 8):  # small batches: the bar moves
                 answers = answer_prompts(model, tokenizer, prompt_ids[start : start + 8], max_new_tokens=budget)
                 for row, record, answer in zip(rows[start:], records[start:], answers):
@@ -372,18 +439,24 @@ def write_report(pipeline: Pipeline) -> Path:
     for stale in report_dir.glob("*.png"):  # no plots left from stages that no longer exist
         stale.unlink()
     report_dir.mkdir(parents=True, exist_ok=True)
-    title = f"# Lantern pipeline `{pipeline.config.name}`\n\nFolder `{root}`, written {time.strftime('%Y-%m-%d %H:%M')}."
+    title = (
+        f"# Lantern pipeline `{pipeline.config.name}`\n\nFolder `{root}`, written {time.strftime('%Y-%m-%d %H:%M')}."
+    )
     lines, plots, metrics = [title, "", "## Stages", ""], [], {}
     if "prepare" in pipeline.config.stages:
         manifest = _read_json(pipeline.corpus / "manifest.json") or {"splits": {}}
         tokens = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in manifest["splits"].items())
         demo = pipeline.config.demo
-        lines.append(f"- **prepare** ({pipeline.status['prepare']}): corpus {tokens}; demo tasks {demo.n_train} train, {demo.n_val} val, {demo.n_pairs} pairs")
+        lines.append(
+            f"- **prepare** ({pipeline.status['prepare']}): corpus {tokens}; demo tasks {demo.n_train} train, {demo.n_val} val, {demo.n_pairs} pairs"
+        )
     for stage in (s for s in pipeline.config.stages if s != "prepare"):
         run_dir = pipeline.stage_dir(stage)
         metrics[stage] = stage_metrics(stage, run_dir)
         seconds = (_read_json(run_dir / RECORD) or {}).get("seconds")
-        lines.append(f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`")
+        lines.append(
+            f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`"
+        )
         for png in sorted(run_dir.glob("*.png")):
             shutil.copy2(png, report_dir / f"{stage}-{png.name}")
             plots.append(f"![{stage} {png.stem}](report/{stage}-{png.name})")
@@ -394,7 +467,13 @@ def write_report(pipeline: Pipeline) -> Path:
     if not columns:
         path.write_text("\n".join(lines) + "\n")
         return path
-    lines += ["", f"## Greedy answers to {len(rows)} held-out prompts", "", "Score: the task's ground-truth checker, 0 to 1.", ""]
+    lines += [
+        "",
+        f"## Greedy answers to {len(rows)} held-out prompts",
+        "",
+        "Score: the task's ground-truth checker, 0 to 1.",
+        "",
+    ]
     lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
     lines.append("|---" * (4 + len(columns)) + "|")
     for i, row in enumerate(rows, start=1):
@@ -429,7 +508,9 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     for stage in pipeline.config.stages:
         if stage != "prepare":
             lines.append(f"{stage + ':':<12} {pipeline.stage_dir(stage) / 'final'}  ({pipeline.status[stage]})")
-    wandb_runs = [run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/*run-*"))]
+    wandb_runs = [
+        run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/*run-*"))
+    ]
     lines += [f"W&B run:     {run}" for run in wandb_runs]
     offline = [str(run) for run in wandb_runs if run.name.startswith("offline-")]
     if offline:

@@ -1,8 +1,58 @@
-"""PNG plots written beside a run: curves people would rather see than read."""
+"""PNG plots written beside a run, curves people would rather see than read, and the metric,step,value CSV
+files they are drawn from (written whole by write-then-rename, or appended row by row while a run goes)."""
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
+
+from models.atomic import write_atomically
+
+Series = dict[str, list[tuple[int, float]]]
+CSV_HEADER = ("metric", "step", "value")
+
+
+def metrics_csv_rows(rows: list[tuple[str, int, float]]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows(rows)
+    return buffer.getvalue()
+
+
+def write_metrics_csv(series: Series, path: str | Path) -> Path:
+    """The whole history as metric,step,value rows, replacing ``path`` atomically (never truncated)."""
+    rows = [(name, step, value) for name, points in series.items() for step, value in points]
+    return write_atomically(path, metrics_csv_rows([CSV_HEADER, *rows]), what="metrics file")
+
+
+def complete_csv_lines(path: str | Path) -> list[str]:
+    """The lines of a CSV that a writer appends to: a last line without its newline was torn by a kill and
+    is dropped."""
+    return Path(path).read_text().split("\n")[:-1]
+
+
+def read_csv_rows(path: str | Path) -> list[dict[str, str]]:
+    """Rows of any headed CSV (Lightning's CSVLogger metrics, say) as dicts, without a torn last line."""
+    return list(csv.DictReader(complete_csv_lines(path)))
+
+
+def read_metrics_csv(path: str | Path) -> Series:
+    """{metric: [(step, value), ...]} from a metric,step,value CSV. The file is appended to while a run goes,
+    a row per write: a last line without its newline was torn by a kill and is dropped (its value may be
+    cut short), as is any other malformed row."""
+    complete_lines = complete_csv_lines(path)
+    series: Series = {}
+    if not complete_lines or next(csv.reader(complete_lines[:1])) != list(CSV_HEADER):
+        return series  # another kind of CSV
+    for row in csv.reader(complete_lines[1:]):
+        if len(row) != 3:
+            continue
+        try:
+            point = (int(row[1]), float(row[2]))
+        except ValueError:
+            continue
+        series.setdefault(row[0], []).append(point)
+    return series
 
 
 def plot_curves(

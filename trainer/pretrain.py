@@ -80,16 +80,18 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     """
     from data.prepare import check_manifest
     from data.tokenizer import Tokenizer
+    from models.errors import ConfigError
     from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
     from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
     from trainer.checks import check_tokenizer_fits_model
-    from trainer.errors import ConfigError
 
     check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
     if config.loader.seq_len > config.model.max_seq_len:
-        raise ConfigError(f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})")
+        raise ConfigError(
+            f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
+        )
     check_manifest(config.data.out_dir, tokenizer)
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
@@ -105,7 +107,9 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
             peak_flops(config.trainer),
         ),
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
-        ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)}),
+        ExportFinal(
+            run_dir / "final", tokenizer_file, metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)}
+        ),
         *(extra_callbacks or []),
     ]
     if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks) is None:
@@ -128,5 +132,6 @@ def print_sample(checkpoint: Path, tokenizer, sample) -> None:
         max_new_tokens=sample.max_new_tokens,
         temperature=sample.temperature,
         generator=torch.Generator().manual_seed(0),
+        heal=True,  # a prompt such as "ROMEO:" ends inside a merged token (':\n')
     )
     print(f"\n--- sample from {checkpoint} ---\n{sample.prompt}{text}\n---")

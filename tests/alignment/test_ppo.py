@@ -24,12 +24,12 @@ from alignment.ppo import PPOModule, response_logprobs, response_values, run_ppo
 from data.demo_tasks import write_demo_dataset
 from data.tokenizer import Tokenizer
 from models.checkpoint import save_checkpoint
+from models.errors import ConfigError
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
 from tests.helpers import run_cli
 from trainer.config import PPOConfig, load_config
-from trainer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=256)
@@ -150,7 +150,15 @@ def tiny_policy() -> Transformer:
 def test_training_pass_logprobs_equal_rollout_logprobs_with_left_padding(tiny_policy, temperature):
     """generate()'s KV-cache log-probs = the training pass's recomputation on prompt + response, fp32."""
     prompts = [[1, 17, 99, 4], [5, 6], [7, 8, 9, 10, 11, 12]]  # different lengths: left padding
-    out = generate(tiny_policy, prompts, max_new_tokens=6, temperature=temperature, stop_ids=[3], pad_id=0, generator=torch.Generator().manual_seed(1))
+    out = generate(
+        tiny_policy,
+        prompts,
+        max_new_tokens=6,
+        temperature=temperature,
+        stop_ids=[3],
+        pad_id=0,
+        generator=torch.Generator().manual_seed(1),
+    )
     prompt_ids, prompt_real = left_pad(prompts, 0)
     input_ids = torch.cat([prompt_ids, out.tokens], 1)
     real = torch.cat([prompt_real, out.mask], 1)
@@ -171,7 +179,12 @@ def test_values_and_scores_are_read_at_the_right_tokens(tiny_policy):
     other_padding = sequence.clone()
     other_padding[0, 7:] = 1234
     with torch.no_grad():
-        scores = [gather_last(critic(s, document_ids=ids_and_positions(real)[0], position_ids=ids_and_positions(real)[1]), real) for s in (sequence, other_padding)]
+        scores = [
+            gather_last(
+                critic(s, document_ids=ids_and_positions(real)[0], position_ids=ids_and_positions(real)[1]), real
+            )
+            for s in (sequence, other_padding)
+        ]
         values = response_values(critic, sequence, real, prompt_len=4)
         full = critic(sequence, document_ids=ids_and_positions(real)[0], position_ids=ids_and_positions(real)[1])
     assert scores[0].item() == scores[1].item() == full[0, 6].item()
@@ -198,16 +211,34 @@ def setup(tmp_path_factory) -> dict:
             nn.init.normal_(p, std=0.08)
     nn.init.normal_(policy.output.weight, std=0.4)
     policy_dir = save_checkpoint(policy, root / "sft", tokenizer_path=tokenizer.path)
-    reward_dir = save_scalar_model(ScalarModel.from_backbone(policy), root / "rm", tokenizer_path=tokenizer.path, metadata={"reward_mean": 0.1, "reward_std": 2.0})
+    reward_dir = save_scalar_model(
+        ScalarModel.from_backbone(policy),
+        root / "rm",
+        tokenizer_path=tokenizer.path,
+        metadata={"reward_mean": 0.1, "reward_std": 2.0},
+    )
     demo = write_demo_dataset(root / "demo", n_train=20, n_val=40, n_pairs=10, seed=0)
-    return {"root": root, "policy": policy_dir, "reward": reward_dir, "prompts": demo["prompts"], "tokenizer": tokenizer}
+    return {
+        "root": root,
+        "policy": policy_dir,
+        "reward": reward_dir,
+        "prompts": demo["prompts"],
+        "tokenizer": tokenizer,
+    }
 
 
 def ppo_config(setup, out_dir, *overrides) -> PPOConfig:
     return load_config(
         PPOConfig,
         ROOT / "configs/ppo/tiny.yaml",
-        [f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}", f"data.train=[{setup['prompts']}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides],
+        [
+            f"init.policy={setup['policy']}",
+            f"init.reward_model={setup['reward']}",
+            f"data.train=[{setup['prompts']}]",
+            f"run.out_dir={out_dir}",
+            "logger.kind=none",
+            *overrides,
+        ],
     )
 
 
@@ -247,7 +278,20 @@ def likeliest_token(setup) -> int:
 
 def test_toy_reward_rises_while_kl_stays_finite(setup, tmp_path):
     token = likeliest_token(setup)
-    config = ppo_config(setup, tmp_path, "trainer.max_steps=10", "ppo.rollout_batch_size=16", "ppo.minibatch_size=8", "ppo.micro_batch_size=8", "optim.lr=2e-3", "ppo.epochs=2", "ppo.missing_eos_penalty=null", "ppo.kl_coef=0.01", "checkpoint.every_n_steps=100", "eval.every_n_rollouts=100")
+    config = ppo_config(
+        setup,
+        tmp_path,
+        "trainer.max_steps=10",
+        "ppo.rollout_batch_size=16",
+        "ppo.minibatch_size=8",
+        "ppo.micro_batch_size=8",
+        "optim.lr=2e-3",
+        "ppo.epochs=2",
+        "ppo.missing_eos_penalty=null",
+        "ppo.kl_coef=0.01",
+        "checkpoint.every_n_steps=100",
+        "eval.every_n_rollouts=100",
+    )
     run_dir = run_ppo(config, reward_fn=token_count_reward(token, config.ppo.response_max_tokens))
     scores = metrics(run_dir)["ppo/score"]
     assert len(scores) == 10
@@ -270,10 +314,26 @@ def first_update(setup, tmp_path, monkeypatch, micro_batch: int) -> tuple[dict, 
         return original(self, optimizer, schedule, module, max_norm, name)
 
     monkeypatch.setattr(PPOModule, "_step", capture)
-    config = ppo_config(setup, tmp_path, "trainer.max_steps=1", "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", f"ppo.micro_batch_size={micro_batch}", "ppo.epochs=1", "optim.grad_clip=null", "eval.every_n_rollouts=100", "logger.kind=csv")
+    config = ppo_config(
+        setup,
+        tmp_path,
+        "trainer.max_steps=1",
+        "ppo.rollout_batch_size=8",
+        "ppo.minibatch_size=8",
+        f"ppo.micro_batch_size={micro_batch}",
+        "ppo.epochs=1",
+        "optim.grad_clip=null",
+        "eval.every_n_rollouts=100",
+        "logger.kind=csv",
+    )
     run_dir = run_ppo(config)
     with open(run_dir / "csv" / "metrics.csv", newline="") as handle:
-        logged = {k: float(v) for row in csv.DictReader(handle) for k, v in row.items() if v not in ("", None) and k.startswith("ppo/")}
+        logged = {
+            k: float(v)
+            for row in csv.DictReader(handle)
+            for k, v in row.items()
+            if v not in ("", None) and k.startswith("ppo/")
+        }
     return captured, logged
 
 
@@ -295,7 +355,14 @@ def test_resume_restores_both_optimizers_and_the_kl_controller(setup, tmp_path):
     """4 rollouts straight vs 2 + resume 2 (adaptive KL, so its state matters): same policy and critic."""
     from safetensors.torch import load_file
 
-    common = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", "ppo.kl_adaptive=true", "ppo.kl_target=0.01", "ppo.kl_horizon=50", "eval.every_n_rollouts=100"]
+    common = [
+        "trainer.max_steps=4",
+        "checkpoint.every_n_steps=2",
+        "ppo.kl_adaptive=true",
+        "ppo.kl_target=0.01",
+        "ppo.kl_horizon=50",
+        "eval.every_n_rollouts=100",
+    ]
     straight = run_ppo(ppo_config(setup, tmp_path / "straight", *common))
 
     import lightning as L
@@ -306,12 +373,15 @@ def test_resume_restores_both_optimizers_and_the_kl_controller(setup, tmp_path):
     class CrashAfterTwo(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 2:
-                raise Crash  # after the step-2 checkpoint (saved at this batch's end, by an earlier callback)
+                raise Crash  # step 2 is complete: AtomicCheckpoint saves it on the way out (on_exception)
 
     with pytest.raises(Crash):
         run_ppo(ppo_config(setup, tmp_path / "resumed", *common), extra_callbacks=[CrashAfterTwo()])
     checkpoint = torch.load(tmp_path / "resumed/ppo-tiny/checkpoints/step-00000002.ckpt", weights_only=True)
     assert checkpoint["ppo"]["kl_controller"]["value"] != 0.05  # the adaptive controller moved
+    # the sampling state (rollouts at temperature 1 and minibatch order) is saved from the device that samples
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert checkpoint["ppo"]["sampler_device"] == device and checkpoint["ppo"]["sampler"].dtype == torch.uint8
     assert len(checkpoint["optimizer_states"]) == 2 and len(checkpoint["lr_schedulers"]) == 2
     resumed = run_ppo(ppo_config(setup, tmp_path / "resumed", *common))
     a, b = load_file(straight / "final/model.safetensors"), load_file(resumed / "final/model.safetensors")
@@ -363,7 +433,10 @@ def test_fsdp_ppo_on_two_processes(setup, tmp_path):
         "logger.kind=none", "trainer.max_steps=2", "eval.every_n_rollouts=2", "trainer.accelerator=cpu", "run.name=run",
         "ppo.temperature=0",  # greedy rollouts: the same responses whatever the rank layout
     ]  # fmt: skip
-    runs = {"single": ["ppo.rollout_batch_size=8", "ppo.minibatch_size=4"], "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2"]}
+    runs = {
+        "single": ["ppo.rollout_batch_size=8", "ppo.minibatch_size=4"],
+        "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2"],
+    }
     scores = {}
     for name, extra in runs.items():
         run_cli("ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path / name}", *common, *extra)
@@ -371,3 +444,97 @@ def test_fsdp_ppo_on_two_processes(setup, tmp_path):
         scores[name] = metrics(run_dir)["ppo/score"]
         assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "eval.png").is_file()
     assert scores["fsdp"][0] == pytest.approx(scores["single"][0], abs=1e-4)
+
+
+# ---- devices: the sampler and the frozen models ----
+
+
+class DeviceChecked(nn.Module):
+    """Wraps a frozen model: every tensor it receives must be on its own device (issue 10: a CPU reference fed
+    CUDA ids). Counts calls so the test knows the check ran."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args, **kwargs):
+        device = next(self.inner.parameters()).device
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                assert value.device == device, f"input on {value.device}, frozen model on {device}"
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+def run_with_device_checks(setup, tmp_path, monkeypatch, *overrides) -> dict:
+    """One PPO rollout + update with the frozen models wrapped in DeviceChecked; returns what was observed."""
+    import lightning as L
+
+    seen: dict = {"reference_logp": [], "scores": []}
+    original_reference, original_scores = PPOModule._reference_logprobs, PPOModule._scores
+
+    def reference_logp(self, *args):
+        out = original_reference(self, *args)
+        seen["reference_logp"].append((out.device, out.dtype, self.device))
+        return out
+
+    def scores(self, *args):
+        out = original_scores(self, *args)
+        seen["scores"].append((out.device, self.device))
+        return out
+
+    monkeypatch.setattr(PPOModule, "_reference_logprobs", reference_logp)
+    monkeypatch.setattr(PPOModule, "_scores", scores)
+
+    class Wrap(L.Callback):
+        def on_train_start(self, trainer, module):  # after the module's on_fit_start placed the frozen models
+            seen["frozen_devices"] = {name: next(m.parameters()).device for name, m in module.frozen.items()}
+            seen["sampler_device"] = module.sampler.device
+            module.frozen = {name: DeviceChecked(m) for name, m in module.frozen.items()}
+            seen["wrapped"] = module.frozen
+
+    config = ppo_config(
+        setup,
+        tmp_path,
+        "trainer.max_steps=1",
+        "ppo.epochs=2",
+        "eval.every_n_rollouts=100",
+        "eval.generations=2",
+        *overrides,
+    )
+    run_ppo(config, extra_callbacks=[Wrap()])
+    return seen
+
+
+def test_frozen_models_on_cpu_get_inputs_on_their_device(setup, tmp_path, monkeypatch):
+    """ppo.frozen_device=cpu (bf16): the reference and reward model receive inputs on their own device, and
+    their results come back on the policy's device in fp32. On a CUDA machine (accelerator auto) this is the
+    real CPU/GPU split of issue 10."""
+    seen = run_with_device_checks(setup, tmp_path, monkeypatch, "ppo.frozen_device=cpu", "ppo.frozen_dtype=bfloat16")
+    assert all(device.type == "cpu" for device in seen["frozen_devices"].values())
+    assert all(m.calls > 0 for m in seen["wrapped"].values())
+    assert seen["reference_logp"] and all(
+        out == policy and dtype == torch.float32 for out, dtype, policy in seen["reference_logp"]
+    )
+    assert seen["scores"] and all(out == policy for out, policy in seen["scores"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("frozen_device", ["same", "cpu"])
+def test_ppo_rollout_and_update_run_on_cuda(setup, tmp_path, monkeypatch, frozen_device):
+    """Issue 10 on the GPU: sampling (temperature 1) with a CUDA generator, randperm minibatches on it, and the
+    frozen models on the GPU or the CPU."""
+    seen = run_with_device_checks(
+        setup, tmp_path, monkeypatch, "trainer.accelerator=gpu", f"ppo.frozen_device={frozen_device}"
+    )
+    assert seen["sampler_device"].type == "cuda"
+    expected = "cpu" if frozen_device == "cpu" else "cuda"
+    assert all(device.type == expected for device in seen["frozen_devices"].values())
+    assert all(out.type == "cuda" for out, _, _ in seen["reference_logp"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ppo_rollout_with_compiled_generation_on_cuda(setup, tmp_path, monkeypatch):
+    """trainer.compile=true: rollouts decode with the static cache and a CUDA-graph decode step."""
+    seen = run_with_device_checks(setup, tmp_path, monkeypatch, "trainer.accelerator=gpu", "trainer.compile=true")
+    assert seen["sampler_device"].type == "cuda" and seen["reference_logp"]

@@ -44,7 +44,11 @@ def toy_pairs(tmp_path_factory) -> Path:
 
 
 def rm_config(pairs: Path, out_dir: Path, *overrides: str) -> RMConfig:
-    return load_config(RMConfig, ROOT / "configs/rm/tiny.yaml", [f"data.train=[{pairs}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides])
+    return load_config(
+        RMConfig,
+        ROOT / "configs/rm/tiny.yaml",
+        [f"data.train=[{pairs}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides],
+    )
 
 
 def read_metric(run_dir: Path, csv_name: str, metric: str) -> list[tuple[int, float]]:
@@ -63,7 +67,9 @@ def test_bradley_terry_loss_matches_hand_computed_values():
     torch.testing.assert_close(bradley_terry_loss(chosen, rejected, margin=1.0), torch.tensor(with_margin))
     assert bradley_terry_loss(chosen, rejected, margin=1.0).tolist() == pytest.approx([0.3132617, 1.3132617, 3.0485874])
     # finite and exact far from zero, where log(sigmoid(d)) would underflow to log(0)
-    torch.testing.assert_close(bradley_terry_loss(torch.tensor([-100.0, 100.0]), torch.tensor([0.0, 0.0])), torch.tensor([100.0, 0.0]))
+    torch.testing.assert_close(
+        bradley_terry_loss(torch.tensor([-100.0, 100.0]), torch.tensor([0.0, 0.0])), torch.tensor([100.0, 0.0])
+    )
 
 
 def test_reward_moments_add_up_over_batches_to_the_mean_and_std():
@@ -73,7 +79,9 @@ def test_reward_moments_add_up_over_batches_to_the_mean_and_std():
     assert stats["reward_mean"] == pytest.approx(rewards.double().mean().item())
     assert stats["reward_std"] == pytest.approx(rewards.double().std(unbiased=False).item())
     normalized = normalize_reward(rewards, stats)
-    assert normalized.mean().item() == pytest.approx(0.0, abs=1e-5) and normalized.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    assert normalized.mean().item() == pytest.approx(0.0, abs=1e-5) and normalized.std(
+        unbiased=False
+    ).item() == pytest.approx(1.0, abs=1e-4)
     assert normalize_reward(rewards, {}) is rewards
 
 
@@ -111,22 +119,39 @@ def test_score_is_read_at_the_eot_whatever_the_padding(toy_pairs, tmp_path):
 # ---- training ----
 
 
-def first_step_gradients(pairs: Path, out_dir: Path, micro_batch: int, accumulate: int) -> dict[str, torch.Tensor]:
+def first_step_gradients(
+    pairs: Path, out_dir: Path, micro_batch: int, accumulate: int, accelerator: str = "cpu"
+) -> dict[str, torch.Tensor]:
     capture = CaptureGradients()
     config = rm_config(
         pairs, out_dir,
         f"loader.micro_batch_size={micro_batch}", f"trainer.accumulate_grad_batches={accumulate}", "trainer.max_steps=1",
         "trainer.val_every_n_steps=1000", "optim.grad_clip=null", "loss.margin=0.5", "loss.normalize_rewards=false",
+        # True fp32 matmuls: on CUDA the default (auto = high) is TF32, whose 10-bit mantissa rounds every
+        # matmul input to ~5e-4 relative, ~1e-3 in the products, far above the 1e-4 this comparison needs.
+        f"trainer.accelerator={accelerator}", "trainer.float32_matmul_precision=highest",
     )  # fmt: skip
     run_rm(config, extra_callbacks=[capture])
     return capture.gradients
 
 
-def test_gradient_accumulation_invariance(demo_pairs, tmp_path):
+ACCELERATORS = [
+    "cpu",
+    pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_gradient_accumulation_invariance(demo_pairs, tmp_path, accelerator):
     """micro-batch 1 x accumulation 8 gives the gradient of 8 x 1: each pair's loss is divided by the pairs of
-    the whole step, not averaged per micro-batch. Gradients, not weights: Adam's first step hides scale errors."""
-    one_by_eight = first_step_gradients(demo_pairs, tmp_path / "a", 1, 8)
-    eight_by_one = first_step_gradients(demo_pairs, tmp_path / "b", 8, 1)
+    the whole step, not averaged per micro-batch. Gradients, not weights: Adam's first step hides scale errors.
+
+    On CUDA this once failed (a w1 gradient off by more than 1e-4): not the normalisation (a wrong one is off
+    by a factor, in every tensor) but TF32 matmuls; both runs here use true fp32 (float32_matmul_precision)."""
+    one_by_eight = first_step_gradients(demo_pairs, tmp_path / "a", 1, 8, accelerator)
+    eight_by_one = first_step_gradients(demo_pairs, tmp_path / "b", 8, 1, accelerator)
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert next(iter(one_by_eight.values())).device.type == ("cuda" if accelerator == "gpu" else "cpu")
     assert one_by_eight.keys() == eight_by_one.keys() and "head.proj.weight" in one_by_eight
     assert "backbone.output.weight" not in one_by_eight  # the unused LM head is frozen
     for name, gradient in one_by_eight.items():
@@ -143,7 +168,14 @@ class KeepModule(L.Callback):
 
 def test_separable_pairs_are_learned_and_the_export_scores_the_same(toy_pairs, tmp_path):
     keep = KeepModule()
-    config = rm_config(toy_pairs, tmp_path, "data.val_fraction=0.2", "trainer.max_steps=24", "trainer.val_every_n_steps=12", "checkpoint.every_n_steps=100")
+    config = rm_config(
+        toy_pairs,
+        tmp_path,
+        "data.val_fraction=0.2",
+        "trainer.max_steps=24",
+        "trainer.val_every_n_steps=12",
+        "checkpoint.every_n_steps=100",
+    )
     run_dir = run_rm(config, extra_callbacks=[keep])
     accuracy = read_metric(run_dir, "accuracy.csv", "val/accuracy")
     assert [step for step, _ in accuracy] == [12, 24] and accuracy[-1][1] >= 0.95
@@ -192,7 +224,9 @@ def test_initial_model_is_the_sft_checkpoint_and_its_tokenizer_is_enforced(toy_p
     lines = Path(default.path).read_bytes().splitlines(keepends=True)
     first, second = lines[-2].split(b" "), lines[-1].split(b" ")
     other = tmp_path / "other.tiktoken"
-    other.write_bytes(b"".join(lines[:-2]) + second[0] + b" " + first[1] + first[0] + b" " + second[1])  # two tokens swap ids
+    other.write_bytes(
+        b"".join(lines[:-2]) + second[0] + b" " + first[1] + first[0] + b" " + second[1]
+    )  # two tokens swap ids
     with pytest.raises(ValueError, match="set data.tokenizer="):
         run_rm(rm_config(toy_pairs, tmp_path, f"init.checkpoint={folder}", f"data.tokenizer={other}"))
 
@@ -222,8 +256,18 @@ def test_fsdp_rm_on_two_processes_matches_single_process(demo_pairs, tmp_path):
     """2-process FSDP2 (fp32, CPU, gloo) against one process with the same global batch of 8 pairs: the same
     pairs per step, so per-step losses agree to float rounding: within 1e-4 (measured: <= 1e-5 after 6 Adam
     steps), and the exported reward mean / std within 1e-3 relative."""
-    common = [f"data.train=[{demo_pairs}]", "logger.kind=none", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.accelerator=cpu", "run.name=run"]
-    runs = {"single": ["loader.micro_batch_size=8"], "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=4"]}
+    common = [
+        f"data.train=[{demo_pairs}]",
+        "logger.kind=none",
+        "trainer.max_steps=6",
+        "trainer.val_every_n_steps=6",
+        "trainer.accelerator=cpu",
+        "run.name=run",
+    ]
+    runs = {
+        "single": ["loader.micro_batch_size=8"],
+        "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=4"],
+    }
     losses, accuracy, metadata = {}, {}, {}
     for name, extra in runs.items():
         out = tmp_path / name
@@ -235,6 +279,8 @@ def test_fsdp_rm_on_two_processes_matches_single_process(demo_pairs, tmp_path):
     for step, loss in losses["single"].items():
         assert losses["fsdp"][step] == pytest.approx(loss, abs=1e-4), step
     assert accuracy["single"].keys() == accuracy["fsdp"].keys() == {6}
-    assert accuracy["fsdp"][6] == pytest.approx(accuracy["single"][6], abs=1e-6)  # the same 20 val pairs, each counted once
+    assert accuracy["fsdp"][6] == pytest.approx(
+        accuracy["single"][6], abs=1e-6
+    )  # the same 20 val pairs, each counted once
     for key in ("reward_mean", "reward_std"):
         assert metadata["fsdp"][key] == pytest.approx(metadata["single"][key], rel=1e-3, abs=1e-3)

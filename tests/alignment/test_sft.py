@@ -23,7 +23,13 @@ def sft_config(demo, out_dir, *overrides) -> SFTConfig:
     return load_config(
         SFTConfig,
         ROOT / "configs/sft/tiny.yaml",
-        [f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", f"run.out_dir={out_dir}", "logger.kind=none", *overrides],
+        [
+            f"data.train=[{demo['train']}]",
+            f"data.val=[{demo['val']}]",
+            f"run.out_dir={out_dir}",
+            "logger.kind=none",
+            *overrides,
+        ],
     )
 
 
@@ -61,8 +67,17 @@ def test_per_example_mean_ignores_packing():
     padded_targets = torch.tensor([[5, 5, -100, -100], [5, 5, -100, -100]])
     padded = per_example_mean(padded_losses, padded_targets, torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]]))
     assert packed.tolist() == padded.tolist() == [1.5, 15.0]
-    token = sft_loss_contribution(losses, targets, packed_docs, reduction="token", step_tokens=torch.tensor(4.0), step_examples=torch.tensor(2.0))
-    example = sft_loss_contribution(losses, targets, packed_docs, reduction="example", step_tokens=torch.tensor(4.0), step_examples=torch.tensor(2.0))
+    token = sft_loss_contribution(
+        losses, targets, packed_docs, reduction="token", step_tokens=torch.tensor(4.0), step_examples=torch.tensor(2.0)
+    )
+    example = sft_loss_contribution(
+        losses,
+        targets,
+        packed_docs,
+        reduction="example",
+        step_tokens=torch.tensor(4.0),
+        step_examples=torch.tensor(2.0),
+    )
     assert token.item() == pytest.approx(33 / 4) and example.item() == pytest.approx(16.5 / 2)
 
 
@@ -97,7 +112,9 @@ def read_metric(run_dir: Path, csv_name: str, metric: str) -> list[tuple[int, fl
 def test_tiny_sft_run_lowers_validation_loss_and_exports(demo, tmp_path):
     from alignment.sft import run_sft
 
-    run_dir = run_sft(sft_config(demo, tmp_path, "trainer.max_steps=30", "trainer.val_every_n_steps=15", "eval.generations=8"))
+    run_dir = run_sft(
+        sft_config(demo, tmp_path, "trainer.max_steps=30", "trainer.val_every_n_steps=15", "eval.generations=8")
+    )
     val = read_metric(run_dir, "metrics.csv", "val/loss")
     assert [step for step, _ in val] == [15, 30]
     assert val[0][1] < math.log(4096)  # below the uniform guess after 15 steps
@@ -119,7 +136,13 @@ def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
     ]  # fmt: skip
     runs = {
         "single": ["loader.micro_batch_size=4"],
-        "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2", "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full"],
+        "fsdp": [
+            "trainer.strategy=fsdp",
+            "trainer.devices=2",
+            "loader.micro_batch_size=2",
+            "trainer.precision=bf16-mixed",
+            "trainer.activation_checkpointing=full",
+        ],
     }
     losses = {}
     for name, extra in runs.items():

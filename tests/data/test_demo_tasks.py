@@ -45,6 +45,7 @@ def speech_lines(passage: str) -> list[str]:
 
 # --- determinism, idempotence, files --------------------------------------------------
 
+
 def test_same_seed_same_files_different_seed_different(tmp_path, dataset):
     again = dt.write_demo_dataset(tmp_path / "again", seed=0, **SMALL)
     other = dt.write_demo_dataset(tmp_path / "other", seed=1, **SMALL)
@@ -58,7 +59,12 @@ def test_cli_matches_api_under_another_hash_seed(tmp_path, dataset):
     args = ["--n-train", "600", "--n-val", "120", "--n-pairs", "400", "--seed", "0"]
     out = subprocess.run(
         [sys.executable, "-m", "data.demo_tasks", str(tmp_path / "cli"), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout
     cli_paths = {key: tmp_path / "cli" / name for key, name in dt.DATA_FILES.items()}
     assert digests(cli_paths) == digests(dataset)
@@ -123,6 +129,7 @@ def test_train_and_val_are_disjoint(records):
 
 # --- references and pairs -------------------------------------------------------------
 
+
 def test_references_score_one_and_are_correct(records):
     corpus = dt.load_corpus()
     by_idx = {s.idx: s for s in corpus.speeches}
@@ -169,6 +176,7 @@ def test_pairs_rejected_scores_strictly_lower(records):
 
 # --- checkers on hand-written responses -----------------------------------------------
 
+
 def test_short_checkers():
     meta = {"answer": "ROMEO"}
     assert dt.score("first_speaker", meta, " ROMEO \n") == 1.0
@@ -205,8 +213,17 @@ def test_continue_checker_is_token_f1():
 def test_checkers_never_raise_on_arbitrary_text(records):
     rng = random.Random(0)
     weird = [
-        "", " ", "\n\n\n", "\x00", "\u2028\u2029", "🙂" * 50, "\ud800", "ROMEO\r\n",
-        "x" * 1_000_000, "line\n" * 100_000, "".join(chr(rng.randrange(1, 0x10FFFF)) for _ in range(2000)),
+        "",
+        " ",
+        "\n\n\n",
+        "\x00",
+        "\u2028\u2029",
+        "🙂" * 50,
+        "\ud800",
+        "ROMEO\r\n",
+        "x" * 1_000_000,
+        "line\n" * 100_000,
+        "".join(chr(rng.randrange(1, 0x10FFFF)) for _ in range(2000)),
     ]
     examples = {}
     for r in records["train"]:
@@ -220,6 +237,7 @@ def test_checkers_never_raise_on_arbitrary_text(records):
 
 
 # --- token budget and mix -------------------------------------------------------------
+
 
 def test_short_answers_are_one_or_two_tokens(tok, default_mix):
     short = [r for r in default_mix if r["kind"] == "short"]
@@ -261,7 +279,13 @@ def test_task_balance_matches_short_share(short_share):
 
 def test_default_mix_balance(default_mix):
     tasks = Counter(r["task"] for r in default_mix)
-    assert tasks == {"first_speaker": 200, "mentions_word": 200, "line_count": 200, "repeat": 700, "continue_speech": 700}
+    assert tasks == {
+        "first_speaker": 200,
+        "mentions_word": 200,
+        "line_count": 200,
+        "repeat": 700,
+        "continue_speech": 700,
+    }
     answers = Counter(r["answer"] for r in default_mix if r["task"] == "mentions_word")
     assert answers == {"yes": 100, "no": 100}
     digits = Counter(r["answer"] for r in default_mix if r["task"] == "line_count")

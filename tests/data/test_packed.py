@@ -12,19 +12,26 @@ from data.packed import IGNORE_INDEX, PackedDataset, StreamSampler, TokenStream
 from data.pretrain_datamodule import PretrainDataModule
 
 
-def write_prepared(out_dir: Path, splits: dict[str, list[list[int]]], shard_tokens: int = 1000,
-                   vocab_size: int = 4096) -> Path:
+def write_prepared(
+    out_dir: Path, splits: dict[str, list[list[int]]], shard_tokens: int = 1000, vocab_size: int = 4096
+) -> Path:
     """Write the on-disk layout data/prepare.py produces, directly from token lists."""
     dtype = np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
-    manifest = {"version": 1, "tokenizer": {"spec": "test", "fingerprint": "0" * 64, "vocab_size": vocab_size},
-                "inputs": [], "settings": {}, "dtype": dtype.name, "splits": {}}
+    manifest = {
+        "version": 1,
+        "tokenizer": {"spec": "test", "fingerprint": "0" * 64, "vocab_size": vocab_size},
+        "inputs": [],
+        "settings": {},
+        "dtype": dtype.name,
+        "splits": {},
+    }
     for split, docs in splits.items():
         d = out_dir / split
         d.mkdir(parents=True)
         stream = np.array([t for doc in docs for t in doc], dtype=dtype)
         shards = []
         for k, start in enumerate(range(0, len(stream), shard_tokens)):
-            part = stream[start:start + shard_tokens]
+            part = stream[start : start + shard_tokens]
             part.tofile(d / f"shard-{k:05d}.bin")
             shards.append({"file": f"shard-{k:05d}.bin", "tokens": len(part)})
         np.save(d / "doc_offsets.npy", np.concatenate([[0], np.cumsum([len(x) for x in docs])]).astype(np.int64))
@@ -47,8 +54,9 @@ DOC_LENGTHS = [5, 3, 7, 4, 6, 9, 2, 8]  # 44 tokens
 
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
-    return write_prepared(tmp_path, {"train": numbered_docs(DOC_LENGTHS), "val": numbered_docs([20, 15], 500)},
-                          shard_tokens=16)
+    return write_prepared(
+        tmp_path, {"train": numbered_docs(DOC_LENGTHS), "val": numbered_docs([20, 15], 500)}, shard_tokens=16
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -180,7 +188,7 @@ def test_resume_mid_epoch_and_different_world_size():
     # Uninterrupted: 2 ranks take 12 micro-batches (crossing an epoch boundary).
     full = [StreamSampler(n, rank=r, world_size=2, seed=9) for r in range(2)]
     trained = []
-    for step in range(12):
+    for _step in range(12):
         iters = [iter(s) for s in full]  # a fresh loader each step is the worst case for prefetching
         trained.append([[next(it) for _ in range(batch)] for it in iters])
         for s in full:
@@ -225,8 +233,9 @@ def test_load_state_dict_rejects_changed_data():
 def big_data_dir(tmp_path: Path) -> Path:
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 40, size=60).tolist()
-    return write_prepared(tmp_path, {"train": numbered_docs(lengths), "val": numbered_docs([100, 90, 80], 2000)},
-                          shard_tokens=300)
+    return write_prepared(
+        tmp_path, {"train": numbered_docs(lengths), "val": numbered_docs([100, 90, 80], 2000)}, shard_tokens=300
+    )
 
 
 def batches(loader, n: int) -> list[dict]:
@@ -313,7 +322,7 @@ def test_datamodule_shards_by_rank(big_data_dir):
     # Deterministic and unshuffled: the first 12 validation samples, split between the ranks.
     expected = {tuple(dms[0].val_dataset[i]["input_ids"].tolist()) for i in range(12)}
     assert set(val_rows) == expected
-    assert [list(dm.val_dataloader())[0]["input_ids"].tolist() for dm in dms] == [
+    assert [next(iter(dm.val_dataloader()))["input_ids"].tolist() for dm in dms] == [
         v[0]["input_ids"].tolist() for v in vals
     ]
 
@@ -359,9 +368,16 @@ def test_lightning_checkpoint_resume(tmp_path, big_data_dir):
         model = Tiny()
         dm = PretrainDataModule(str(big_data_dir), seq_len=64, micro_batch_size=4, seed=11)
         trainer = L.Trainer(
-            max_steps=max_steps, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, default_root_dir=str(tmp_path),
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
         )
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
         return model, trainer

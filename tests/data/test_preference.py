@@ -34,7 +34,11 @@ def test_prompt_string_and_message_lists_encode_as_chat_ending_with_eot(tmp_path
     system = {"role": "system", "content": "Be brief."}
     records = [
         {"prompt": "Who speaks first?", "chosen": "ROMEO", "rejected": "JULIET"},
-        {"prompt": [system, user("hi"), assistant("hello"), user("name a king")], "chosen": [assistant("Lear")], "rejected": "Hamlet"},
+        {
+            "prompt": [system, user("hi"), assistant("hello"), user("name a king")],
+            "chosen": [assistant("Lear")],
+            "rejected": "Hamlet",
+        },
         # UltraFeedback-binarized style: the reply lists repeat the prompt first
         {"prompt": "2+2?", "chosen": [user("2+2?"), assistant("4")], "rejected": [user("2+2?"), assistant("5")]},
     ]
@@ -61,7 +65,10 @@ def test_parquet_pairs(tmp_path, tok):
 
 def test_hh_transcripts_prompt_is_the_shared_prefix(tmp_path, tok):
     records = [
-        {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?", "rejected": "\n\nHuman: Hi there\n\nAssistant: Go away."},
+        {
+            "chosen": "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?",
+            "rejected": "\n\nHuman: Hi there\n\nAssistant: Go away.",
+        },
         {
             "chosen": "\n\nHuman: Name a play.\n\nAssistant: Hamlet.\n\nHuman: Another?\n\nAssistant: Macbeth.",
             "rejected": "\n\nHuman: Name a play.\n\nAssistant: Hamlet.\n\nHuman: Another?\n\nAssistant: No.",
@@ -79,7 +86,10 @@ def test_hh_transcripts_prompt_is_the_shared_prefix(tmp_path, tok):
 
 def test_hh_transcripts_that_diverge_early_are_bad_rows(tmp_path, tok):
     good = {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"}
-    early = {"chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: d\n\nAssistant: e", "rejected": "\n\nHuman: a\n\nAssistant: x\n\nHuman: d\n\nAssistant: f"}
+    early = {
+        "chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: d\n\nAssistant: e",
+        "rejected": "\n\nHuman: a\n\nAssistant: x\n\nHuman: d\n\nAssistant: f",
+    }
     plain = {"chosen": "just text", "rejected": "other text"}
     path = write_jsonl(tmp_path / "hh.jsonl", [good, early, plain])
     with pytest.raises(ValueError, match=r"hh\.jsonl, row 2: .*diverge at turn 2"):
@@ -120,7 +130,10 @@ def test_long_prompts_are_cut_from_the_left_keeping_bos_reply_and_eot(tmp_path, 
     data = build_preference_data(config([path], seq_len=64), tok)
     assert (data.stats["train"]["truncated"], data.stats["train"]["dropped_too_long"]) == (1, 1)
     prompt_ids = tok.encode_chat([user(long_prompt)])[0]
-    reply = {side: tok.encode_chat([user(long_prompt), assistant(text)])[0][len(prompt_ids) :] for side, text in (("chosen", "the final answer is here"), ("rejected", "no"))}
+    reply = {
+        side: tok.encode_chat([user(long_prompt), assistant(text)])[0][len(prompt_ids) :]
+        for side, text in (("chosen", "the final answer is here"), ("rejected", "no"))
+    }
     kept_prompt = [tok.bos_id] + prompt_ids[len(prompt_ids) - (64 - len(reply["chosen"]) - 1) :]
     chosen, rejected = sides(data, 0)
     # the longer side fills seq_len: <|begin_of_text|>, the end of the prompt, the whole reply with its <|eot_id|>
@@ -141,7 +154,9 @@ def test_bad_rows_name_file_and_row_or_are_skipped_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "bad.jsonl", records[:3])
     with pytest.raises(ValueError, match=r"bad\.jsonl, row 3: no 'rejected' field"):
         build_preference_data(config([path]), tok)
-    path = write_jsonl(tmp_path / "roles.jsonl", [{**r, "rejected": [assistant("no")]} for r in records[:2]] + [records[3]])
+    path = write_jsonl(
+        tmp_path / "roles.jsonl", [{**r, "rejected": [assistant("no")]} for r in records[:2]] + [records[3]]
+    )
     with pytest.raises(ValueError, match=r"roles\.jsonl, row 3: .*unknown role 'wizard'"):
         build_preference_data(config([path]), tok)
     data = build_preference_data(config([path], on_bad_row="skip"), tok)
@@ -177,7 +192,7 @@ def test_batch_layout_right_padding_documents_and_score_index(tmp_path, tok):
     batch = pairs.batch([0, 1, -1], step_pairs=6)
     rows = [pairs.chosen[0], pairs.chosen[1], [], pairs.rejected[0], pairs.rejected[1], []]
     T = batch["input_ids"].shape[1]
-    assert T % 8 == 0 and T >= max(len(r) for r in rows) and batch["input_ids"].shape[0] == 6
+    assert T % 8 == 0 and max(len(r) for r in rows) <= T and batch["input_ids"].shape[0] == 6
     for k, row in enumerate(rows):
         n = len(row)
         assert batch["input_ids"][k, :n].tolist() == list(row)
@@ -207,7 +222,9 @@ def test_train_batches_carry_step_pairs_and_cover_the_same_pairs_for_any_accumul
         loader = iter(datamodule.train_dataloader())
         batches = [next(loader) for _ in range(accumulate)]  # the first optimizer step
         assert all(b["step_pairs"].item() == 8 and b["input_ids"].shape[0] == 2 * micro for b in batches)
-        seen[(micro, accumulate)] = sorted(tuple(row[row != datamodule.tokenizer.pad_id].tolist()) for b in batches for row in b["input_ids"])
+        seen[(micro, accumulate)] = sorted(
+            tuple(row[row != datamodule.tokenizer.pad_id].tolist()) for b in batches for row in b["input_ids"]
+        )
     assert seen[(1, 8)] == seen[(8, 1)] == seen[(2, 4)]
     datamodule = PreferenceDataModule(config([path]), micro_batch_size=8, accumulate_grad_batches=8)
     with pytest.raises(ValueError, match="40 train pairs are fewer than one optimizer step needs"):

@@ -89,7 +89,7 @@ def test_text_corpus_manifest_and_tokens(tmp_path, text_corpus, tok):
         assert (out / split / shard["file"]).stat().st_size == 2 * info["tokens"]
     # Raw little-endian uint16 on disk.
     raw = np.fromfile(out / "train" / "shard-00000.bin", dtype="<u2")
-    assert raw[:len(expected[train[0]])].tolist() == expected[train[0]]
+    assert raw[: len(expected[train[0]])].tolist() == expected[train[0]]
     # No build leftovers.
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train", "val"]
 
@@ -114,8 +114,13 @@ def test_sample_by_line_and_document_no_bos(tmp_path, text_corpus, tok):
     assert manifest["splits"]["val"] == {"tokens": 0, "documents": 0, "shards": []}
     assert split_documents(Path(cfg.out_dir), "train") == [tok.encode(x, eos=True) for x in lines]
 
-    cfg = PrepareConfig(source=[str(path), str(path.with_name("b.txt"))], out_dir=str(tmp_path / "doc"),
-                        sample_by="document", val_fraction=0.5, num_proc=1)
+    cfg = PrepareConfig(
+        source=[str(path), str(path.with_name("b.txt"))],
+        out_dir=str(tmp_path / "doc"),
+        sample_by="document",
+        val_fraction=0.5,
+        num_proc=1,
+    )
     path.with_name("b.txt").write_text("second file", encoding="utf-8")
     manifest = prepare(cfg)
     assert manifest["splits"]["train"]["documents"] == 1 and manifest["splits"]["val"]["documents"] == 1
@@ -143,7 +148,7 @@ def test_parquet_glob(tmp_path, tok):
     docs = make_docs(20)
     (tmp_path / "pq").mkdir()
     for part in range(2):
-        table = pa.table({"body": docs[part * 10:(part + 1) * 10], "n": list(range(10))})
+        table = pa.table({"body": docs[part * 10 : (part + 1) * 10], "n": list(range(10))})
         pq.write_table(table, tmp_path / "pq" / f"part-{part}.parquet")
     cfg = config(tmp_path, [tmp_path / "pq" / "*.parquet"], text_field="body")
     manifest = prepare(cfg)
@@ -200,8 +205,9 @@ def test_hub_dataset_path(tmp_path, monkeypatch, tok):
         return fake
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    cfg = PrepareConfig(source=["someone/tiny-corpus:en"], format="hub", out_dir=str(tmp_path / "hub"),
-                        num_proc=1, val_fraction=0.2)
+    cfg = PrepareConfig(
+        source=["someone/tiny-corpus:en"], format="hub", out_dir=str(tmp_path / "hub"), num_proc=1, val_fraction=0.2
+    )
     manifest = prepare(cfg)
     assert calls == [("someone/tiny-corpus", "en", "train")]
     assert manifest["inputs"] == [{"path": "someone/tiny-corpus:en", "fingerprint": fake._fingerprint}]
@@ -216,7 +222,7 @@ def test_hub_dataset_path(tmp_path, monkeypatch, tok):
 
 
 def test_rerun_is_noop_and_changes_rebuild(tmp_path, text_corpus, caplog):
-    path, docs = text_corpus
+    path, _docs = text_corpus
     cfg = config(tmp_path, [path])
     out = Path(cfg.out_dir)
     first = prepare(cfg)

@@ -90,7 +90,9 @@ def test_loss_mask_is_exact_on_a_multi_turn_example(tmp_path, tok, train_on_prom
 
 def test_padding_is_never_a_stop_token_and_every_eot_after_an_answer_is_a_target(tmp_path, tok):
     assert tok.pad_id not in {tok.eos_id, tok.eot_id, tok.eom_id, tok.bos_id}
-    records = [{"messages": MULTI_TURN}] + [chat(f"question {i}", "yes" if i % 2 else "the king is dead") for i in range(6)]
+    records = [{"messages": MULTI_TURN}] + [
+        chat(f"question {i}", "yes" if i % 2 else "the king is dead") for i in range(6)
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", records)
     for packing in (True, False):
         rows = build_sft_data(config([path], seq_len=96, packing=packing), tok).train
@@ -100,7 +102,7 @@ def test_padding_is_never_a_stop_token_and_every_eot_after_an_answer_is_a_target
             real = row["document_ids"] < len(rows.examples_in(r))
             assert (row["input_ids"][~real] == tok.pad_id).all() and (row["targets"][~real] == IGNORE).all()
             assert not np.isin(row["input_ids"][~real], list(tok.stop_ids)).any()
-            for inputs, targets in row_examples(rows, r):
+            for _inputs, targets in row_examples(rows, r):
                 assert targets[-1] == tok.eot_id  # the last target: the final answer's <|eot_id|>
                 eot_targets += int((targets == tok.eot_id).sum())
         assistant_turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in records)
@@ -124,20 +126,33 @@ def test_padding_is_never_a_stop_token_and_every_eot_after_an_answer_is_a_target
             [{"role": "user", "content": "Who is the king?"}, {"role": "assistant", "content": "Nobody."}],
         ),
         (
-            {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}], "response": "Yo"},
+            {
+                "prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+                "response": "Yo",
+            },
             {"system_prompt": "ignored: the row has one"},
-            [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+            [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Yo"},
+            ],
         ),
         (
             {"instruction": "Name the king.", "input": "Act 1, scene 2", "output": "Claudius"},
             {},
-            [{"role": "user", "content": "Name the king.\n\nAct 1, scene 2"}, {"role": "assistant", "content": "Claudius"}],
+            [
+                {"role": "user", "content": "Name the king.\n\nAct 1, scene 2"},
+                {"role": "assistant", "content": "Claudius"},
+            ],
         ),
         (
             {"instruction": "Name the king.", "input": "", "output": "Claudius"},
             {"system_prompt": "You are helpful."},
-            [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Name the king."},
-             {"role": "assistant", "content": "Claudius"}],
+            [
+                {"role": "system", "content": "You are helpful."},
+                {"role": "user", "content": "Name the king."},
+                {"role": "assistant", "content": "Claudius"},
+            ],
         ),
         (
             {"instruction": "Name the king.", "output": "Claudius"},
@@ -245,20 +260,36 @@ def test_short_answer_upsampling_by_factor_and_by_target_share(tmp_path, tok):
     assert len(tok.encode("Yes")) + 1 == 2  # "Yes" + eot: a short answer under the default threshold
 
     data = build_sft_data(config([path], seq_len=64, short_answer_factor=3), tok)
-    assert data.stats["train"]["upsampling"] == {"examples_before": 16, "short_before": 4, "examples_after": 24, "short_after": 12}
+    assert data.stats["train"]["upsampling"] == {
+        "examples_before": 16,
+        "short_before": 4,
+        "examples_after": 24,
+        "short_after": 12,
+    }
     copies = copies_per_example(data)
     assert all(copies[i] == (3 if e.kind == "short" else 1) for i, e in enumerate(data.train_examples))
 
     # share 0.55 of examples: round(0.55 * 12 / 0.45) = 15 short examples = 4 x 3 + 3 extra (a seeded choice)
     data = build_sft_data(config([path], seq_len=64, short_answer_target_share=0.55), tok)
-    assert data.stats["train"]["upsampling"] == {"examples_before": 16, "short_before": 4, "examples_after": 27, "short_after": 15}
+    assert data.stats["train"]["upsampling"] == {
+        "examples_before": 16,
+        "short_before": 4,
+        "examples_after": 27,
+        "short_after": 15,
+    }
     copies = copies_per_example(data)
     short = sorted(copies[i] for i, e in enumerate(data.train_examples) if e.kind == "short")
     assert short == [3, 4, 4, 4]
     again = build_sft_data(config([path], seq_len=64, short_answer_target_share=0.55), tok)
     assert copies_per_example(again) == copies and again.train.fingerprint() == data.train.fingerprint()
     choices = {
-        tuple(sorted(copies_per_example(build_sft_data(config([path], seq_len=64, short_answer_target_share=0.55, seed=s), tok)).items()))
+        tuple(
+            sorted(
+                copies_per_example(
+                    build_sft_data(config([path], seq_len=64, short_answer_target_share=0.55, seed=s), tok)
+                ).items()
+            )
+        )
         for s in range(4)
     }
     assert len(choices) > 1  # the extra copies depend on the seed
@@ -307,15 +338,19 @@ def test_packing_keeps_examples_whole_and_documents_separate(tmp_path, tok):
         seen += members
         sizes = [examples[e].num_inputs for e in members]
         assert sum(sizes) <= seq_len
-        expected_docs = np.concatenate([np.full(s, d) for d, s in enumerate(sizes)] + [np.full(seq_len - sum(sizes), len(sizes))])
+        expected_docs = np.concatenate(
+            [np.full(s, d) for d, s in enumerate(sizes)] + [np.full(seq_len - sum(sizes), len(sizes))]
+        )
         assert row["document_ids"].tolist() == expected_docs.tolist()  # 0, 1, ... then padding's own id
         for (inputs, targets), e in zip(row_examples(rows, r), members):  # each example whole, in one piece
             want_inputs, want_targets = examples[e].inputs_targets()
             assert inputs.tolist() == want_inputs.tolist() and targets.tolist() == want_targets.tolist()
     assert sorted(seen) == list(range(len(examples))) == list(range(500))
     efficiency = data.stats["train"]["packing_efficiency"]
-    print(f"\nSFT packing efficiency, 500 chats of {min(e.num_inputs for e in examples)}-"
-          f"{max(e.num_inputs for e in examples)} tokens, seq_len {seq_len}: {efficiency:.4f} ({len(rows)} rows)")
+    print(
+        f"\nSFT packing efficiency, 500 chats of {min(e.num_inputs for e in examples)}-"
+        f"{max(e.num_inputs for e in examples)} tokens, seq_len {seq_len}: {efficiency:.4f} ({len(rows)} rows)"
+    )
     assert efficiency >= 0.95
     assert data.stats["train"]["real_tokens"] == sum(e.num_inputs for e in examples)
 
@@ -337,7 +372,9 @@ def plan_data(tmp_path_factory, tok):
 
 
 def datamodule(data, micro: int, accumulate: int, rank: int = 0, world: int = 1) -> SFTDataModule:
-    dm = SFTDataModule(SFTDataConfig(train=["unused"], seq_len=128), micro_batch_size=micro, accumulate_grad_batches=accumulate)
+    dm = SFTDataModule(
+        SFTDataConfig(train=["unused"], seq_len=128), micro_batch_size=micro, accumulate_grad_batches=accumulate
+    )
     dm.data, dm.tokenizer = data, Tokenizer.load("default")  # share the built rows instead of rebuilding
     dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)  # what the datamodule reads of a Trainer
     return dm
@@ -352,7 +389,7 @@ def run_steps(data, micro: int, accumulate: int, world: int, steps: int) -> list
     out = []
     for _ in range(steps):
         slots, totals, tokens, examples = {}, set(), 0, 0
-        for j in range(accumulate):
+        for _j in range(accumulate):
             for r, (dm, loader) in enumerate(zip(modules, loaders)):
                 batch = next(loader)
                 assert batch["input_ids"].shape == (micro, 128) and batch["step_tokens"].shape == ()
@@ -442,9 +479,15 @@ def test_val_examples_and_example_kinds(tmp_path, tok):
     val_records = [
         {**chat("Who speaks first?", "ROMEO"), "task": "first_speaker"},
         {**chat("Repeat the line.", "long live the king of england", system="Be exact."), "task": "repeat"},
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "no"},
-                      {"role": "user", "content": "b"}, {"role": "assistant", "content": "the queen is dead"}],
-         "task": None},
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "no"},
+                {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "the queen is dead"},
+            ],
+            "task": None,
+        },
         {**chat("Yes or no?", "no"), "task": "yes_no"},
         {**chat("Again?", "thou art my lord"), "task": "repeat"},
     ]  # every record has every column: datasets reads an absent column as null
@@ -493,7 +536,9 @@ def test_datamodule_summary_stats_and_config_schema(tmp_path, caplog):
     path = upsampling_file(tmp_path, n_short=6, n_long=34)
     caplog.set_level("INFO", logger="lantern.sft")
     dm = SFTDataModule(
-        config([path], seq_len=64, val_fraction=0.1, short_answer_factor=2), micro_batch_size=2, accumulate_grad_batches=2
+        config([path], seq_len=64, val_fraction=0.1, short_answer_factor=2),
+        micro_batch_size=2,
+        accumulate_grad_batches=2,
     )
     dm.setup("fit")
     s = dm.stats

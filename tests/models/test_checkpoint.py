@@ -53,7 +53,7 @@ def small_config(**overrides) -> ModelConfig:
 def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Weights large enough (and norms non-trivial) that any wrong name, permutation or split shows in logits."""
     gen = torch.Generator().manual_seed(seed)
-    for name, param in module.named_parameters():
+    for _name, param in module.named_parameters():
         noise = torch.randn(param.shape, generator=gen)
         param.copy_(1.0 + 0.1 * noise if param.ndim == 1 else 0.15 * noise)
     return module
@@ -73,7 +73,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def hf_model(tie: bool, seed: int = 0) -> "transformers.LlamaForCausalLM":
+def hf_model(tie: bool, seed: int = 0) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
         hidden_size=64,
         num_hidden_layers=3,
@@ -198,8 +198,12 @@ def test_hf_key_errors_list_all_names(tmp_path):
     with pytest.raises(ValueError) as info:
         load_checkpoint(tmp_path)
     message = str(info.value)
-    for name in ("layers.1.feed_forward.w3.weight", "output.weight", "model.layers.0.self_attn.q_proj.bias",
-                 "layers.2.feed_forward.w1.weight: checkpoint (161, 64) vs model (160, 64)"):
+    for name in (
+        "layers.1.feed_forward.w3.weight",
+        "output.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "layers.2.feed_forward.w1.weight: checkpoint (161, 64) vs model (160, 64)",
+    ):
         assert name in message
 
 
@@ -256,9 +260,18 @@ def test_export_hf_refuses_features_llama_lacks(tmp_path):
 
 
 def meta_params(config: ModelConfig, **extra) -> dict:
-    return {"dim": config.dim, "n_layers": config.n_layers, "n_heads": config.n_heads,
-            "n_kv_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "multiple_of": 32,
-            "ffn_dim_multiplier": None, "norm_eps": config.norm_eps, "rope_theta": config.rope_theta, **extra}
+    return {
+        "dim": config.dim,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "vocab_size": config.vocab_size,
+        "multiple_of": 32,
+        "ffn_dim_multiplier": None,
+        "norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        **extra,
+    }
 
 
 def meta_shards(model: Transformer, n: int, embedding_dim: int) -> list[dict[str, torch.Tensor]]:
@@ -304,13 +317,19 @@ def test_meta_folder_loads_with_identical_logits(tmp_path, n_shards, embedding_d
 def test_meta_tied_scaled_rope_under_original(tmp_path):
     """Llama 3.2 layout: tied (no output.weight), use_scaled_rope, files under original/ as on the hub."""
     model = native_model(
-        tie_embeddings=True, ffn_hidden_dim=None, multiple_of=32,
+        tie_embeddings=True,
+        ffn_hidden_dim=None,
+        multiple_of=32,
         rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=32),
     )
     (tmp_path / "original").mkdir()
     params = meta_params(model.config, use_scaled_rope=True)
-    params["rope_scaling"] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 32}
+    params["rope_scaling"] = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     (tmp_path / "original" / "params.json").write_text(json.dumps(params))
     state = ckpt._native_state(model)
     assert "output.weight" not in state
@@ -408,9 +427,16 @@ def test_native_key_errors_list_all_names(tmp_path):
     with pytest.raises(ValueError) as info:
         load_checkpoint(out)
     message = str(info.value)
-    for text in ("missing keys (2)", "layers.0.attention.wk.weight", "'norm.weight'",
-                 "unexpected keys (2)", "layers.5.attention.wq.weight", "extra_head.weight",
-                 "shape mismatches (1)", "layers.1.ffn_norm.weight: checkpoint (65,) vs model (64,)"):
+    for text in (
+        "missing keys (2)",
+        "layers.0.attention.wk.weight",
+        "'norm.weight'",
+        "unexpected keys (2)",
+        "layers.5.attention.wq.weight",
+        "extra_head.weight",
+        "shape mismatches (1)",
+        "layers.1.ffn_norm.weight: checkpoint (65,) vs model (64,)",
+    ):
         assert text in message
 
 
@@ -463,9 +489,13 @@ def test_convert_hf_to_native_to_hf(tmp_path):
 def test_every_torch_load_uses_weights_only():
     tree = ast.parse(Path(ckpt.__file__).read_text())
     loads = [
-        node for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "load"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "torch"
     ]
     assert loads, "expected the one torch.load in _torch_load"
     for node in loads:

@@ -64,7 +64,9 @@ def base_model() -> Transformer:
     return tiny_model()
 
 
-def full_sequence(prompts: list[list[int]], out: GenerationOutput, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def full_sequence(
+    prompts: list[list[int]], out: GenerationOutput, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt + generated tokens, and the real-token mask over both."""
     prompt_ids, prompt_real = left_pad(prompts, pad_id)
     return torch.cat([prompt_ids, out.tokens], dim=1), torch.cat([prompt_real, out.mask], dim=1)
@@ -155,7 +157,9 @@ def test_loop_ends_when_every_row_stopped(base_model):
 
 def test_top_k_1_equals_greedy(model):
     greedy = generate(model, PROMPTS, max_new_tokens=12, temperature=0)
-    top1 = generate(model, PROMPTS, max_new_tokens=12, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(1))
+    top1 = generate(
+        model, PROMPTS, max_new_tokens=12, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(1)
+    )
     assert torch.equal(top1.tokens, greedy.tokens)
 
 
@@ -257,3 +261,164 @@ def test_training_mode_restored(base_model, training):
     assert base_model.training is training
     assert all(m.training is training for m in base_model.modules())
     base_model.eval()
+
+
+# ---- static KV cache / compiled decode step (models/fast_decode.py) ----
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_cache_matches_eager_and_recompute(model, temperature):
+    """Reading the whole fixed-size cache under a mask gives the eager path's tokens, log-probs included.
+    Called twice: the second call reuses the buffers (stale keys/values from the first must stay hidden)."""
+
+    def run(**kwargs):
+        return generate(
+            model,
+            PROMPTS,
+            max_new_tokens=12,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(3),
+            **kwargs,
+        )
+
+    reference = run(use_cache=False)
+    eager = run()
+    for _ in range(2):
+        static = run(static_cache=True)
+        assert torch.equal(static.tokens, reference.tokens) and torch.equal(static.tokens, eager.tokens)
+        assert torch.equal(static.mask, eager.mask)
+        torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_cache_reused_across_prompt_widths(base_model):
+    """Different prompt widths fall in one length bucket and reuse one cache; every call still matches."""
+    for prompts in (PROMPTS, [[9, 8, 7]], [[1] * 30, [2, 3]]):
+        reference = generate(base_model, prompts, max_new_tokens=8, temperature=0, use_cache=False)
+        static = generate(base_model, prompts, max_new_tokens=8, temperature=0, static_cache=True)
+        assert torch.equal(static.tokens, reference.tokens)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_recompute_on_cpu(base_model):
+    """torch.compile of the decode step (inductor on CPU; CUDA graphs only on CUDA) changes no token."""
+    reference = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, use_cache=False)
+    for _ in range(2):  # the second call replays the compiled step
+        compiled = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, compile=True)
+        assert torch.equal(compiled.tokens, reference.tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_static_and_compiled_decoding_on_cuda(compile):
+    """On CUDA: greedy static(+CUDA-graph) decoding equals recomputation in fp32, and sampling takes a CUDA
+    generator (torch.multinomial refuses a CPU one)."""
+    model = tiny_model().cuda()
+    reference = generate(model, PROMPTS, max_new_tokens=10, temperature=0, use_cache=False)
+    for _ in range(2):
+        fast = generate(model, PROMPTS, max_new_tokens=10, temperature=0, static_cache=True, compile=compile)
+        assert fast.tokens.is_cuda and torch.equal(fast.tokens, reference.tokens)
+    sampled = [
+        generate(
+            model,
+            PROMPTS,
+            max_new_tokens=10,
+            temperature=1.0,
+            generator=torch.Generator("cuda").manual_seed(0),
+            compile=compile,
+        ).tokens
+        for _ in range(2)
+    ]
+    assert torch.equal(*sampled)
+
+
+def test_static_cache_errors(base_model):
+    with pytest.raises(ValueError, match="use_cache=True"):
+        generate(base_model, PROMPTS, max_new_tokens=2, use_cache=False, static_cache=True)
+
+
+# ---- first-token constraint and token healing ----
+
+
+def test_first_token_mask_constrains_only_the_first_token(base_model):
+    """Row 0 may only start with token 5, row 1 with 6 or 7; row 2 unconstrained. The first log-prob is that of
+    the constrained distribution (the allowed logits renormalised), later steps are unchanged."""
+    vocab = base_model.config.vocab_size
+    allowed = torch.zeros((3, vocab), dtype=torch.bool)
+    allowed[0, 5] = True
+    allowed[1, [6, 7]] = True
+    allowed[2] = True
+    for static in (False, True):
+        out = generate(
+            base_model, PROMPTS, max_new_tokens=4, temperature=0, first_token_mask=allowed, static_cache=static
+        )
+        assert out.tokens[0, 0] == 5 and out.tokens[1, 0] in (6, 7)
+        assert out.logprobs[0, 0] == 0.0  # the only allowed token has probability 1
+        free = generate(base_model, [PROMPTS[2]], max_new_tokens=4, temperature=0)
+        assert torch.equal(out.tokens[2], free.tokens[0])
+        # the constrained first tokens, fed back, continue exactly as recomputation from them would
+        for row in range(2):
+            forced = generate(base_model, [PROMPTS[row] + [int(out.tokens[row, 0])]], max_new_tokens=3, temperature=0)
+            assert torch.equal(out.tokens[row, 1:], forced.tokens[0])
+    with pytest.raises(ValueError, match="first_token_mask must be a bool tensor"):
+        generate(base_model, PROMPTS, max_new_tokens=2, first_token_mask=allowed[:2])
+    with pytest.raises(ValueError, match="allows no token"):
+        generate(base_model, PROMPTS, max_new_tokens=2, first_token_mask=torch.zeros((3, vocab), dtype=torch.bool))
+
+
+def eos_loving_model(tokenizer, favoured: int) -> Transformer:
+    """A tiny model whose logits put EOS first (+10) and ``favoured`` second (+5) after any context: the failure
+    of issue 11, where greedy decoding after "ROMEO:" stops at once."""
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(
+            dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=tokenizer.vocab_size, multiple_of=32, max_seq_len=64
+        )
+    )
+    bias = torch.zeros(tokenizer.vocab_size)
+    bias[tokenizer.eos_id], bias[favoured] = 10.0, 5.0
+    model.output.register_forward_hook(lambda module, inputs, output: output + bias.to(output.dtype))
+    return model
+
+
+def test_heal_prompt_backs_off_a_token_that_longer_tokens_extend():
+    from data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load("default")
+    prompt = tokenizer.encode("ROMEO:", bos=True)
+    kept, removed, allowed = tokenizer.heal_prompt(prompt)
+    assert kept == prompt[:-1] and removed == b":"
+    pieces = [tokenizer.encoding.decode_single_token_bytes(i) for i in allowed]
+    assert all(p.startswith(b":") for p in pieces) and b":\n" in pieces and prompt[-1] in allowed
+    assert len(allowed) == len(tokenizer.tokens_starting_with(b":"))
+    # nothing to heal: a special last token, or a prompt that would become empty
+    chat = tokenizer.encode_chat_prompt([{"role": "user", "content": "hi"}])
+    assert tokenizer.heal_prompt(chat) == (chat, b"", [])
+    assert tokenizer.heal_prompt(prompt[-1:]) == (prompt[-1:], b"", [])
+
+
+def test_healing_turns_an_empty_completion_into_text():
+    """Issue 11: unhealed, greedy decoding after "ROMEO:" emits EOS at once (empty text); healed, the first token
+    must extend ':' so it is ':\\n', and the returned text still continues the ORIGINAL prompt."""
+    from data.tokenizer import Tokenizer
+    from models.generation import complete
+
+    tokenizer = Tokenizer.load("default")
+    colon_newline = tokenizer.encode(":\n")
+    assert len(colon_newline) == 1  # one merged token: why "ROMEO:" ends mid-token
+    model = eos_loving_model(tokenizer, colon_newline[0])
+    prompt = tokenizer.encode("ROMEO:", bos=True)
+    assert complete(model, tokenizer, prompt, max_new_tokens=5, temperature=0) == ""
+    healed = complete(model, tokenizer, prompt, max_new_tokens=5, temperature=0, heal=True)
+    assert healed == "\n"  # ':\n' (the removed ':' cut off), then EOS: "ROMEO:" + "\n" is what was generated
+
+
+@pytest.mark.slow
+def test_cli_generate_heals_by_default(tmp_path):
+    """End to end: `lantern generate` prints the prompt followed by text; --no-heal still runs."""
+    from tests.helpers import run_cli
+
+    common = ["generate", "--preset", "tiny", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0"]
+    healed = run_cli(*common, "--device", "cpu")
+    assert healed.stdout.startswith("ROMEO:") and len(healed.stdout.rstrip("\n")) > len("ROMEO:")
+    plain = run_cli(*common, "--no-heal", "--device", "cpu")
+    assert plain.stdout.startswith("ROMEO:")

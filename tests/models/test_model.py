@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,11 @@ from models.model import (
     Transformer,
     positions_from_documents,
     rope_frequencies,
+    use_flex_attention,
 )
+from trainer.config import PretrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=128)
 
@@ -32,6 +37,7 @@ def tiny_model(**overrides) -> Transformer:
         (dict(ffn_dim_multiplier=-1.0), "ffn_dim_multiplier"),
         (dict(dim=60, n_heads=4, n_kv_heads=4), "dim / n_heads"),  # odd head_dim breaks RoPE pairs
         (dict(rope_scaling=dict(factor=0.5)), "rope_scaling"),
+        (dict(attention="flash"), "attention"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):
@@ -46,7 +52,12 @@ def test_unknown_config_key_is_rejected():
 
 @pytest.mark.parametrize(
     "preset, hidden, params_billions",
-    [("llama3.2-1b", 8192, 1.236), ("llama3.2-3b", 8192, 3.213), ("llama3.1-8b", 14336, 8.030), ("llama3.1-70b", 28672, 70.554)],
+    [
+        ("llama3.2-1b", 8192, 1.236),
+        ("llama3.2-3b", 8192, 3.213),
+        ("llama3.1-8b", 14336, 8.030),
+        ("llama3.1-70b", 28672, 70.554),
+    ],
 )
 def test_real_presets_match_meta_shapes(preset, hidden, params_billions):
     config = ModelConfig.from_preset(preset)
@@ -125,6 +136,94 @@ def test_packed_row_equals_documents_alone(overrides):
     torch.testing.assert_close(packed_logits, alone, atol=1e-5, rtol=0)
     # Without document masking the later documents see the earlier ones: the test can fail.
     assert not torch.allclose(model(packed)[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)
+
+
+def _packed_batch(lengths_per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and document ids for rows packed with documents of the given lengths (equal row totals)."""
+    ids = torch.randint(0, 97, (len(lengths_per_row), sum(lengths_per_row[0])))
+    document_ids = torch.stack(
+        [torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]) for lengths in lengths_per_row]
+    )
+    return ids, document_ids
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}, {"n_kv_heads": 4, "qk_norm": True}])
+def test_flex_attention_equals_sdpa_on_packed_and_left_padded_rows(overrides):
+    """FlexAttention's document BlockMask computes what SDPA's dense boolean mask does (GQA, MQA, MHA).
+
+    Row 0 is packed (3 documents); row 1 is left padded: 6 padding tokens are document 0, the prompt document 1.
+    The sequence (37) is not a multiple of the 128-token block, so partial blocks are exercised. Forward only:
+    torch's FlexAttention has no backward on CPU.
+    """
+    sdpa, flex = tiny_model(attention="sdpa", **overrides), tiny_model(attention="flex", **overrides)
+    ids, document_ids = _packed_batch([[10, 20, 7], [6, 31]])
+    assert use_flex_attention(flex.config, document_ids, None) and not use_flex_attention(
+        sdpa.config, document_ids, None
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            flex(ids, document_ids=document_ids), sdpa(ids, document_ids=document_ids), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_flex_packed_row_equals_documents_alone():
+    model = tiny_model(attention="flex")
+    ids, document_ids = _packed_batch([[7, 12, 5]])
+    with torch.no_grad():
+        packed = model(ids, document_ids=document_ids)
+        alone = torch.cat([model(ids[:, s:e]) for s, e in [(0, 7), (7, 19), (19, 24)]], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+def test_attention_auto_picks_flex_only_for_document_masks_on_cuda():
+    config = ModelConfig(**TINY)
+    docs = torch.zeros(1, 4, dtype=torch.long)
+    assert config.attention == "auto"
+    assert not use_flex_attention(config, docs, None)  # CPU: SDPA is the faster kernel here
+    assert not use_flex_attention(ModelConfig(**TINY, attention="flex"), None, None)  # plain causal: is_causal flash
+    cache = tiny_model(attention="flex").new_kv_cache(1, 8)
+    assert not use_flex_attention(ModelConfig(**TINY, attention="flex"), docs, cache)  # decoding stays on SDPA
+    if torch.cuda.is_available():
+        assert use_flex_attention(config, docs.cuda(), None)
+
+
+def test_flex_on_cpu_with_gradients_is_a_clear_error():
+    model = tiny_model(attention="flex").train()
+    ids, document_ids = _packed_batch([[3, 5]])
+    with pytest.raises(ValueError, match="attention='flex' has no backward on CPU"):
+        model(ids, document_ids=document_ids)
+
+
+def test_flex_generation_with_kv_cache_matches_sdpa():
+    """attention='flex' keeps the KV-cache interface: prefill and decode steps give SDPA's logits."""
+    sdpa, flex = tiny_model(attention="sdpa"), tiny_model(attention="flex")
+    ids = torch.randint(0, 97, (2, 6))
+    document_ids = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    outs = []
+    with torch.no_grad():
+        for model in (sdpa, flex):
+            cache = model.new_kv_cache(2, 10)
+            prefill = model(ids, document_ids=document_ids, kv_cache=cache)
+            step = model(ids[:, -1:], document_ids=torch.ones(2, 1, dtype=torch.long), kv_cache=cache)
+            outs.append((prefill, step))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels and backward need CUDA")
+def test_flex_equals_sdpa_forward_and_backward_on_cuda():
+    torch.manual_seed(0)
+    sdpa = Transformer(ModelConfig(**TINY, attention="sdpa")).cuda()
+    flex = Transformer(ModelConfig(**TINY, attention="flex")).cuda()
+    flex.load_state_dict(sdpa.state_dict())
+    ids, document_ids = (t.cuda() for t in _packed_batch([[40, 60, 28], [8, 120]]))
+    targets = torch.roll(ids, -1, dims=1)
+    losses = [m.token_losses(ids, targets, document_ids=document_ids).mean() for m in (sdpa, flex)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(sdpa.named_parameters(), flex.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
 def test_positions_restart_per_document():
@@ -232,3 +331,13 @@ def test_scalar_model_scores_each_position():
     assert scores.shape == (2, 9) and scores.dtype == torch.float32
     wrapped = ScalarModel.from_backbone(model.backbone, init="zeros")
     assert torch.all(wrapped(torch.randint(0, 97, (2, 9))) == 0)
+
+
+@pytest.mark.parametrize(
+    "name, strategy, seq_len", [("llama3.2-1b", "fsdp", 8192), ("llama3.2-1b-1gpu", "single", 2048)]
+)
+def test_gpu_pretrain_presets_compile_bf16_and_auto_attention(name, strategy, seq_len):
+    config = load_config(PretrainConfig, CONFIGS / "pretrain" / f"{name}.yaml")
+    assert (config.trainer.strategy, config.loader.seq_len, config.loader.micro_batch_size) == (strategy, seq_len, 4)
+    assert config.trainer.compile and config.trainer.precision.startswith("bf16")
+    assert config.model.attention == "auto" and config.model == ModelConfig.from_preset("llama3.2-1b")

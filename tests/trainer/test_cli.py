@@ -19,7 +19,19 @@ def test_help_lists_every_stage(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("tokenizer", "generate", "convert", "prepare", "pretrain", "sft", "rm", "ppo", "pipeline", "export", "demo-data"):
+    for command in (
+        "tokenizer",
+        "generate",
+        "convert",
+        "prepare",
+        "pretrain",
+        "sft",
+        "rm",
+        "ppo",
+        "pipeline",
+        "export",
+        "demo-data",
+    ):
         assert command in out
 
 
@@ -34,19 +46,33 @@ def test_tokenizer_train_writes_a_loadable_tokenizer(tmp_path, capsys):
 
 
 def test_generate_from_random_preset(capsys):
-    assert main(["generate", "--preset", "tiny", "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert (
+        main(["generate", "--preset", "tiny", "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    )
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
 @pytest.fixture
 def small_checkpoint(tmp_path) -> Path:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=64))
+    model = Transformer(
+        ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=64)
+    )
     return save_checkpoint(model, tmp_path / "native", tokenizer_path=Tokenizer.load("default").path)
 
 
 def test_generate_from_checkpoint_uses_its_tokenizer_and_is_deterministic_greedy(small_checkpoint, capsys):
-    args = ["generate", "--checkpoint", str(small_checkpoint), "--prompt", "KING:", "--max-new-tokens", "8", "--temperature", "0"]
+    args = [
+        "generate",
+        "--checkpoint",
+        str(small_checkpoint),
+        "--prompt",
+        "KING:",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert main(args) == 0
@@ -54,7 +80,10 @@ def test_generate_from_checkpoint_uses_its_tokenizer_and_is_deterministic_greedy
 
 
 def test_generate_rejects_prompt_longer_than_max_seq_len(small_checkpoint, capsys):
-    assert main(["generate", "--checkpoint", str(small_checkpoint), "--prompt", "word " * 100, "--max-new-tokens", "4"]) == 2
+    assert (
+        main(["generate", "--checkpoint", str(small_checkpoint), "--prompt", "word " * 100, "--max-new-tokens", "4"])
+        == 2
+    )
     assert "max_seq_len 64" in capsys.readouterr().err
 
 
@@ -83,3 +112,10 @@ def test_config_error_is_one_line_and_exit_code_2(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "loader.seq_lenn" in result.stderr and "seq_len" in result.stderr
+
+
+def test_help_does_not_import_torch() -> None:
+    """`lantern --help` stays instant: the CLI imports torch only once a command runs."""
+    code = "import sys; from trainer.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout

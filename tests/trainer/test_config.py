@@ -1,7 +1,7 @@
 import pytest
 
+from models.errors import ConfigError
 from trainer.config import PretrainConfig, load_config, to_yaml
-from trainer.errors import ConfigError
 
 SHAKESPEARE = "configs/pretrain/shakespeare.yaml"
 
@@ -15,7 +15,9 @@ def test_presets_load_and_model_preset_expands():
 
 
 def test_overrides_are_typed_and_model_can_be_swapped():
-    config = load_config(PretrainConfig, SHAKESPEARE, ["trainer.max_steps=7", "model=tiny", "model.n_layers=3", "optim.betas=[0.9,0.99]"])
+    config = load_config(
+        PretrainConfig, SHAKESPEARE, ["trainer.max_steps=7", "model=tiny", "model.n_layers=3", "optim.betas=[0.9,0.99]"]
+    )
     assert config.trainer.max_steps == 7
     assert config.model.dim == 128 and config.model.n_layers == 3
     assert config.optim.betas == [0.9, 0.99]

@@ -17,19 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.prepare import PrepareConfig, prepare
-
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "shakespeare"
-    prepare(PrepareConfig(source=[str(ROOT / "data/corpus/tinyshakespeare.txt")], out_dir=str(out)))
-    return out
 
 
 def command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str]:
@@ -43,18 +34,35 @@ def command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str]:
 
 def environment() -> dict[str, str]:
     # One thread per process: two ranks on two cores; also makes CPU kernels take the same path each run.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    # Inductor compiles in-process (no pool of compile workers per rank: four processes on two cores, and a
+    # pool that can outlive a rank, once stalled a CI run for 10 minutes).
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "WANDB_MODE": "offline",
+    }
 
 
 def run(data_dir: Path, out_dir: Path, *overrides: str, env: dict | None = None) -> Path:
-    result = subprocess.run(command(data_dir, out_dir, *overrides), cwd=ROOT, env=env or environment(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        command(data_dir, out_dir, *overrides),
+        cwd=ROOT,
+        env=env or environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return out_dir / "run"
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     with open(run_dir / "metrics.csv", newline="") as handle:
-        return {int(row["step"]): float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "train/loss"}
+        return {
+            int(row["step"]): float(row["value"]) for row in csv.DictReader(handle) if row["metric"] == "train/loss"
+        }
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -92,7 +100,9 @@ def test_fsdp_fp32_matches_single_process(single_fp32, fsdp_fp32):
 def test_fsdp_bf16_activation_checkpointing_matches_single_process(data_dir, tmp_path):
     """bf16 compute (FSDP2 MixedPrecisionPolicy vs autocast) rounds differently: losses agree to 2e-2."""
     single = run(data_dir, tmp_path / "single", "trainer.precision=bf16-mixed")
-    sharded = run(data_dir, tmp_path / "fsdp", *FSDP, "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full")
+    sharded = run(
+        data_dir, tmp_path / "fsdp", *FSDP, "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=full"
+    )
     single_losses, sharded_losses = train_losses(single), train_losses(sharded)
     for step in single_losses:
         assert sharded_losses[step] == pytest.approx(single_losses[step], abs=2e-2), step
@@ -113,7 +123,14 @@ def wait_for_checkpoint(process: subprocess.Popen, checkpoint_dir: Path, step: i
 
 
 def interrupt_and_resume(data_dir: Path, out_dir: Path, how: signal.Signals, *overrides: str) -> Path:
-    process = subprocess.Popen(command(data_dir, out_dir, *overrides), cwd=ROOT, env=environment(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command(data_dir, out_dir, *overrides),
+        cwd=ROOT,
+        env=environment(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_checkpoint(process, out_dir / "run" / "checkpoints", 4)
         os.killpg(process.pid, how)  # the whole group: Lightning's launcher started the other ranks
@@ -127,7 +144,7 @@ def interrupt_and_resume(data_dir: Path, out_dir: Path, how: signal.Signals, *ov
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
 def test_single_process_resume_is_exact(data_dir, tmp_path, single_fp32, how):
-    resumed = interrupt_and_resume(data_dir, tmp_path, how, "trainer.max_steps=%d" % STEPS)
+    resumed = interrupt_and_resume(data_dir, tmp_path, how, f"trainer.max_steps={STEPS}")
     uninterrupted = train_losses(single_fp32)
     losses = train_losses(resumed)
     assert set(range(5, STEPS + 1)) <= set(losses)  # the resumed part (and earlier steps, when they were saved)
@@ -157,7 +174,16 @@ def test_two_nodes_on_loopback_match_fsdp_on_one_node(data_dir, tmp_path, fsdp_f
     processes = []
     for node_rank in (0, 1):
         env = {**environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node_rank)}
-        processes.append(subprocess.Popen(command(data_dir, tmp_path, *overrides), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        processes.append(
+            subprocess.Popen(
+                command(data_dir, tmp_path, *overrides),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-5000:]

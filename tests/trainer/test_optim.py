@@ -11,7 +11,10 @@ def test_weight_decay_only_on_matrices():
     decay, no_decay = parameter_groups(model, 0.1)
     decayed = {id(p) for p in decay["params"]}
     names = {name for name, p in model.named_parameters() if id(p) in decayed}
-    assert all(name.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")) for name in names)
+    assert all(
+        name.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight"))
+        for name in names
+    )
     assert id(model.tok_embeddings.weight) not in decayed and id(model.norm.weight) not in decayed
     # tied embeddings are counted once
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

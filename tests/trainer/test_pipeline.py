@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from models import load_checkpoint
+from models.errors import ConfigError
 from models.heads import load_scalar_model
-from trainer.errors import ConfigError
 from trainer.pipeline import RECORD, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,11 @@ def _mtimes(folder: Path) -> dict[str, int]:
 
 def _table_rows(report: str) -> list[list[str]]:
     """Numbered rows of the answer table, split into cells."""
-    return [[c.strip() for c in line.strip("|").split(" | ")] for line in report.splitlines() if re.match(r"\| \d+ \|", line)]
+    return [
+        [c.strip() for c in line.strip("|").split(" | ")]
+        for line in report.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    ]
 
 
 def test_stage_list_is_checked_before_anything_runs(tmp_path, in_repo):
@@ -87,14 +91,16 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
         assert number in report
 
     links = re.findall(r"!\[[^\]]*\]\((report/[^)]+\.png)\)", report)
-    assert "report/overview.png" in links and {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval"} <= {Path(p).stem for p in links}
+    assert "report/overview.png" in links and {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval"} <= {
+        Path(p).stem for p in links
+    }
     for link in links:
         data = (out / link).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024, link
 
     for stage in ("pretrain", "sft", "ppo"):
         assert load_checkpoint(out / stage / "final").config.dim == 128
-    reward_model, metadata = load_scalar_model(out / "rm" / "final")
+    _reward_model, metadata = load_scalar_model(out / "rm" / "final")
     assert metadata["stage"] == "rm" and "reward_std" in metadata
 
     # the wiring: each stage started from the previous stage's final/ and logged into one group
@@ -124,7 +130,13 @@ def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, 
 
     caplog.clear()
     run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])  # appended to the preset's sft overrides
-    assert _statuses(caplog) == {"prepare": "skipped: up to date", "pretrain": "skipped: up to date", "sft": "ran", "rm": "ran", "ppo": "ran"}
+    assert _statuses(caplog) == {
+        "prepare": "skipped: up to date",
+        "pretrain": "skipped: up to date",
+        "sft": "ran",
+        "rm": "ran",
+        "ppo": "ran",
+    }
     assert _mtimes(out / "pretrain") == before["pretrain"]
     assert json.loads((out / "sft" / "final" / "lantern.json").read_text())["metadata"]["step"] == 3
     assert (out / "sft.previous" / "final").is_dir()  # the old run moved aside, not resumed from

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from data.prepare import PrepareConfig, prepare, read_manifest
+from models.errors import ConfigError, NonFiniteLossError
 from trainer.config import PretrainConfig, load_config
-from trainer.errors import ConfigError, NonFiniteLossError
 from trainer.pretrain import run_pretrain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,15 +42,6 @@ SHORT_PARAGRAPH = "JULIET: Ay me!"
 
 # --------------------------------------------------------------------------------------------------
 # helpers
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """The bundled corpus, prepared once with the tiny config's data settings."""
-    out = tmp_path_factory.mktemp("data") / "shakespeare"
-    config = load_config(PretrainConfig, TINY, [f"data.source=[{CORPUS}]", f"data.out_dir={out}"])
-    prepare(config.data)
-    return out
 
 
 def tiny_config(data_dir: Path, runs: Path, *overrides: str) -> PretrainConfig:
@@ -275,7 +266,12 @@ class PoisonWeights(L.Callback):
 
 def test_nan_loss_stops_with_the_last_good_checkpoint_intact(data_dir, tmp_path):
     runs = tmp_path / "runs"
-    overrides = ["trainer.max_steps=8", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2", "checkpoint.keep_last=3"]
+    overrides = [
+        "trainer.max_steps=8",
+        "trainer.val_every_n_steps=100",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.keep_last=3",
+    ]
     with pytest.raises(NonFiniteLossError, match=r"\bstep 5\b"):
         run_pretrain(tiny_config(data_dir, runs, *overrides), extra_callbacks=[PoisonWeights(at_step=5)])
     run_dir = runs / RUN_NAME
@@ -329,7 +325,9 @@ def test_split_shorter_than_one_sequence(tmp_path):
     seq_len = 32
     assert val_tokens < seq_len + 1 < train_tokens // 2, f"the seeded split changed: {splits}"
 
-    config = tiny_config(data, tmp_path / "runs", f"data.source=[{corpus}]", f"loader.seq_len={seq_len}", "loader.micro_batch_size=1")
+    config = tiny_config(
+        data, tmp_path / "runs", f"data.source=[{corpus}]", f"loader.seq_len={seq_len}", "loader.micro_batch_size=1"
+    )
     with pytest.raises(ValueError, match=rf"split 'val' in {data}.*{val_tokens} tokens.*seq_len\+1={seq_len + 1}"):
         run_pretrain(config)
     assert_no_compute(tmp_path / "runs" / RUN_NAME)
@@ -356,7 +354,9 @@ def test_unknown_strategy_or_precision(data_dir, tmp_path, key, value):
 
 
 def test_single_strategy_with_two_devices(data_dir, tmp_path):
-    config = tiny_config(data_dir, tmp_path / "runs", "trainer.strategy=single", "trainer.devices=2", "trainer.accelerator=cpu")
+    config = tiny_config(
+        data_dir, tmp_path / "runs", "trainer.strategy=single", "trainer.devices=2", "trainer.accelerator=cpu"
+    )
     with pytest.raises(ConfigError, match=r"trainer.strategy 'single'.*trainer.devices=2"):
         run_pretrain(config)
     assert_no_compute(tmp_path / "runs" / RUN_NAME)
@@ -366,7 +366,9 @@ def test_data_prepared_with_another_tokenizer(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join([LONG_PARAGRAPH] * 8) + "\n")
     data = tmp_path / "data-cl100k"
-    prepare(PrepareConfig(source=[str(corpus)], out_dir=str(data), tokenizer="cl100k_base", val_fraction=0.25, num_proc=1))
+    prepare(
+        PrepareConfig(source=[str(corpus)], out_dir=str(data), tokenizer="cl100k_base", val_fraction=0.25, num_proc=1)
+    )
 
     config = tiny_config(data, tmp_path / "runs", f"data.source=[{corpus}]")  # tokenizer: default
     with pytest.raises(ValueError) as error:

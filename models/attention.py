@@ -1,0 +1,120 @@
+"""Attention plumbing the decoder's layers share: the KV cache, the document-causal masks (a dense boolean mask
+for SDPA, a BlockMask for FlexAttention), the choice between the two kernels, and positions that restart at
+each document. The layers themselves (projections, RoPE, the attention call) stay in ``models/model.py``.
+
+Choices: SDPA by default (CPU, plain causal passes that can use ``is_causal`` flash, and KV-cache decoding);
+FlexAttention for document-masked full-sequence passes on CUDA, with one BlockMask built per forward and shared
+by every layer, because SDPA with a dense boolean mask cannot use its flash kernel (2.04 vs 0.98 ms/layer
+fwd+bwd measured on an H100, 1B shapes, 4 x 2048 tokens).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+if TYPE_CHECKING:  # a type only: models.model imports this module
+    from models.model import ModelConfig
+
+
+class KVCache:
+    """Pre-allocated keys/values for every layer, plus the document id of every cached position.
+
+    Cached document ids let the same masking rule serve packed rows, left padding and decoding: a query
+    attends to a cached key only if both belong to the same document and the key is not in its future.
+    """
+
+    def __init__(
+        self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        if max_len > config.max_seq_len:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's max_seq_len {config.max_seq_len}")
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.document_ids = torch.full((batch_size, max_len), -1, device=device, dtype=torch.long)
+        self.max_len = max_len
+        self.length = 0  # positions filled so far (the same for every row)
+
+    def update(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Write (B, Hkv, T, D) keys/values at the current length; return everything cached so far."""
+        end = self.length + keys.shape[2]
+        self.keys[layer][:, :, self.length : end] = keys
+        self.values[layer][:, :, self.length : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def attention_mask(document_ids: Tensor | None, kv_cache: KVCache | None, seq_len: int) -> Tensor | None:
+    """Boolean (B, 1, T, S) mask: causal and within one document. None means plain causal attention.
+
+    Plain causal (no documents, no cache) returns None so SDPA can take its ``is_causal`` fast path.
+    """
+    if document_ids is None and kv_cache is None:
+        return None
+    offset = kv_cache.length if kv_cache is not None else 0
+    device = document_ids.device if document_ids is not None else kv_cache.document_ids.device
+    query_pos = torch.arange(offset, offset + seq_len, device=device)
+    key_pos = torch.arange(offset + seq_len, device=device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # (T, S)
+    if document_ids is None:
+        return causal[None, None]
+    key_docs = document_ids
+    if kv_cache is not None:
+        kv_cache.document_ids[:, offset : offset + seq_len] = document_ids
+        key_docs = kv_cache.document_ids[:, : offset + seq_len]
+    same_doc = document_ids[:, :, None] == key_docs[:, None, :]  # (B, T, S)
+    return (causal[None] & same_doc)[:, None]
+
+
+def use_flex_attention(config: ModelConfig, document_ids: Tensor | None, kv_cache: KVCache | None) -> bool:
+    """Whether this forward runs FlexAttention. Only document-masked full-sequence passes ever do.
+
+    Plain causal attention keeps SDPA's ``is_causal`` flash path (faster than any mask), and KV-cache decoding
+    keeps SDPA's dense mask (one query row per step: a block mask would cost more to build than it saves).
+    """
+    if document_ids is None or kv_cache is not None or config.attention == "sdpa":
+        return False
+    return config.attention == "flex" or document_ids.device.type == "cuda"
+
+
+def document_block_mask(document_ids: Tensor) -> BlockMask:
+    """FlexAttention BlockMask (B, 1, T, T): causal and within one document, built once and shared by all layers.
+
+    Building it costs ~10 ms eagerly on an H100 at T=2048, more than one layer's attention, hence once per
+    forward; on CUDA the builder is compiled (fully masked 128x128 blocks are then skipped by the kernel).
+    """
+    batch, seq_len = document_ids.shape
+
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    on_cuda = document_ids.device.type == "cuda"
+    return create_block_mask(
+        document_causal, batch, None, seq_len, seq_len, device=document_ids.device, _compile=on_cuda
+    )
+
+
+_compiled_flex = None
+
+
+def flex_attention_kernel(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, enable_gqa: bool) -> Tensor:
+    """flex_attention, compiled on CUDA (eager flex materialises the scores: correct but slow) and eager on CPU."""
+    global _compiled_flex
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def positions_from_documents(document_ids: Tensor) -> Tensor:
+    """Position of each token within its document: 0, 1, 2, ... restarting where the document id changes."""
+    batch, seq_len = document_ids.shape
+    index = torch.arange(seq_len, device=document_ids.device).expand(batch, seq_len)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index

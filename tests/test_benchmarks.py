@@ -1,0 +1,165 @@
+"""The GPU benchmark and check on their CPU paths: bench_pretrain's three contenders, gpu_table's table, and
+gpu_check.sh's argument handling and (slow) its --cpu-smoke run of every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_pretrain import recomputed_flops
+from benchmarks.gpu_table import render
+from trainer.config import PretrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs/pretrain/tiny.yaml"), "--seq-len", "64", "--micro-batch", "4", "--threads", "1",
+        "--peak-size", "256", "--peak-seconds", "0.02"]  # fmt: skip
+
+
+def bench(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_pretrain.py"), *TINY, *args, "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_pretrain_plain_loop_trains_exactly_what_lightning_trains(tmp_path):
+    """Same seed, batches, optimizer and schedule: the plain loop's loss after 3 steps equals the Lightning
+    path's, so the comparison times the same work; the HF model has Lantern's parameter count (checked in the
+    script) and its own initialisation, so only its loss differs."""
+    data = bench(
+        tmp_path, "--steps", "2", "--warmup", "1", "--precision", "32-true", "--data-dir", str(tmp_path / "data")
+    )
+    results = {r["contender"]: r for r in data["results"]}
+    assert list(results) == ["lightning", "plain", "hf"]
+    assert results["plain"]["loss"] == pytest.approx(results["lightning"]["loss"], abs=1e-5)
+    assert results["hf"]["loss"] != pytest.approx(results["lightning"]["loss"], abs=1e-3)
+    assert results["lightning"]["document_masking"] and not results["hf"]["document_masking"]
+    for r in results.values():
+        assert r["tokens_per_second"] > 0 and r["mfu"] > 0 and r["peak_memory_gib"] is None  # no CUDA memory on CPU
+        assert r["mfu"] == pytest.approx(r["tokens_per_second"] * data["flops_per_token"] / r["peak_flops"])
+    assert results["hf"]["vs_hf"] == 1.0
+    assert results["plain"]["vs_hf"] == pytest.approx(
+        results["plain"]["tokens_per_second"] / results["hf"]["tokens_per_second"]
+    )
+
+
+def test_recomputed_flops_are_one_more_forward_of_the_checkpointed_blocks():
+    config = load_config(PretrainConfig, ROOT / "configs/pretrain/tiny.yaml", ["trainer.activation_checkpointing=full"])
+    model, seq_len = config.model, config.loader.seq_len
+    head = model.vocab_size * model.dim  # the LM head: never checkpointed
+    norms = model.n_layers * 2 * model.dim + model.dim  # counted in num_params, no matmul
+    blocks_training = model.flops_per_token(seq_len) - 6 * (head + norms)  # 6 x block weights + 12·L·d·T
+    assert recomputed_flops(config) == pytest.approx(blocks_training / 3)  # forward = a third of fwd + bwd
+    config.trainer.activation_checkpointing, config.trainer.ac_every = "selective", 2
+    assert recomputed_flops(config) == pytest.approx(blocks_training / 3 / 2)  # blocks 0, 2 of 4
+
+
+def test_gpu_table_reads_every_result(tmp_path):
+    (tmp_path / "env.json").write_text(
+        json.dumps(
+            {
+                "date": "2026-11-23 06:00 UTC",
+                "gpu": "NVIDIA H100 80GB HBM3",
+                "torch": "2.11.0",
+                "cuda": "13.0",
+                "mode": "gpu",
+                "commit": "abc1234",
+            }
+        )
+    )
+    (tmp_path / "steps.tsv").write_text(
+        "install\t0\t12\tlog: install.log\ntests\t1\t300\tlog: tests.log\npipeline\t124\t5400\tlog: pipeline.log\npretrain\t0\t250\tlog: pretrain.log\ngeneration\tskip\t\tnot in --steps\n"
+    )
+    (tmp_path / "pytest.xml").write_text(
+        '<testsuites><testsuite tests="10" failures="1" errors="1" skipped="3"/></testsuites>'
+    )
+    results = [
+        {"contender": "lightning", "precision": "bf16-mixed", "document_masking": True, "tokens_per_second": 61234.5, "mfu": 0.4612, "peak_memory_gib": 41.25, "vs_hf": 1.153, "peak_flops": 989e12},
+        {"contender": "hf", "precision": "bf16-mixed", "document_masking": False, "tokens_per_second": 53100.0, "mfu": 0.40, "peak_memory_gib": 50.0, "vs_hf": 1.0, "peak_flops": 989e12},
+    ]  # fmt: skip
+    (tmp_path / "pretrain-1b.json").write_text(
+        json.dumps(
+            {"mode": "compare", "preset": "llama3.2-1b-1gpu", "seq_len": 2048, "micro_batch": 4, "results": results}
+        )
+    )
+    three_b = {
+        "contender": "lightning",
+        "precision": "bf16-mixed",
+        "document_masking": True,
+        "tokens_per_second": 20000.0,
+        "mfu": 0.36,
+        "hfu_with_recomputation": 0.47,
+        "peak_memory_gib": 60.5,
+        "vs_hf": None,
+        "peak_flops": 989e12,
+    }
+    (tmp_path / "pretrain-3b.json").write_text(
+        json.dumps(
+            {"mode": "fsdp-ac", "preset": "llama3.2-3b", "seq_len": 2048, "micro_batch": 4, "results": [three_b]}
+        )
+    )
+    generation = [{"batch": 1, "mode": "eager", "tokens_per_second": 150.0, "speedup_vs_eager": 1.0},
+                  {"batch": 64, "mode": "compiled", "tokens_per_second": 7000.25, "speedup_vs_eager": 3.5, "peak_memory_gib": 9.0}]  # fmt: skip
+    (tmp_path / "generation.json").write_text(
+        json.dumps({"preset": "llama3.2-1b", "dtype": "bfloat16", "results": generation})
+    )
+
+    table = render(tmp_path)
+    lines = table.splitlines()
+    assert "## GPU check: 2026-11-23 06:00 UTC" in lines and any("NVIDIA H100 80GB HBM3" in line for line in lines)
+    assert "| install | ok | 12 s | log: install.log |" in lines
+    assert "| tests | FAILED (exit 1) | 300 s | 5 passed, 2 failed, 3 skipped |" in lines
+    assert "| pipeline | FAILED (exit 124) | 5400 s | log: pipeline.log |" in lines
+    assert "| generation | skipped | – | not in --steps |" in lines
+    assert (
+        "| pretrain llama3.2-1b-1gpu seq 2048 x 4: lightning (bf16-mixed, doc mask) | 46.1% | 61,234 | 41.2 | vs HF 1.15x |"
+        in lines
+    )
+    assert "| pretrain llama3.2-1b-1gpu seq 2048 x 4: hf (bf16-mixed, causal) | 40.0% | 53,100 | 50.0 |  |" in lines
+    assert (
+        "| pretrain llama3.2-3b seq 2048 x 4, FSDP2 + AC: lightning (bf16-mixed, doc mask) | 36.0% (HFU 47.0%) | 20,000 | 60.5 |  |"
+        in lines
+    )
+    assert "| generation llama3.2-1b bfloat16 batch 1 eager |  | 150.0 | – | 1.00x vs eager |" in lines
+    assert "| generation llama3.2-1b bfloat16 batch 64 compiled |  | 7,000.2 | 9.0 | 3.50x vs eager |" in lines
+    assert "(989 TFLOP/s)" in table
+
+
+def test_gpu_table_survives_missing_and_broken_files(tmp_path):
+    (tmp_path / "pretrain-1b.json").write_text("{not json")
+    table = render(tmp_path)
+    assert "(no steps.tsv)" in table and "pretrain-1b.json: " in table
+
+
+def test_gpu_check_arguments():
+    script = str(ROOT / "benchmarks/gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    helped = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "pip download --no-deps -d .whl" in helped.stdout
+    wrong = subprocess.run(["bash", script, "--steps", "tests,benchmark"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "unknown step 'benchmark'" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_runs_every_step(tmp_path):
+    """The whole check on CPU with tiny sizes, in this test's environment (--no-install): every step passes and
+    the table holds the benchmarks' numbers."""
+    steps = "tests,pipeline,pretrain,pretrain-3b,generation"
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--cpu-smoke", "--no-install", "--venv", sys.prefix,
+         "--out", str(tmp_path), "--steps", steps],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    table = (tmp_path / "table.md").read_text()
+    for step in ["install", *steps.split(",")]:
+        assert f"| {step} | ok |" in table
+    assert "lightning (32-true, doc mask)" in table and "FSDP2 + AC: lightning (bf16-mixed" in table
+    assert "| generation tiny float32 batch 4 static |" in table

@@ -1,0 +1,309 @@
+"""What keeps a run folder trustworthy: one run at a time per folder (an flock'ed lock file naming its
+holder), atomic training checkpoints (``AtomicCheckpoint``) with a SHA-256 manifest beside each, and
+finding the newest checkpoint that verifies, whatever the ``latest`` pointer says (it may be stale or
+missing after kill -9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from models.atomic import fsync_dir, fsync_tree, manifest_mismatch, sha256_manifest, storage_error, write_atomically
+from models.errors import LanternError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lantern.lock"
+MANIFEST_SUFFIX = ".sha256"
+CHECKPOINT_PATTERN = re.compile(r"step-(\d+)\.ckpt")
+
+_held_locks: dict[Path, int] = {}  # run folder -> the open, flock'ed lock file of this process
+
+
+class RunFolderInUse(LanternError):
+    """Another live process holds the run folder's lock."""
+
+
+def is_global_rank_zero() -> bool:
+    """Whether this process is (or, before the process group exists, will be) global rank 0, from the
+    variables torchrun, SLURM and Lightning's launcher set; a plain single process is rank 0."""
+    for variable in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(variable):
+            return int(os.environ[variable]) == 0
+    node = int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+    return node == 0 and int(os.environ.get("LOCAL_RANK") or 0) == 0
+
+
+def lock_run_directory(run_dir: Path) -> None:
+    """Take the run folder's lock for this process, or raise RunFolderInUse naming the holder's process id
+    and host. flock is released by the kernel when the holder exits however it exits (kill -9 included),
+    so a lock file left by a dead run never blocks. Idempotent within a process."""
+    key = run_dir.resolve()
+    if key in _held_locks:
+        return
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunFolderInUse(
+            f"run folder {run_dir} is in use by process {holder.get('pid', '?')} on host {holder.get('host', '?')} "
+            f"(since {holder.get('started', '?')}): wait for it to finish, stop it, or set run.name to another folder"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    _held_locks[key] = fd
+
+
+def release_run_directory(run_dir: Path) -> None:
+    """Release this process's lock on ``run_dir`` (the file stays: deleting it would race a new locker)."""
+    fd = _held_locks.pop(run_dir.resolve(), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> dict[str, str]:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}  # the holder has not written its name yet
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoint manifests
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + MANIFEST_SUFFIX)
+
+
+def write_manifest(written: Path, checkpoint: Path, step: int) -> Path:
+    """Hash ``written`` (the temporary a checkpoint was saved to, a file or a shard folder) and write the
+    manifest of ``checkpoint`` (its final name) atomically, before the rename: a checkpoint under its final
+    name then always has its manifest."""
+    manifest = {"format": "lantern-checksums", "version": 1, "step": step, "sha256": sha256_manifest(written)}
+    return write_atomically(
+        manifest_path(checkpoint), json.dumps(manifest, indent=1) + "\n", what="checkpoint manifest"
+    )
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """None when ``checkpoint`` matches its manifest; else why not. A checkpoint from before manifests
+    existed (none beside it) is accepted, with a warning, as unverifiable."""
+    path = manifest_path(checkpoint)
+    if not path.is_file():
+        if checkpoint.exists():
+            warnings.warn(f"checkpoint {checkpoint} has no checksum manifest ({path.name}): using it unverified")
+            return None
+        return "missing"
+    try:
+        expected = json.loads(path.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable manifest {path.name} ({error})"
+    return manifest_mismatch(checkpoint, expected)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = CHECKPOINT_PATTERN.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def newest_verified_checkpoint(directory: Path) -> Path | None:
+    """The newest ``step-*.ckpt`` in ``directory`` that matches its manifest. Newer ones that do not
+    (truncated, bit-flipped, half-renamed) are skipped with a warning naming them; ``latest`` is not
+    trusted, since a kill between a checkpoint's rename and the pointer's update leaves it stale."""
+    if not directory.is_dir():
+        return None
+    candidates = sorted(
+        (p for p in directory.iterdir() if checkpoint_step(p) is not None), key=checkpoint_step, reverse=True
+    )
+    for candidate in candidates:
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate
+        warnings.warn(f"skipping checkpoint {candidate}: {problem}; trying an older one")
+    return None
+
+
+def remove_checkpoint(checkpoint: Path) -> None:
+    """A checkpoint and its manifest (the checkpoint first: a manifest alone is never mistaken for one)."""
+    _remove(checkpoint)
+    manifest_path(checkpoint).unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training checkpoints
+
+
+LATEST = "latest"  # a file naming the newest complete checkpoint, for people: resume scans and verifies instead
+
+
+class AtomicCheckpoint(L.Callback):
+    """Saves every ``every_n_steps`` optimizer steps and at the end, so that a crash never corrupts the last
+    good checkpoint: each save goes to a hidden temporary path (a file, or a folder of shards under FSDP),
+    its SHA-256 manifest is written, it is renamed into place once every rank has written, and only then does
+    ``latest`` point at it. A full or read-only disk stops the run with one line naming the checkpoint that
+    is still good; the temporary is removed.
+
+    When a run stops on an error that is not the model's (a callback, validation, logging or plotting
+    raising) between two optimizer steps, the state of the last step is saved before the error is passed on,
+    so no training is lost (single process: under several, the other ranks may not be there to save)."""
+
+    def __init__(self, directory: str | Path, every_n_steps: int, keep_last: int = 3) -> None:
+        if every_n_steps < 1 or keep_last < 1:
+            raise ValueError("checkpoint.every_n_steps and checkpoint.keep_last must be >= 1")
+        self.directory = Path(directory)
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self._last_saved_step = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                for stale in self.directory.glob(".tmp-*"):  # left by a crash mid-save: never a good checkpoint
+                    _remove(stale)
+                for manifest in self.directory.glob(f"step-*.ckpt{MANIFEST_SUFFIX}"):  # killed before the rename
+                    if not manifest.with_name(manifest.name.removesuffix(MANIFEST_SUFFIX)).exists():
+                        manifest.unlink()
+            except OSError as error:
+                raise storage_error(error, self.directory, "checkpoint folder") from error
+        trainer.strategy.barrier("atomic-checkpoint-setup")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path:  # resumed: the checkpoint of this step exists, saving it again would only rewrite it
+            self._last_saved_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        skipped = getattr(pl_module, "skip_step", None) == step - 1  # a NaN/Inf step: the weights may be bad
+        if step > 0 and step % self.every_n_steps == 0 and step != self._last_saved_step and not skipped:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != self._last_saved_step and not getattr(pl_module, "failed", False):
+            self.save(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        unsaved = trainer.global_step > max(self._last_saved_step, 0)
+        # Not after the model's own failure (NaN), a disk error, an interrupt or SIGTERM (BaseException), nor
+        # mid-step (the data of the step under way is already counted as consumed).
+        if (
+            not unsaved
+            or getattr(pl_module, "failed", False)
+            or not isinstance(exception, Exception)
+            or isinstance(exception, OSError)
+            or not self._between_steps(trainer)
+            or trainer.world_size > 1
+        ):
+            if trainer.is_global_zero and self._last_saved_step > 0:
+                log.error(
+                    "training stopped (%s); the last checkpoint is %s",
+                    type(exception).__name__,
+                    self._path(self._last_saved_step),
+                )
+            return
+        try:
+            path = self.save(trainer)
+        except Exception as error:
+            log.error("training stopped (%r) and saving its state failed too (%r)", exception, error)
+            return
+        log.error(
+            "training stopped at step %d (%s: %s); its state is saved in %s: fix the cause and run the same "
+            "command again to resume from it",
+            trainer.global_step,
+            type(exception).__name__,
+            exception,
+            path,
+        )
+
+    def _between_steps(self, trainer: L.Trainer) -> bool:
+        """The batch fetched last has been fully processed and it closed a gradient-accumulation window, so the
+        weights, optimizer and data position agree. Read from the loop's progress counters rather than from
+        this callback's own hooks, which a callback listed before it can pre-empt by raising."""
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        processed = batches.current.ready > 0 and batches.current.processed == batches.current.ready
+        window_closed = batches.current.ready % trainer.accumulate_grad_batches == 0 or batches.is_last_batch
+        return processed and window_closed
+
+    def _path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}.ckpt"
+
+    def save(self, trainer: L.Trainer) -> Path:
+        step = trainer.global_step
+        final = self._path(step)
+        temporary = final.with_name(f".tmp-{final.name}")
+        error: OSError | None = None
+        try:
+            trainer.save_checkpoint(temporary, weights_only=False)  # full state: optimizer, schedule, loops
+        except OSError as caught:  # this rank's write failed: the others must hear of it, not wait for it
+            error = caught
+        written = trainer.strategy.reduce_boolean_decision(error is None, all=True)
+        if trainer.is_global_zero:
+            try:
+                if written:
+                    self._publish(temporary, final, step)
+            except OSError as caught:
+                error, written = caught, False
+            if not written:
+                _remove(temporary)
+                if not final.exists():
+                    manifest_path(final).unlink(missing_ok=True)
+        if not trainer.strategy.reduce_boolean_decision(written, all=True):
+            previous = self._path(self._last_saved_step) if self._last_saved_step > 0 else None
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint of this run"
+            cause = error or OSError(0, "another rank could not write its part")
+            raise storage_error(cause, final, "checkpoint", kept=kept + ", the temporary was removed") from error
+        self._last_saved_step = step
+        return final
+
+    def _publish(self, temporary: Path, final: Path, step: int) -> None:
+        """Manifest, rename, pointer, pruning; in that order, so that whatever a kill interrupts, every
+        checkpoint under its final name is complete and has its manifest (resume does not trust ``latest``)."""
+        fsync_tree(temporary)
+        write_manifest(temporary, final, step)
+        if final.is_dir():  # saved at this step before, as shards: a folder cannot be replaced in one rename
+            _remove(final)
+        os.replace(temporary, final)
+        write_atomically(self.directory / LATEST, final.name + "\n", what="checkpoint pointer")
+        fsync_dir(self.directory)
+        self._prune()
+
+    def _prune(self) -> None:
+        checkpoints = sorted(p for p in self.directory.glob("step-*.ckpt") if checkpoint_step(p) is not None)
+        for old in checkpoints[: -self.keep_last]:
+            remove_checkpoint(old)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint in ``directory`` that verifies against its checksum manifest, or None (see
+    ``trainer.storage.newest_verified_checkpoint``)."""
+    return newest_verified_checkpoint(Path(directory))
