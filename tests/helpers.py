@@ -57,10 +57,24 @@ class CaptureGradients(L.Callback):
             }
 
 
+# torch.distributed's rendezvous variables: a value left in this process by an in-process test must never
+# reach a child, or its ranks would meet at a stale port (once: EADDRINUSE on one rank, the other waiting).
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's without rendezvous variables, the repository on
+    PYTHONPATH, one OpenMP thread per process (two ranks on two cores; kernels take the same path each run),
+    inductor compiling in-process (no pool of compile workers per rank), plus ``extra``."""
+    env = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(ROOT))
+    return {**env, **extra}
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m trainer.cli *args`` in a new process from the repository root (one OpenMP thread per
-    process); it must succeed (the assertion shows the end of its stderr)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    """``python -m trainer.cli *args`` in a new process from the repository root (``subprocess_env``); it
+    must succeed (the assertion shows the end of its stderr)."""
+    env = subprocess_env()
     command = [sys.executable, "-m", "trainer.cli", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]

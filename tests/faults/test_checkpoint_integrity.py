@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 
+from tests.helpers import subprocess_env
 from tests.trainer.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from trainer.pretrain import run_pretrain
 from trainer.storage import latest_checkpoint
@@ -183,7 +183,7 @@ def test_metrics_history_survives_kill_9_and_resume(six_step_run, data_dir, tmp_
     step once (5 is replayed), the validation at 3 from before the kill and at 6 after, equal to the
     uninterrupted run's, and loss.png is drawn from all of it."""
     overrides = [*SIX_STEPS, "trainer.max_steps=8"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     killed = subprocess.run(
         [sys.executable, "-c", KILLER, str(data_dir), str(tmp_path / "runs"), *overrides],
         cwd=ROOT,

@@ -6,7 +6,6 @@ code 2 and no traceback."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from models.checkpoint import _read_hf_weights, load_checkpoint, save_checkpoint
 from models.errors import CheckpointError
 from models.heads import HEAD_WEIGHTS, ScalarModel, load_scalar_model, save_scalar_model
 from models.model import ModelConfig, Transformer
+from tests.helpers import subprocess_env
 from trainer.cli import main
 from trainer.export import read_training_checkpoint
 
@@ -182,7 +182,7 @@ def test_cli_export_of_a_pickle_is_refused_in_one_line(tmp_path, capsys):
 
 def test_cli_config_error_in_a_fresh_process_has_no_traceback(tmp_path):
     """The installed entry point, end to end: a wrong key is one stderr line and exit code 2."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     command = [sys.executable, "-m", "trainer.cli", "pretrain", str(ROOT / "configs/pretrain/tiny.yaml"), "optim.lr=-1"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2

@@ -23,6 +23,7 @@ from models.atomic import StorageError, write_atomically
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import LanternError
 from models.model import ModelConfig, Transformer
+from tests.helpers import subprocess_env
 from tests.trainer.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from trainer.cli import main
 from trainer.pretrain import run_pretrain
@@ -139,7 +140,7 @@ time.sleep(300)
 def test_second_run_on_a_locked_folder_names_the_first_and_a_dead_holder_does_not_block(data_dir, tmp_path):
     run_dir = tmp_path / "runs" / RUN_NAME
     run_dir.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
     )

@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import subprocess_env
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,16 +35,7 @@ def command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    # One thread per process: two ranks on two cores; also makes CPU kernels take the same path each run.
-    # Inductor compiles in-process (no pool of compile workers per rank: four processes on two cores, and a
-    # pool that can outlive a rank, once stalled a CI run for 10 minutes).
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "WANDB_MODE": "offline",
-    }
+    return subprocess_env(WANDB_MODE="offline")
 
 
 def run(data_dir: Path, out_dir: Path, *overrides: str, env: dict | None = None) -> Path:

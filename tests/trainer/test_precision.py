@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 from pathlib import Path
@@ -49,12 +48,14 @@ def test_a_bad_value_names_the_key():
 
 
 @pytest.fixture
-def one_rank_group():
-    """A gloo process group of one rank in this process: enough for fully_shard's mesh and its collectives."""
+def one_rank_group(monkeypatch):
+    """A gloo process group of one rank in this process: enough for fully_shard's mesh and its collectives.
+    Its rendezvous variables are set for this test only (monkeypatch), never left for later tests' children."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

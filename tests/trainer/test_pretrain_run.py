@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import struct
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import torch
 
 from data.prepare import PrepareConfig, prepare, read_manifest
 from models.errors import ConfigError, NonFiniteLossError
+from tests.helpers import subprocess_env
 from trainer.config import PretrainConfig, load_config
 from trainer.pretrain import run_pretrain
 
@@ -384,7 +384,7 @@ def test_data_prepared_with_another_tokenizer(tmp_path):
 
 
 def test_cli_config_error_is_one_clean_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     result = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "pretrain", str(TINY), "trainer.max_stepz=3", f"run.out_dir={tmp_path}"],
         cwd=ROOT,
