@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignment.sft import load_initial_model
+from data.preference_datamodule import PreferenceDataModule
+from data.tokenizer import Tokenizer
+from models.errors import ConfigError
 from models.heads import ScalarModel
+from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.callbacks import LossPlot
+from trainer.checks import check_initial_model
 from trainer.config import RMConfig, to_dict
 from trainer.lm_module import LanguageModelModule
 
@@ -175,13 +181,6 @@ def load_initial_reward_model(config: RMConfig) -> ScalarModel:
 
 def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
-    from data.preference_datamodule import PreferenceDataModule
-    from data.tokenizer import Tokenizer
-    from models.errors import ConfigError
-    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
-    from trainer.checks import check_initial_model
-
     check_trainer_config(config.trainer)
     if config.loss.normalization_pairs < 1:
         raise ConfigError(f"loss.normalization_pairs must be >= 1, got {config.loss.normalization_pairs}")
@@ -198,16 +197,16 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    tokenizer_file = tokenizer.file
     mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
     callbacks = [
-        DataProgress(),  # first: the batch counts as consumed before any callback may checkpoint
-        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
-        # real tokens (both sides of every pair), not padding; FLOPs per token at the average side length
-        Throughput(
-            datamodule.tokens_per_micro_batch,
-            model.config.flops_per_token(max(mean_side, 1)),
-            peak_flops(config.trainer),
+        # real tokens (both sides of every pair), not padding; FLOPs per token at the average side length; the
+        # metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
+        *stage_callbacks(
+            config,
+            run_dir,
+            tokenizer,
+            metadata=lambda module: module.export_metadata(),
+            throughput=(datamodule.tokens_per_micro_batch, model.config.flops_per_token(max(mean_side, 1))),
         ),
         LossPlot(run_dir, metrics=("train/loss", "val/loss"), title=f"Reward model: {config.run.name}"),
         LossPlot(
@@ -216,10 +215,6 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
             title=f"Reward model pairwise accuracy: {config.run.name}",
             filename="accuracy.png",
             ylabel="pairwise accuracy",
-        ),
-        # metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
-        ExportFinal(
-            run_dir / "final", tokenizer_file, metadata=lambda module: module.export_metadata(), attribute="model"
         ),
         *(extra_callbacks or []),
     ]

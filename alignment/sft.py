@@ -19,8 +19,14 @@ from torch import Tensor
 
 from alignment.evaluation import answer_prompts, exact_match
 from alignment.losses import per_example_mean, sft_loss_contribution
+from data.sft_datamodule import SFTDataModule
+from data.tokenizer import Tokenizer
+from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
 from models.model import Transformer
+from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.callbacks import LossPlot
+from trainer.checks import check_initial_model
 from trainer.config import SFTConfig, to_dict
 from trainer.lm_module import LanguageModelModule
 
@@ -212,8 +218,6 @@ def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer:
 
 def load_initial_model(config: SFTConfig) -> Transformer:
     """The model SFT starts from: ``init.checkpoint`` (native, Hugging Face or Meta), else a seeded ``model``."""
-    from models.checkpoint import load_checkpoint
-
     if config.init.checkpoint:
         return load_checkpoint(config.init.checkpoint, dtype=torch.float32)
     torch.manual_seed(config.run.seed)
@@ -222,12 +226,6 @@ def load_initial_model(config: SFTConfig) -> Transformer:
 
 def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None."""
-    from data.sft_datamodule import SFTDataModule
-    from data.tokenizer import Tokenizer
-    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
-    from trainer.checks import check_initial_model
-
     check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
@@ -242,14 +240,16 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     check_generation_budgets(config, datamodule.val_examples, tokenizer, model.config.max_seq_len)
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    tokenizer_file = tokenizer.file
     callbacks = [
-        DataProgress(),
-        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
-        Throughput(
-            config.loader.micro_batch_size * config.data.seq_len,
-            model.config.flops_per_token(config.data.seq_len),
-            peak_flops(config.trainer),
+        *stage_callbacks(
+            config,
+            run_dir,
+            tokenizer,
+            metadata={"stage": "sft", "tokenizer": str(tokenizer.path)},
+            throughput=(
+                config.loader.micro_batch_size * config.data.seq_len,
+                model.config.flops_per_token(config.data.seq_len),
+            ),
         ),
         LossPlot(
             run_dir,
@@ -263,7 +263,6 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
             filename="accuracy.png",
             ylabel="exact-match accuracy",
         ),
-        ExportFinal(run_dir / "final", tokenizer_file, metadata={"stage": "sft", "tokenizer": str(tokenizer.path)}),
         *(extra_callbacks or []),
     ]
     return fit_stage(config, SFTModule(config, model, tokenizer), datamodule, run_dir, callbacks)

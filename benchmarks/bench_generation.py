@@ -1,7 +1,7 @@
 """Decode throughput: eager KV cache vs static KV cache vs static + compiled decode step (and recomputation).
 
-    python benchmarks/bench_generation.py --preset tiny                     # CPU, batch 1 and 8
-    python benchmarks/bench_generation.py --device cuda --dtype bfloat16 --preset llama3.2-1b --batch-sizes 1,64 --json gen.json
+    python -m benchmarks.bench_generation --preset tiny                     # CPU, batch 1 and 8
+    python -m benchmarks.bench_generation --device cuda --dtype bfloat16 --preset llama3.2-1b --batch-sizes 1,64 --json gen.json
 
 Greedy decoding of a randomly initialised model on random prompts (speed does not depend on the weights), no
 stop ids, so every row produces exactly --new-tokens tokens. Modes (``models.generation.generate``):
@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.generation import generate
 from models.model import ModelConfig, Transformer

@@ -7,7 +7,7 @@ is what the model trains with (``models.loss.fused_linear_cross_entropy``); ``ch
 checkpointed reference. Time ratios on a shared CPU are noisy: run it on an idle machine or on the GPU.
 On CUDA (``--device cuda``) the figure is torch.cuda.max_memory_allocated above the same baseline.
 
-    python benchmarks/bench_loss_memory.py [--vocab 128256 --seq-len 4096 --dim 2048 --chunk-size 1024]
+    python -m benchmarks.bench_loss_memory [--vocab 128256 --seq-len 4096 --dim 2048 --chunk-size 1024]
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+ROOT = Path(__file__).resolve().parents[1]  # each variant runs as `python -m benchmarks.bench_loss_memory` from here
 VARIANTS = ("full", "chunked", "fused")
 
 
@@ -90,10 +89,10 @@ def main() -> None:
     print(f"(full fp32 logits would be {args.seq_len * args.vocab * 4 / 2**30:.2f} GiB)")
     results = []
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", variant] + [
+        cmd = [sys.executable, "-m", "benchmarks.bench_loss_memory", "--variant", variant] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "variant"
         ]
-        output = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        output = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
         results.append(json.loads(output.strip().splitlines()[-1]))
     full = results[0]
     print(f"{'variant':<10}{'peak above inputs (GiB)':>26}{'seconds':>10}{'loss':>10}")

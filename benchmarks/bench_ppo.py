@@ -1,9 +1,9 @@
 """PPO rollout cost: where a PPO step's time goes, and what the KV cache, batching and FSDP2 weight gathering buy.
 
-    python benchmarks/bench_ppo.py                          # tiny preset: PPO run + generation + FSDP2 (~2-4 min on 2 CPU cores)
-    python benchmarks/bench_ppo.py --preset small --rollouts 3
-    python benchmarks/bench_ppo.py --skip-ppo               # only the 2-process FSDP2 generation part
-    python benchmarks/bench_ppo.py --skip-fsdp --threads 1
+    python -m benchmarks.bench_ppo                          # tiny preset: PPO run + generation + FSDP2 (~2-4 min on 2 CPU cores)
+    python -m benchmarks.bench_ppo --preset small --rollouts 3
+    python -m benchmarks.bench_ppo --skip-ppo               # only the 2-process FSDP2 generation part
+    python -m benchmarks.bench_ppo --skip-fsdp --threads 1
 
 Part 1 (one process): a randomly initialised model of ``--preset`` is saved as the SFT policy and (through
 ``ScalarModel.from_backbone``) as the reward model, demo prompts are written with ``write_demo_dataset``, and
@@ -37,29 +37,35 @@ import csv
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from alignment.ppo import run_ppo
+from data.demo_tasks import write_demo_dataset
+from data.prompts import PromptDataModule
+from data.tokenizer import Tokenizer
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.generation import generate
+from models.heads import ScalarModel, save_scalar_model
+from models.model import ModelConfig, Transformer
+from trainer.config import PPOConfig, load_config
+from trainer.parallel import apply_fsdp, unsharded_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from models.generation import generate
-from models.model import ModelConfig, Transformer
 
 # ---------------------------------------------------------------- part 1: one process
 
 
 def write_inputs(preset: str, root: Path, seed: int) -> dict:
     """Random-init policy + reward model folders and demo prompts (prompts.jsonl = the val records), as the earlier stages would leave them."""
-    from data.demo_tasks import write_demo_dataset
-    from data.tokenizer import Tokenizer
-    from models.checkpoint import save_checkpoint
-    from models.heads import ScalarModel, save_scalar_model
-
     tokenizer = Tokenizer.load("default")
     torch.manual_seed(seed)
     policy = Transformer(ModelConfig.from_preset(preset))
@@ -107,9 +113,6 @@ def best_time(fn, repeats: int):
 
 def generation_comparison(args, inputs: dict, config) -> list[tuple]:
     """Greedy generation on the run's first prompts: KV cache at batch B and 1, recompute at batch B."""
-    from data.prompts import PromptDataModule
-    from models.checkpoint import load_checkpoint
-
     datamodule = PromptDataModule(config.data, batch_size=args.rollout_batch)
     datamodule.setup("fit")
     prompts = [p["prompt_ids"] for p in datamodule.train_prompts[: args.rollout_batch]]
@@ -153,9 +156,6 @@ def generation_comparison(args, inputs: dict, config) -> list[tuple]:
 
 
 def part_one(args) -> None:
-    from alignment.ppo import run_ppo
-    from trainer.config import PPOConfig, load_config
-
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as tmp:
         root = Path(tmp)
@@ -217,9 +217,6 @@ _DEPTH = [0]
 
 def install_all_gather_counters() -> None:
     """Count top-level all-gather calls (one library function may call another: counted once)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     for name in ALL_GATHER_NAMES:
         original = getattr(c10d, name, None)
         if original is None or getattr(original, "_counted", False):
@@ -241,19 +238,12 @@ def install_all_gather_counters() -> None:
 
 
 def reshard_all(model) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
 def fsdp_worker(rank: int, world: int, port: int, options: dict, result_file: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from trainer.parallel import apply_fsdp, unsharded_for_generation
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -311,8 +301,6 @@ def fsdp_worker(rank: int, world: int, port: int, options: dict, result_file: st
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
-            from torch.distributed.fsdp import FSDPModule
-
             fsdp_modules = sum(1 for m in model.modules() if isinstance(m, FSDPModule))
             Path(result_file).write_text(
                 json.dumps({"ranks": everyone, "fsdp_modules": fsdp_modules, "n_layers": config.n_layers})
@@ -328,8 +316,6 @@ def free_port() -> int:
 
 
 def part_two(args) -> None:
-    import torch.multiprocessing as mp
-
     world = 2
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned processes
     options = {

@@ -2,7 +2,7 @@
 Data preparation benchmark: tokens/s of `prepare` (load -> tokenize -> write shards) and the cost
 of an up-to-date re-run.
 
-    python benchmarks/bench_prepare.py [--size-mb 100] [--num-proc 2] [--files 4] [--tokenizer default] [--repeats 2]
+    python -m benchmarks.bench_prepare [--size-mb 100] [--num-proc 2] [--files 4] [--tokenizer default] [--repeats 2]
 
 "CPU s" is user + system time including the map worker processes (robust to a busy machine).
 "re-run" repeats prepare with nothing changed (a no-op: stat calls only); "touched" does so after
@@ -19,16 +19,14 @@ import os
 import random
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from data.prepare import prepare
+from data.prepare_config import PrepareConfig
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
-from data.prepare import PrepareConfig, prepare
-
 CORPUS = REPO / "data" / "corpus" / "tinyshakespeare.txt"
 
 

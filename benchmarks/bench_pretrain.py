@@ -23,12 +23,12 @@ single-GPU mode); it also prints the hardware FLOPs utilisation that counts the 
 
 CPU (the ``shakespeare`` preset: ``small`` model, seq 256 x 8, fp32 and bf16):
 
-    python benchmarks/bench_pretrain.py [--steps 20 --warmup 3 --precision 32-true bf16-true --threads 2]
+    python -m benchmarks.bench_pretrain [--steps 20 --warmup 3 --precision 32-true bf16-true --threads 2]
 
 GPU (Llama 3.2 1B, seq 2048 x 4, bf16, compiled; then 3B with FSDP2 + activation checkpointing):
 
-    python benchmarks/bench_pretrain.py --device cuda --config configs/pretrain/llama3.2-1b-1gpu.yaml --json 1b.json
-    python benchmarks/bench_pretrain.py --device cuda --config configs/pretrain/llama3.2-1b-1gpu.yaml \\
+    python -m benchmarks.bench_pretrain --device cuda --config configs/pretrain/llama3.2-1b-1gpu.yaml --json 1b.json
+    python -m benchmarks.bench_pretrain --device cuda --config configs/pretrain/llama3.2-1b-1gpu.yaml \\
         --preset llama3.2-3b --fsdp-ac --json 3b.json
 """
 
@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -48,14 +47,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import lightning as L
 import torch
 
 from data.prepare import prepare
-from models.checkpoint import _config_to_hf
+from models.hf_format import config_to_hf
 from models.model import Transformer
 from trainer.build import make_trainer, resolve_precision, run_directory
 from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops
@@ -64,6 +60,7 @@ from trainer.optim import build_optimizer
 from trainer.parallel import apply_activation_checkpointing, apply_compile, grad_norm_and_clip
 from trainer.pretrain import PretrainModule, pretrain_datamodule
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: default config and relative data sources
 CONTENDERS = ("lightning", "plain", "hf")
 H100_BF16_TFLOPS = 989.0
 
@@ -232,7 +229,7 @@ def run_hf(config: PretrainConfig, args: argparse.Namespace, timer: StepTimer) -
 
     if config.trainer.activation_checkpointing != "none":
         raise SystemExit("the hf contender runs without activation checkpointing; use --contenders lightning plain")
-    hf = _config_to_hf(config.model, torch.float32, None, None)
+    hf = config_to_hf(config.model, torch.float32, None, None)
     for key in ("architectures", "model_type", "dtype", "torch_dtype"):
         hf.pop(key)
     hf["use_cache"] = False

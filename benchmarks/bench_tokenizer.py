@@ -1,23 +1,21 @@
 """
 Tokenizer benchmark: BPE training time, encode throughput, compression.
 
-    python benchmarks/bench_tokenizer.py [--corpus PATH] [--vocab 4096] [--repeats 3]
+    python -m benchmarks.bench_tokenizer [--corpus PATH] [--vocab 4096] [--repeats 3]
 
 Timings are the best of --repeats runs (least disturbed by other processes).
 """
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
 from data.bpe import train_bpe
 from data.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:

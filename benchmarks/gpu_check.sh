@@ -116,7 +116,7 @@ if [[ $status == 0 ]] && ! (cd / && "$PY" -c 'import trainer.cli, transformers, 
 fi
 record install "$status" "$(( $(date +%s) - start ))" "$([[ $INSTALL == 1 ]] && echo "log: install.log" || echo "--no-install: $VENV as it is")"
 if [[ $status != 0 ]]; then
-  "$PY" benchmarks/gpu_table.py "$OUT" 2>/dev/null || cat "$OUT/steps.tsv"
+  "$PY" -m benchmarks.gpu_table "$OUT" 2>/dev/null || cat "$OUT/steps.tsv"
   exit 1
 fi
 
@@ -135,7 +135,7 @@ EOF
 if [[ $SMOKE == 0 ]] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "=== no CUDA device visible to $PY (torch $("$PY" -c 'import torch; print(torch.__version__)')); use --cpu-smoke to check the script on CPU" >&2
   record cuda 1 0 "torch.cuda.is_available() is False"
-  "$PY" benchmarks/gpu_table.py "$OUT"
+  "$PY" -m benchmarks.gpu_table "$OUT"
   exit 1
 fi
 
@@ -174,12 +174,12 @@ for stage in pretrain sft rm ppo; do STAGE_OVERRIDES+=("$stage.trainer.accelerat
 # ---- 2-6 ----
 run tests 5400 "$PY" -m pytest "${PYTEST_ARGS[@]}" --junitxml="$OUT/pytest.xml"
 run pipeline 5400 "$LANTERN" pipeline "$PIPELINE" "out_dir=$OUT/pipeline" "${STAGE_OVERRIDES[@]}"
-run pretrain 2400 "$PY" benchmarks/bench_pretrain.py "${BENCH[@]}" "${BENCH_1B[@]}" --json "$OUT/pretrain-1b.json"
-run pretrain-3b 2400 "$PY" benchmarks/bench_pretrain.py "${BENCH[@]}" "${BENCH_3B[@]}" --fsdp-ac --json "$OUT/pretrain-3b.json"
-run generation 2400 "$PY" benchmarks/bench_generation.py "${GENERATION[@]}" --json "$OUT/generation.json"
+run pretrain 2400 "$PY" -m benchmarks.bench_pretrain "${BENCH[@]}" "${BENCH_1B[@]}" --json "$OUT/pretrain-1b.json"
+run pretrain-3b 2400 "$PY" -m benchmarks.bench_pretrain "${BENCH[@]}" "${BENCH_3B[@]}" --fsdp-ac --json "$OUT/pretrain-3b.json"
+run generation 2400 "$PY" -m benchmarks.bench_generation "${GENERATION[@]}" --json "$OUT/generation.json"
 
 # ---- 7. the table ----
 echo
-"$PY" benchmarks/gpu_table.py "$OUT" || FAILED=1
+"$PY" -m benchmarks.gpu_table "$OUT" || FAILED=1
 echo "results: $OUT"
 exit $FAILED

@@ -2,7 +2,7 @@
 memory of the pretraining benchmarks (``bench_pretrain.py --json``) and the generation benchmark
 (``bench_generation.py --json``), read from the JSON files in the check's output folder.
 
-    python benchmarks/gpu_table.py OUT_DIR        # prints the markdown table and writes OUT_DIR/table.md
+    python -m benchmarks.gpu_table OUT_DIR        # prints the markdown table and writes OUT_DIR/table.md
 
 Files read (each optional; a missing or unreadable one is a row saying so, never a crash):
 ``env.json`` (date, GPU, torch), ``steps.tsv`` (``step<TAB>exit status<TAB>seconds<TAB>log``, one line a step),

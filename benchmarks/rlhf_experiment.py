@@ -1,9 +1,9 @@
 """Proof that RLHF works here, on the verifiable demo tasks: train the reward model on preference pairs
 whose preferred side is the correct answer, report its held-out pairwise accuracy; run PPO from the SFT model
-against it and report the ground-truth score (the task checkers in data/demo_tasks.py, which PPO never sees)
+against it and report the ground-truth score (the task checkers in data/demo_scoring.py, which PPO never sees)
 of greedy answers to held-out prompts before and after, with the final KL to the SFT reference.
 
-    python benchmarks/rlhf_experiment.py --sft runs/sft-shakespeare/final [--rm-steps 200 --ppo-rollouts 40]
+    python -m benchmarks.rlhf_experiment --sft runs/sft-shakespeare/final [--rm-steps 200 --ppo-rollouts 40]
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from alignment.ppo import run_ppo
 from alignment.reward import run_rm

@@ -7,7 +7,7 @@ For each: exact-match accuracy of greedy answers on held-out short-answer exampl
 long-answer examples, supervised tokens/s and rows' packing efficiency. Packed vs padded throughput is
 measured in the same run.
 
-    python benchmarks/sft_experiment.py --base runs/shakespeare/final [--steps 150 --precision 32-true]
+    python -m benchmarks.sft_experiment --base runs/shakespeare/final [--steps 150 --precision 32-true]
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from alignment.sft import run_sft
 from data.demo_tasks import write_demo_dataset

@@ -22,7 +22,7 @@ from pathlib import Path
 import rustbpe
 from tqdm import tqdm
 
-from data.prepare import check_utf8
+from data.sources import check_utf8
 from data.tokenizer import LLAMA3_PAT, NUM_SPECIAL_TOKENS, Tokenizer
 from models.errors import DataError
 

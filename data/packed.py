@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from data.prepare import read_manifest
+from data.manifest import read_manifest
 
 log = logging.getLogger("lantern.data")
 

@@ -1,18 +1,13 @@
 """
-Preference pairs for the reward model: records -> (prompt, chosen, rejected) chats -> token ids -> batches.
+Preference pairs for the reward model: chats -> filtered, encoded pairs -> batches (build_preference_data).
 
-Schemas (auto-detected from the columns, or set with `schema`):
-
-    pairs   {"prompt", "chosen", "rejected"}: prompt is a string (one user turn) or a message list; chosen and
-            rejected are strings (the assistant reply) or message lists (the assistant turn(s) after the prompt;
-            a list that repeats the prompt first, as UltraFeedback-binarized writes it, has that part removed).
-    hh      Anthropic HH-RLHF {"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."}: two full
-            transcripts. Their longest shared prefix of turns is the prompt (Human -> user, Assistant ->
-            assistant) and each side's remaining turn, its final Assistant turn, is the reply.
-
-Loading goes through Hugging Face `datasets` one file at a time (data/sft.py's loaders), so every problem names
-its file and row. Bad rows raise or are skipped and counted per reason (on_bad_row). Pairs whose replies are
-empty or identical carry no preference and are always dropped (counted).
+Owns: dropping pairs that carry no preference (drop_uninformative: an empty reply on either side, or the same
+reply twice), encoding and fitting each side to seq_len (encode_pairs, fit_prompt), PreferencePairs and its
+batches, the whole pipeline with per-split statistics (build_preference_data, PreferenceData) and its log
+summary, and the datasets loaders read (PreferenceTrainBatches, PreferenceEvalBatches).
+Does not own: the settings (data/preference_config.py), reading rows into chats by schema
+(data/preference_records.py), the step plan of training micro-batches (data/sft_batches.py), the Lightning
+wiring (data/preference_datamodule.py).
 
 Encoding: each side is `Tokenizer.encode_chat(prompt + reply)`, so it ends with the reply's <|eot_id|>, the
 token the reward is read at. A side longer than seq_len has its prompt cut from the LEFT (too_long: truncate;
@@ -26,197 +21,39 @@ Batches (B pairs, T = the longest side rounded up to a multiple of 8, or seq_len
     score_index   (2B,)   long   position of each side's last real token (its <|eot_id|>)
     pair_mask     (B,)    bool   False on the empty slots that even out validation batches across ranks
     step_pairs    ()      float  pairs in the whole optimizer step (all ranks, all accumulation micro-batches)
-Training micro-batches come from data/sft.py's SFTBatchPlan over pairs (one "row" = one pair), so the step
-layout, resumption and step totals are the SFT stage's.
+Training micro-batches come from data/sft_batches.py's SFTBatchPlan over pairs (one "row" = one pair), so the
+step layout, resumption and step totals are the SFT stage's.
+
+Choices: pairs whose replies are empty or identical are always dropped (counted), whatever on_bad_row says;
+without val files, val is a seeded hold-out of the usable (filtered, encoded) pairs; validation may end up
+empty, train may not (an error says why).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.prepare import normalize_dataclass
-from data.sft import (  # SFT's loaders and row checks: the same files, errors and bad-row reasons
-    BadRow,
-    _check_messages,
-    _field,
-    _string_field,
-    _type,
-    encode_chats,
-    hold_out,
-    load_rows,
-)
+from data.chat_records import hold_out
+from data.preference_config import PreferenceDataConfig, normalize_config
+from data.preference_records import Messages, PreferenceChat, load_chats
+from data.sft_examples import encode_chats
 from data.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.rm")
 
-SCHEMAS = ("auto", "pairs", "hh")
-FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
-TOO_LONG = ("truncate", "drop")
-ON_BAD_ROW = ("error", "skip")
 PAD_MULTIPLE = 8  # batches are padded to a multiple of this: fewer distinct shapes, friendlier kernels
-
-Messages = list[dict[str, str]]
-
-
-@dataclass
-class PreferenceDataConfig:
-    train: list[str]  # files / globs (json, jsonl, parquet), or one hub dataset name with format: hub
-    val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of the train pairs
-    val_fraction: float = 0.05
-    format: str = "auto"  # auto (by extension) | json | jsonl | parquet | hub
-    schema: str = "auto"  # auto (from the columns) | pairs | hh
-    prompt_field: str = "prompt"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-    system_prompt: str | None = None  # prepended as a system turn to prompts that have none
-    tokenizer: str = "default"
-    seq_len: int = 256  # the longest side, prompt + reply, in tokens
-    too_long: str = "truncate"  # truncate (the prompt, from the left) | drop
-    pad_to_seq_len: bool = False  # pad every batch to seq_len (static shapes) instead of its longest side
-    on_bad_row: str = "error"  # error | skip (counted per reason)
-    seed: int = 1234
-    num_proc: int = 1  # processes for encoding
-
-
-def normalize_config(config: PreferenceDataConfig | Mapping[str, Any]) -> PreferenceDataConfig:
-    """A validated copy with plain Python types (accepts a dict or an OmegaConf-built object)."""
-    return normalize_dataclass(PreferenceDataConfig, config, ("train", "val"), validate_config)
-
-
-def validate_config(config: PreferenceDataConfig) -> None:
-    def bad(message: str) -> ValueError:
-        return ValueError(f"preference data config: {message}")
-
-    if not config.train:
-        raise bad("`train` is empty; give at least one file, glob or hub dataset name")
-    for key, allowed in (("format", FORMATS), ("schema", SCHEMAS), ("too_long", TOO_LONG), ("on_bad_row", ON_BAD_ROW)):
-        if getattr(config, key) not in allowed:
-            raise bad(f"{key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}")
-    if config.seq_len < 2:
-        raise bad(f"seq_len must be >= 2, got {config.seq_len}")
-    if not 0.0 <= config.val_fraction < 1.0:
-        raise bad(f"val_fraction must be in [0, 1), got {config.val_fraction}")
-    if config.num_proc < 1:
-        raise bad(f"num_proc must be >= 1, got {config.num_proc}")
 
 
 # -----------------------------------------------------------------------------
-# records -> chats
-
-
-@dataclass
-class PreferenceChat:
-    prompt: Messages  # the shared conversation before the replies
-    chosen: Messages  # the preferred reply: assistant turn(s), the last one scored
-    rejected: Messages
-    where: str  # "<file>, row N" (1-based)
-
-
-def detect_schema(columns: Sequence[str], config: PreferenceDataConfig, where: str) -> str:
-    if config.schema != "auto":
-        return config.schema
-    if config.chosen_field in columns and config.rejected_field in columns:
-        return "pairs" if config.prompt_field in columns else "hh"
-    raise ValueError(
-        f"{where}: cannot tell the preference schema from the columns {list(columns)}: expected "
-        f"{config.prompt_field!r} + {config.chosen_field!r} + {config.rejected_field!r} (pairs) or "
-        f"{config.chosen_field!r} + {config.rejected_field!r} transcripts (hh); set schema and the *_field names"
-    )
-
-
-def _prompt(value: Any, name: str) -> Messages:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if isinstance(value, list):
-        return _check_messages(value, name)
-    raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {_type(value)}")
-
-
-def _reply(value: Any, name: str, prompt: Messages) -> Messages:
-    if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
-    if not isinstance(value, list):
-        raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {_type(value)}")
-    turns = _check_messages(value, name)
-    if len(turns) > len(prompt) and turns[: len(prompt)] == prompt:
-        turns = turns[len(prompt) :]  # the whole conversation was given: keep what follows the prompt
-    if turns and turns[-1]["role"] != "assistant":
-        last = turns[-1]["role"]
-        raise BadRow("not_ending_with_assistant", f"{name!r} must end with an assistant turn, it ends with {last!r}")
-    return turns  # [] is an empty reply: dropped and counted later, not a bad row
-
-
-HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):")
-HH_ROLES = {"Human": "user", "Assistant": "assistant"}
-
-
-def parse_hh(text: str, name: str) -> Messages:
-    """An HH transcript "\\n\\nHuman: ...\\n\\nAssistant: ..." as chat turns (content stripped)."""
-    parts = HH_TURN.split(text)
-    if len(parts) < 3 or parts[0].strip():
-        raise BadRow("malformed", f"{name!r} is not an HH transcript (it must start with '\\n\\nHuman:' turns)")
-    return [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(parts[1::2], parts[2::2])]
-
-
-def hh_to_pair(
-    chosen_text: str, rejected_text: str, config: PreferenceDataConfig
-) -> tuple[Messages, Messages, Messages]:
-    """(prompt, chosen reply, rejected reply): the longest shared prefix of turns, then each side's last turn."""
-    chosen = parse_hh(chosen_text, config.chosen_field)
-    rejected = parse_hh(rejected_text, config.rejected_field)
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    prompt, chosen_rest, rejected_rest = chosen[:shared], chosen[shared:], rejected[shared:]
-    if not chosen_rest and not rejected_rest:
-        return prompt[:-1], prompt[-1:], prompt[-1:]  # identical transcripts: dropped as identical later
-    if not prompt:
-        raise BadRow("malformed", "the transcripts share no turns: there is no common prompt")
-    if len(chosen_rest) != 1 or len(rejected_rest) != 1:
-        raise BadRow(
-            "malformed",
-            f"the transcripts diverge at turn {shared + 1} but must differ only in their final Assistant turn "
-            f"({len(chosen_rest)} and {len(rejected_rest)} turns follow the shared prompt)",
-        )
-    if chosen_rest[0]["role"] != "assistant" or rejected_rest[0]["role"] != "assistant":
-        raise BadRow("not_ending_with_assistant", "the turns after the shared prompt must be Assistant turns")
-    return prompt, chosen_rest, rejected_rest
-
-
-def record_to_chat(record: Mapping[str, Any], schema: str, config: PreferenceDataConfig, where: str) -> PreferenceChat:
-    """The pair a row holds under `schema`; BadRow says why there is none."""
-    if schema == "pairs":
-        prompt = _prompt(_field(record, config.prompt_field), config.prompt_field)
-        chosen = _reply(_field(record, config.chosen_field), config.chosen_field, prompt)
-        rejected = _reply(_field(record, config.rejected_field), config.rejected_field, prompt)
-    elif schema == "hh":
-        chosen_text = _string_field(record, config.chosen_field)
-        prompt, chosen, rejected = hh_to_pair(chosen_text, _string_field(record, config.rejected_field), config)
-    else:
-        raise ValueError(f"unknown preference schema {schema!r}")
-    if config.system_prompt is not None and not any(m["role"] == "system" for m in prompt):
-        prompt = [{"role": "system", "content": config.system_prompt}, *prompt]
-    return PreferenceChat(prompt, chosen, rejected, where)
-
-
-def load_chats(
-    config: PreferenceDataConfig, sources: Sequence[str], split: str = "train"
-) -> tuple[list[PreferenceChat], dict[str, Any]]:
-    """Every good row of `sources` as a PreferenceChat, plus {rows_read, skipped: {reason: count}}."""
-
-    def convert(record: Mapping[str, Any], schema: str, where: str) -> PreferenceChat:
-        return record_to_chat(record, schema, config, where)
-
-    return load_rows(config, sources, split, detect_schema, convert, log)  # data/sft.py's loop, logged as RM
+# filtering
 
 
 def _stripped(turns: Messages) -> list[tuple[str, str]]:

@@ -3,27 +3,24 @@ LightningDataModule for reward-model training (data/preference.py builds the pai
 
 Like SFTDataModule it shards the data itself: build the Trainer with `use_distributed_sampler=False`, and call
 `mark_consumed()` once per micro-batch (trainer.callbacks.DataProgress does) so checkpoints resume exactly.
-Training micro-batches follow data/sft.py's SFTBatchPlan with one pair per "row": step s takes the pairs at
-stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size, and `step_pairs` = G.
+Training micro-batches follow data/sft_batches.py's SFTBatchPlan with one pair per "row": step s takes the
+pairs at stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size, and `step_pairs` = G.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from torch.utils.data import DataLoader
 
 from data.preference import (
     PreferenceData,
-    PreferenceDataConfig,
     PreferenceEvalBatches,
     PreferenceTrainBatches,
     build_preference_data,
     log_summary,
-    normalize_config,
 )
+from data.preference_config import normalize_config
 from data.sft_datamodule import PlanDataModule
 from data.tokenizer import Tokenizer
 
@@ -33,24 +30,9 @@ log = logging.getLogger("lantern.rm")
 class PreferenceDataModule(PlanDataModule):
     # Built once and trained through an SFTBatchPlan as SFTDataModule (PlanDataModule); the stream bookkeeping
     # (rank, world size, mark_consumed / consumed_samples, checkpointed sampler state) is StreamDataModule's.
+    # ``config``: a PreferenceDataConfig or a mapping of its fields.
     row_batches = PreferenceTrainBatches
-
-    def __init__(
-        self,
-        config: PreferenceDataConfig | Mapping[str, Any],
-        *,
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        num_workers: int = 0,
-        val_micro_batch_size: int | None = None,
-    ):
-        super().__init__(
-            normalize_config(config),
-            micro_batch_size=micro_batch_size,
-            accumulate_grad_batches=accumulate_grad_batches,
-            num_workers=num_workers,
-            val_micro_batch_size=val_micro_batch_size,
-        )
+    normalize_config = staticmethod(normalize_config)
 
     def build_data(self, tokenizer: Tokenizer) -> PreferenceData:
         """Load, convert, filter and encode both splits; logs their summary."""

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from data.manifest import read_manifest
 from data.packed import PackedDataset, StreamSampler
-from data.prepare import read_manifest
 from data.stream_datamodule import StreamDataModule
 
 log = logging.getLogger("lantern.data")

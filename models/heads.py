@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.checkpoint_io import read_safetensors
+from models.errors import CheckpointError
 from models.model import ModelConfig, Transformer
 
 
@@ -94,10 +99,6 @@ def save_scalar_model(
     """A reward model / critic as a native checkpoint folder of its backbone (any tool that reads native
     checkpoints loads the decoder) plus ``scalar_head.safetensors``. ``metadata`` (JSON) holds e.g. the
     reward normalisation. ``state``: a full state dict to save instead of the module's own (FSDP gathers)."""
-    from safetensors.torch import save_file
-
-    from models.checkpoint import save_checkpoint
-
     state = state if state is not None else {name: t.detach().cpu() for name, t in model.state_dict().items()}
     backbone = _backbone_from_state(model.config, state)
     head = {name.removeprefix("head."): t.contiguous() for name, t in state.items() if name.startswith("head.")}
@@ -123,11 +124,6 @@ def load_scalar_model(
     path: str | Path, *, dtype: torch.dtype | None = torch.float32
 ) -> tuple[ScalarModel, dict[str, Any]]:
     """(model, metadata) from a folder written by ``save_scalar_model``."""
-    import json
-
-    from models.checkpoint import load_checkpoint, read_safetensors
-    from models.errors import CheckpointError
-
     path = Path(path)
     if not (path / HEAD_WEIGHTS).is_file():
         raise FileNotFoundError(

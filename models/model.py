@@ -2,7 +2,7 @@
 
 Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...),
 so Meta checkpoints load without renaming and the Hugging Face mapping lives in one table
-(``models/checkpoint.py``). RoPE rotates interleaved pairs (Meta's convention); Hugging Face's rotate-half
+(``models/hf_format.py``). RoPE rotates interleaved pairs (Meta's convention); Hugging Face's rotate-half
 layout is handled by permuting wq/wk on import/export.
 
 Packed rows: ``document_ids`` (B, T) mark which document each token belongs to. Attention never crosses a
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -34,8 +34,8 @@ from models.attention import (
     use_flex_attention,
 )
 from models.loss import cross_entropy, fused_linear_cross_entropy
+from models.resources import model_preset_path, model_presets
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
@@ -132,12 +132,9 @@ class ModelConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset from ``configs/model/NAME.yaml`` (or a path to such a YAML file)."""
-        from omegaconf import OmegaConf
-
-        path = Path(name) if str(name).endswith((".yaml", ".yml")) else CONFIG_DIR / f"{name}.yaml"
+        path = model_preset_path(name)
         if not path.is_file():
-            available = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise FileNotFoundError(f"no model preset {name!r} (looked for {path}); presets: {available}")
+            raise FileNotFoundError(f"no model preset {name!r} (looked for {path}); presets: {model_presets()}")
         values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         values.update(overrides)
         return cls.from_dict(values)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from data.prepare import PrepareConfig, prepare
+from data.prepare import prepare
+from data.prepare_config import PrepareConfig
 from data.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "tinyshakespeare.txt"

@@ -4,7 +4,6 @@ gpu_check.sh's argument handling and (slow) its --cpu-smoke run of every step.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from benchmarks.bench_pretrain import recomputed_flops
 from benchmarks.gpu_table import render
+from tests.helpers import subprocess_env
 from trainer.config import PretrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +22,8 @@ TINY = ["--config", str(ROOT / "configs/pretrain/tiny.yaml"), "--seq-len", "64",
 
 def bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_pretrain.py"), *TINY, *args, "--json", str(out)],
+    env = subprocess_env()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_pretrain", *TINY, *args, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -155,7 +155,7 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path):
     done = subprocess.run(
         ["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--cpu-smoke", "--no-install", "--venv", sys.prefix,
          "--out", str(tmp_path), "--steps", steps],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     table = (tmp_path / "table.md").read_text()
@@ -163,3 +163,11 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path):
         assert f"| {step} | ok |" in table
     assert "lightning (32-true, doc mask)" in table and "FSDP2 + AC: lightning (bf16-mixed" in table
     assert "| generation tiny float32 batch 4 static |" in table
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__"))
+def test_every_benchmark_runs_as_a_module_of_the_installed_project(name):
+    """`python -m benchmarks.NAME --help` from the repository root: the imports resolve without sys.path edits."""
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]

@@ -4,25 +4,29 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from models.atomic import StorageError, storage_error, write_atomically
-from models.errors import LanternError, one_line
-from trainer.callbacks import AtomicCheckpoint, ExportFinal, SkipNonFiniteSteps, device_peak_flops
-from trainer.config import CheckpointConfig, ConfigError, LoggerConfig, TrainerConfig, to_dict, to_yaml
-from trainer.plots import read_csv_rows
+from models.errors import LanternError
+from trainer.callbacks import (
+    AtomicCheckpoint,
+    DataProgress,
+    ExportFinal,
+    SkipNonFiniteSteps,
+    Throughput,
+    device_peak_flops,
+)
+from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
+from trainer.loggers import make_logger
 from trainer.storage import is_global_rank_zero, latest_checkpoint, lock_run_directory, release_run_directory
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,13 @@ def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -
     if config.trainer.max_nonfinite_steps < 0:
         raise ConfigError(
             f"trainer.max_nonfinite_steps must be >= 0 (0 stops at the first NaN/Inf loss), got {config.trainer.max_nonfinite_steps}"
+        )
+    warmup, max_steps = getattr(getattr(config, "optim", None), "warmup_steps", 0), config.trainer.max_steps
+    if max_steps > 0 and warmup > max_steps:
+        log.warning(
+            "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
+            warmup,
+            max_steps,
         )
     run_dir = run_directory(config.run.out_dir, config.run.name)
     try:
@@ -149,10 +160,7 @@ def make_strategy(config: TrainerConfig) -> Any:
     if config.strategy == "single":
         return "auto"
     if config.strategy == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
         return DDPStrategy()
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     # Pure FSDP2: one data-parallel dimension over every device of every node.
     return ModelParallelStrategy(data_parallel_size=config.devices * config.num_nodes, tensor_parallel_size=1)
@@ -164,169 +172,6 @@ def lightning_precision(config: TrainerConfig) -> str:
     if config.strategy == "fsdp" and config.precision == "bf16-mixed":
         return "32-true"
     return config.precision
-
-
-WANDB_MODES = ("online", "offline", "disabled")
-WANDB_ONLINE_INIT_TIMEOUT_S = 20  # W&B's own is 90 s plus retries: a run must not wait minutes for a dead server
-
-
-def wandb_mode(config: LoggerConfig) -> str:
-    """offline unless asked otherwise and an API key and the W&B server are both there."""
-    if config.mode != "auto":
-        return config.mode
-    if os.environ.get("WANDB_MODE"):
-        mode = os.environ["WANDB_MODE"]
-        if mode in WANDB_MODES:
-            return mode
-        log.warning("WANDB_MODE=%r is not one of %s: logging offline", mode, ", ".join(WANDB_MODES))
-        return "offline"
-    if not os.environ.get("WANDB_API_KEY"):
-        return "offline"
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or _wandb_base_url()).hostname or "api.wandb.ai"
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError:
-        log.warning("W&B server %s unreachable: logging offline (sync later with `wandb sync`)", host)
-        return "offline"
-    return "online"
-
-
-def _wandb_base_url() -> str:
-    """The server the installed wandb talks to by default (it has changed between releases)."""
-    try:
-        import wandb  # deferred: only runs that log to W&B pay for importing it
-
-        return str(wandb.Settings().base_url)
-    except Exception:
-        return "https://api.wandb.ai"
-
-
-class SafeWandbLogger(WandbLogger):
-    """A W&B logger whose failures are warnings: a full disk or a dropped connection never stops training."""
-
-    def _guard(self, action: str, function, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "_lantern_broken", False):
-            return None
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:
-            self._lantern_broken = True
-            warnings.warn(f"W&B {action} failed ({error!r}); W&B logging is off for the rest of this run")
-            return None
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._guard("log_metrics", super().log_metrics, metrics, step)
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        self._guard("log_hyperparams", super().log_hyperparams, params, *args, **kwargs)
-
-    def log_table(self, *args: Any, **kwargs: Any) -> None:
-        self._guard("log_table", super().log_table, *args, **kwargs)
-
-    def log_image(self, *args: Any, **kwargs: Any) -> None:
-        self._guard("log_image", super().log_image, *args, **kwargs)
-
-    def finalize(self, status: str) -> None:
-        self._guard("finalize", super().finalize, status)
-        if status != "running":
-            self._guard("finish", self._finish)
-
-    def _finish(self) -> None:
-        import wandb
-
-        # Close the run so the offline folder is complete when the process carries on (tests, pipelines).
-        if self._experiment is not None and wandb.run is not None:
-            wandb.finish()
-
-
-class _HistoryWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing metrics.csv when it starts, so a resumed run would lose the
-    history before the resume. This one reads the old rows first and writes them back ahead of the new ones,
-    keeping only rows older than the first step logged after the resume (replayed steps are counted once)."""
-
-    def __init__(self, log_dir: str) -> None:
-        path = Path(log_dir) / self.NAME_METRICS_FILE
-        self.previous_rows = read_csv_rows(path) if path.is_file() else []
-        with warnings.catch_warnings():  # its "previous log files will be deleted" is not true here
-            warnings.filterwarnings("ignore", message="Experiment logs directory")
-            super().__init__(log_dir=log_dir)
-
-    def save(self) -> None:
-        if self.previous_rows and self.metrics:
-            first_new_step = min(int(row["step"]) for row in self.metrics)
-            kept = [row for row in self.previous_rows if _step_of(row) is not None and _step_of(row) < first_new_step]
-            self.metrics = [*kept, *self.metrics]
-            self.previous_rows = []
-        super().save()
-
-
-def _step_of(row: dict[str, Any]) -> int | None:
-    try:
-        return int(float(row["step"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-class HistoryCSVLogger(CSVLogger):
-    """``logger.kind=csv``: Lightning's CSVLogger, but a resumed run keeps the metrics logged before it."""
-
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _HistoryWriter(log_dir=self.log_dir)
-        return self._experiment
-
-
-def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparameters: dict[str, Any]) -> Logger | bool:
-    if config.kind == "none":
-        return False
-    if config.kind == "csv":
-        return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    mode = wandb_mode(config)
-    # wandb.init runs here (logger.experiment), not inside Lightning's setup, so that any W&B failure (a bad
-    # project name, a refused key, an unreachable server) becomes one warning and the run goes on: offline
-    # after a failed online start, else with the CSV logger.
-    for attempt in [mode, "offline"] if mode == "online" else [mode]:
-        try:
-            logger = SafeWandbLogger(
-                project=config.project,
-                name=run_name,
-                save_dir=str(run_dir),
-                group=config.group,
-                tags=list(config.tags),
-                mode=attempt,
-                config=hyperparameters,
-                settings=_wandb_settings(attempt),
-            )
-            if is_global_rank_zero():  # other ranks log nothing (Lightning gives them a dummy experiment)
-                logger.experiment  # noqa: B018 - starts the W&B run now
-            return logger
-        except Exception as error:
-            _finish_failed_wandb_run()
-            fallback = "logging offline" if attempt == "online" else f"logging to CSV in {run_dir / 'csv'} instead"
-            warnings.warn(f"cannot start W&B in {attempt} mode ({one_line(error)}); {fallback}", stacklevel=2)
-    return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
-
-
-def _finish_failed_wandb_run() -> None:
-    try:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
-    except Exception:
-        pass
-
-
-def _wandb_settings(mode: str) -> Any:
-    import wandb  # deferred: only runs that log to W&B pay for importing it
-
-    # No console capture and no system-stats thread: fewer moving parts in offline CPU runs.
-    timeout = {"init_timeout": WANDB_ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
-    return wandb.Settings(console="off", x_disable_stats=True, silent=True, **timeout)
 
 
 def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path) -> str | None:
@@ -388,6 +233,27 @@ def make_trainer(
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )
+
+
+def stage_callbacks(
+    config: Any,
+    run_dir: Path,
+    tokenizer: Any,
+    *,
+    metadata: dict[str, Any] | Callable[[L.LightningModule], dict[str, Any]],
+    throughput: tuple[int, float] | None = None,
+) -> list[L.Callback]:
+    """What every stage has: data progress (exact resume), atomic checkpoints every ``checkpoint.every_n_steps``,
+    throughput and MFU when ``throughput`` = (tokens per micro-batch, FLOPs per token) is given, and the export
+    of ``final/`` with the tokenizer and ``metadata``. ``fit_stage`` puts them in save order."""
+    callbacks: list[L.Callback] = [
+        DataProgress(),
+        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
+        ExportFinal(run_dir / "final", tokenizer.file, metadata=metadata),
+    ]
+    if throughput is not None:
+        callbacks.append(Throughput(*throughput, peak_flops(config.trainer)))
+    return callbacks
 
 
 def in_save_order(callbacks: list[L.Callback]) -> list[L.Callback]:

@@ -12,8 +12,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from models.atomic import check_destination, storage_error
+from models.checkpoint import save_checkpoint
+from models.heads import ScalarModel, save_scalar_model
+from models.model import Transformer
+from trainer.parallel import plain_name
 from trainer.plots import metrics_csv_rows, plot_curves, read_metrics_csv, write_metrics_csv
 from trainer.storage import AtomicCheckpoint, latest_checkpoint  # noqa: F401 - every stage imports them from here
 
@@ -214,44 +220,45 @@ class LossPlot(L.Callback):
         self.write(trainer)
 
     def _write_csv(self) -> bool:
-        path = self.run_dir / self.csv_name
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_metrics_csv(self.history, path)
-        except OSError as error:
-            warnings.warn(f"cannot write {path} ({error}); training goes on")
-            return False
-        return True
+        return write_points(self.history, self.run_dir / self.csv_name)
 
     def write(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero or not any(self.history.values()):
             return
-        self._write_csv()
-        path = self.run_dir / self.filename
-        try:
-            plot_curves(self.history, path, title=self.title, ylabel=self.ylabel)
-        except Exception as error:
-            warnings.warn(f"cannot draw {path} ({error!r}); the points are in {self.run_dir / self.csv_name}")
+        png, csv = self.run_dir / self.filename, self.run_dir / self.csv_name
+        write_curves(self.history, csv, png, title=self.title, ylabel=self.ylabel)
+
+
+def write_points(history: dict[str, list[tuple[int, float]]], csv_path: Path) -> bool:
+    """``history`` as metric,step,value rows, replacing ``csv_path`` atomically. A failure (a full or read-only
+    disk) is a warning naming the file, never the end of a run; returns whether the file was written."""
+    try:
+        csv_path.parent.mkdir(parents=True, exist_ok=True)
+        write_metrics_csv(history, csv_path)
+    except OSError as error:
+        warnings.warn(f"cannot write {csv_path} ({error}); training goes on")
+        return False
+    return True
+
+
+def write_curves(history: dict[str, list[tuple[int, float]]], csv_path: Path, png_path: Path, **plot: Any) -> None:
+    """The points (``write_points``), then their plot (``plot_curves(**plot)``); a plotting failure is a warning
+    that says where the points are."""
+    write_points(history, csv_path)
+    try:
+        plot_curves(history, png_path, **plot)
+    except Exception as error:
+        warnings.warn(f"cannot draw {png_path} ({error!r}); the points are in {csv_path}")
 
 
 def full_state_dict(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The whole model's weights on CPU (gathered from every rank under FSDP2; a collective: call on all
     ranks), with wrapper prefixes from activation checkpointing and torch.compile removed."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     if isinstance(trainer.strategy, ModelParallelStrategy):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    return {_plain_name(name): tensor for name, tensor in state.items()}
-
-
-def _plain_name(name: str) -> str:
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
+    return {plain_name(name): tensor for name, tensor in state.items()}
 
 
 class ExportFinal(L.Callback):
@@ -310,15 +317,9 @@ class ExportFinal(L.Callback):
         self._exported = True
 
     def _save(self, model: torch.nn.Module, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-        from models.heads import ScalarModel
-
         if isinstance(model, ScalarModel):
-            from models.heads import save_scalar_model
-
             save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
             return
-        from models.checkpoint import save_checkpoint
-        from models.model import Transformer
 
         with torch.device("meta"):
             plain = Transformer(model.config)

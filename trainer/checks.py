@@ -9,6 +9,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from data.tokenizer import Tokenizer
 from models.errors import ConfigError
 from models.model import ModelConfig
 
@@ -178,8 +179,6 @@ def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, mode
 def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> None:
     """A checkpoint folder that carries its tokenizer must be used with that tokenizer: a different one of the
     same size would silently map every id to another token."""
-    from data.tokenizer import Tokenizer
-
     for candidate in (Path(checkpoint_dir) / "tokenizer.model", Path(checkpoint_dir) / "original" / "tokenizer.model"):
         if candidate.is_file():
             saved = Tokenizer.from_file(candidate)

@@ -17,15 +17,14 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.preference import PreferenceDataConfig
-from data.prepare import PrepareConfig
+from data.preference_config import PreferenceDataConfig
+from data.prepare_config import PrepareConfig
 from data.prompts import PromptDataConfig
-from data.sft import SFTDataConfig
+from data.sft_config import SFTDataConfig
 from models.errors import ConfigError, one_line
 from models.model import ModelConfig
+from models.resources import model_preset_path, model_presets, shipped_path
 from trainer.checks import check_ranges
-
-CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
 
 Strategy = Literal["single", "ddp", "fsdp"]
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true"]
@@ -194,10 +193,9 @@ Schema = TypeVar("Schema")
 def _model_preset(value: Any, source: str) -> DictConfig:
     """``model: small`` (a preset name) or ``model: path/to/model.yaml`` becomes that preset's fields."""
     name = str(value)
-    path = Path(name) if name.endswith((".yaml", ".yml")) else CONFIG_ROOT / "model" / f"{name}.yaml"
+    path = model_preset_path(name)
     if not path.is_file():
-        presets = sorted(p.stem for p in (CONFIG_ROOT / "model").glob("*.yaml"))
-        raise ConfigError(f"{source}: model preset {name!r} not found (looked for {path}); presets: {presets}")
+        raise ConfigError(f"{source}: model preset {name!r} not found (looked for {path}); presets: {model_presets()}")
     return OmegaConf.load(path)
 
 
@@ -269,10 +267,11 @@ def _type_at(schema: type, path: list[str]) -> type | None:
 
 
 def load_config(schema: type[Schema], path: str | Path | None = None, overrides: list[str] | None = None) -> Schema:
-    """Read YAML ``path`` (optional), apply ``key=value`` overrides, check against ``schema``, return it."""
+    """Read YAML ``path`` (optional; a missing ``configs/...`` path is the installed preset, see ``shipped_path``),
+    apply ``key=value`` overrides, check against ``schema``, return it."""
+    path = None if path is None else shipped_path(path)
     source = str(path) if path else "<defaults>"
     if path is not None:
-        path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
@@ -362,6 +361,9 @@ class PPOHyperparameters:
 @dataclass
 class PPOEvalConfig:
     generations: int = 64  # held-out prompts answered greedily at each evaluation
+    # the ground truth of those answers: "package.module:function" taking (prompt row, answer) and returning a
+    # score in [0, 1] or None (alignment/rewards.py); "" measures none. The demo's: data.demo_scoring:score_example
+    checker: str = ""
     every_n_rollouts: int = 10
     batch_size: int = 16
     table_rows: int = 8

@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+from torch.distributed.checkpoint.api import CheckpointException
 
+from data.tokenizer import Tokenizer
 from models.atomic import IfExists, check_destination
-from models.checkpoint import read_torch_file, save_checkpoint
+from models.checkpoint import save_checkpoint
+from models.checkpoint_io import read_torch_file
 from models.errors import CheckpointError
 from models.model import ModelConfig, Transformer
-from trainer.callbacks import _plain_name
+from trainer.parallel import plain_name
 
 
 def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -21,12 +25,8 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"training checkpoint {path} does not exist")
     if path.is_dir():
-        from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
-
         if not (path / ".metadata").is_file():
             raise ValueError(f"{path} is a folder but not a sharded (torch.distributed.checkpoint) checkpoint")
-        from torch.distributed.checkpoint.api import CheckpointException
-
         try:
             checkpoint = _load_distributed_checkpoint(path)
         # torch.distributed.checkpoint's errors are multi-line tracebacks of ranks (CheckpointException is
@@ -59,7 +59,7 @@ def export_training_checkpoint(
         ) from error
     model_config = ModelConfig.from_dict(config["model"])
     state = {
-        _plain_name(name[len(prefix) :]): tensor
+        plain_name(name[len(prefix) :]): tensor
         for name, tensor in checkpoint["state_dict"].items()
         if name.startswith(prefix)
     }
@@ -74,8 +74,6 @@ def export_training_checkpoint(
     tokenizer = (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
     tokenizer_path = tokenizer if tokenizer and Path(str(tokenizer)).is_file() else None
     if tokenizer_path is None and tokenizer:
-        from data.tokenizer import Tokenizer
-
         resolved = Tokenizer.load(tokenizer).path
         tokenizer_path = resolved if Path(str(resolved)).is_file() else None
     metadata = {"step": checkpoint.get("global_step"), "exported_from": str(path)}

@@ -15,9 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import NonFiniteLossError
-from trainer.callbacks import _plain_name
 from trainer.optim import build_optimizer
-from trainer.parallel import configure_parallelism, grad_norm_and_clip
+from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +103,9 @@ class LanguageModelModule(L.LightningModule):
     def _to_wrapped_names(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         # keep_vars: names only, no detached copies; FSDP2's local shards need no collective for this.
         current = super().state_dict(keep_vars=True).keys()
-        wrapped = {_plain_name(name): name for name in current}
+        wrapped = {plain_name(name): name for name in current}
         return {
-            (name if name in current else wrapped.get(_plain_name(name), name)): value
+            (name if name in current else wrapped.get(plain_name(name), name)): value
             for name, value in state_dict.items()
         }
 
@@ -114,7 +113,7 @@ class LanguageModelModule(L.LightningModule):
         # torch.compile's ``_orig_mod.`` is in nn.Module.state_dict() names (FSDP2's DCP state dicts strip it
         # already): save plain names, which load_state_dict maps back onto whatever wraps the blocks then.
         if "state_dict" in checkpoint:
-            checkpoint["state_dict"] = {_plain_name(name): value for name, value in checkpoint["state_dict"].items()}
+            checkpoint["state_dict"] = {plain_name(name): value for name, value in checkpoint["state_dict"].items()}
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()

@@ -25,8 +25,16 @@ from contextlib import contextmanager
 from typing import Literal
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -77,13 +85,6 @@ def apply_fsdp(
     Methods other than ``forward`` that run the model (``token_losses``) are registered so FSDP unshards
     the root's parameters for them too.
     """
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
-
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -107,8 +108,6 @@ def configure_parallelism(model: nn.Module, trainer, config) -> None:
     """
     if getattr(model, "_lantern_parallelized", False):
         return
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     is_meta = any(p.is_meta for p in model.parameters())
     if config.precision == "bf16-true" and not is_meta:
         model.to(torch.bfloat16)  # before sharding: FSDP2 then shards bf16 parameters
@@ -163,8 +162,6 @@ def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
     While inside, each rank holds the full weights and forward passes run no collectives, so ranks may
     generate different numbers of tokens. A no-op for models that are not sharded.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
     if not sharded:
         yield
@@ -186,3 +183,14 @@ def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
         for module, reshard in zip(sharded, reshards):
             module.reshard()
             module.set_reshard_after_forward(reshard, recurse=False)
+
+
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name with the prefixes that compile, activation checkpointing and FSDP wrappers add
+    removed: the name checkpoints carry, whatever wraps the model."""
+    for wrapper in WRAPPER_PREFIXES:
+        name = name.replace(wrapper, "")
+    return name

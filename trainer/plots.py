@@ -65,10 +65,13 @@ def plot_curves(
     log_y: bool = False,
 ) -> Path:
     """One line per named series of (step, value) points; empty series are skipped."""
+    # Deferred (about a third of a second) and in this order: the Agg backend must be chosen before pyplot
+    # is first imported, and runs that never plot (every rank but 0) never pay for it.
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, points in series.items():
@@ -76,8 +79,6 @@ def plot_curves(
             continue
         steps, values = zip(*points)
         axes.plot(steps, values, label=name, marker="o" if len(points) < 30 else None, markersize=3)
-    from matplotlib.ticker import MaxNLocator
-
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)

@@ -9,7 +9,16 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from data.manifest import check_manifest
+from data.pretrain_datamodule import PretrainDataModule
+from data.tokenizer import Tokenizer
+from models.checkpoint import load_checkpoint
+from models.errors import ConfigError
+from models.generation import complete
 from models.model import Transformer
+from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.callbacks import LossPlot
+from trainer.checks import check_tokenizer_fits_model
 from trainer.config import PretrainConfig, to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import token_mean_over_ranks
@@ -59,7 +68,6 @@ class PretrainModule(LanguageModelModule):
 
 def pretrain_datamodule(config: PretrainConfig):
     """The packed-window datamodule a pretraining config describes."""
-    from data.pretrain_datamodule import PretrainDataModule
 
     return PretrainDataModule(
         config.data.out_dir,
@@ -78,13 +86,6 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
     repeated per rank and must be idempotent.
     """
-    from data.prepare import check_manifest
-    from data.tokenizer import Tokenizer
-    from models.errors import ConfigError
-    from trainer.build import check_trainer_config, fit_stage, peak_flops, start_run_directory
-    from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot, Throughput
-    from trainer.checks import check_tokenizer_fits_model
-
     check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
@@ -97,19 +98,18 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
 
     run_dir = start_run_directory(config)
-    tokenizer_file = tokenizer.file
     callbacks = [
-        AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
-        DataProgress(),
-        Throughput(
-            config.loader.micro_batch_size * config.loader.seq_len,
-            config.model.flops_per_token(config.loader.seq_len),
-            peak_flops(config.trainer),
+        *stage_callbacks(
+            config,
+            run_dir,
+            tokenizer,
+            metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)},
+            throughput=(
+                config.loader.micro_batch_size * config.loader.seq_len,
+                config.model.flops_per_token(config.loader.seq_len),
+            ),
         ),
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
-        ExportFinal(
-            run_dir / "final", tokenizer_file, metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)}
-        ),
         *(extra_callbacks or []),
     ]
     if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks) is None:
@@ -120,8 +120,6 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
 
 
 def print_sample(checkpoint: Path, tokenizer, sample) -> None:
-    from models.checkpoint import load_checkpoint
-    from models.generation import complete
 
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     prompt = tokenizer.encode(sample.prompt, bos=True)

@@ -20,7 +20,9 @@ from alignment.losses import (
     ppo_value_loss,
     token_rewards,
 )
-from alignment.ppo import PPOModule, response_logprobs, response_values, run_ppo
+from alignment.ppo import run_ppo
+from alignment.ppo_module import PPOModule
+from alignment.responses import response_logprobs, response_values
 from data.demo_tasks import write_demo_dataset
 from data.tokenizer import Tokenizer
 from models.checkpoint import save_checkpoint

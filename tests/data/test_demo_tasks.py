@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from data import demo_corpus
+from data import demo_examples as examples
+from data import demo_scoring as scoring
 from data import demo_tasks as dt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +34,7 @@ def records(dataset) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def default_mix() -> list[dict]:
-    return dt.build_examples(2000, seed=0, split="train")
+    return examples.build_examples(2000, seed=0, split="train")
 
 
 def digests(paths: dict[str, Path]) -> dict[str, str]:
@@ -95,7 +98,7 @@ def test_file_schemas(records):
     for r in records["train"] + records["val"]:
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
         assert r["messages"][1]["content"] == r["answer"] == r["meta"]["answer"]
-        assert r["kind"] == dt.TASKS[r["task"]].kind
+        assert r["kind"] == examples.TASKS[r["task"]].kind
     # prompts.jsonl is val without the assistant turn, same order
     assert len(records["prompts"]) == len(records["val"])
     for p, v in zip(records["prompts"], records["val"]):
@@ -114,7 +117,7 @@ def test_train_and_val_are_disjoint(records):
     assert not train_ids & val_ids
     assert not pair_ids & val_ids  # pairs come from the train pool only
     # the split itself partitions the corpus
-    corpus = dt.load_corpus()
+    corpus = demo_corpus.load_corpus()
     train_pool = {s.idx for s in corpus.pool("train").speeches}
     val_pool = {s.idx for s in corpus.pool("val").speeches}
     assert not train_pool & val_pool
@@ -131,11 +134,11 @@ def test_train_and_val_are_disjoint(records):
 
 
 def test_references_score_one_and_are_correct(records):
-    corpus = dt.load_corpus()
+    corpus = demo_corpus.load_corpus()
     by_idx = {s.idx: s for s in corpus.speeches}
     for r in records["train"] + records["val"]:
         meta, answer, prompt = r["meta"], r["answer"], r["messages"][0]["content"]
-        assert dt.score_example(r, answer) == 1.0
+        assert scoring.score_example(r, answer) == 1.0
         json.dumps(meta)  # serialisable
         if r["task"] == "first_speaker":
             assert meta["passage"].split("\n")[0] == answer + ":"
@@ -162,16 +165,16 @@ def test_pairs_rejected_scores_strictly_lower(records):
     for pair in records["pairs"]:
         chosen, rejected = pair["chosen"], pair["rejected"]
         assert chosen != rejected and rejected.strip()
-        assert dt.score_example(pair, chosen) == 1.0
-        assert dt.score_example(pair, rejected) < dt.score_example(pair, chosen)
+        assert scoring.score_example(pair, chosen) == 1.0
+        assert scoring.score_example(pair, rejected) < scoring.score_example(pair, chosen)
         seen[pair["task"]] += 1
         if pair["task"] == "first_speaker":
-            assert rejected in dt.load_corpus().short_names
+            assert rejected in demo_corpus.load_corpus().short_names
         elif pair["task"] == "line_count":
             assert rejected in {"1", "2", "3", "4"}
         elif pair["task"] == "mentions_word":
             assert {chosen, rejected} == {"yes", "no"}
-    assert set(seen) == set(dt.TASKS)
+    assert set(seen) == set(examples.TASKS)
 
 
 # --- checkers on hand-written responses -----------------------------------------------
@@ -179,35 +182,35 @@ def test_pairs_rejected_scores_strictly_lower(records):
 
 def test_short_checkers():
     meta = {"answer": "ROMEO"}
-    assert dt.score("first_speaker", meta, " ROMEO \n") == 1.0
-    assert dt.score("first_speaker", meta, "JULIET") == 0.0
-    assert dt.score("first_speaker", meta, "romeo") == 0.0  # case-sensitive
-    assert dt.score("first_speaker", meta, "ROMEO speaks") == 0.0
-    assert dt.score("mentions_word", {"answer": "no"}, "no") == 1.0
-    assert dt.score("mentions_word", {"answer": "no"}, "yes") == 0.0
-    assert dt.score("line_count", {"answer": "3"}, "3\n") == 1.0
-    assert dt.score("line_count", {"answer": "3"}, "4") == 0.0
+    assert scoring.score("first_speaker", meta, " ROMEO \n") == 1.0
+    assert scoring.score("first_speaker", meta, "JULIET") == 0.0
+    assert scoring.score("first_speaker", meta, "romeo") == 0.0  # case-sensitive
+    assert scoring.score("first_speaker", meta, "ROMEO speaks") == 0.0
+    assert scoring.score("mentions_word", {"answer": "no"}, "no") == 1.0
+    assert scoring.score("mentions_word", {"answer": "no"}, "yes") == 0.0
+    assert scoring.score("line_count", {"answer": "3"}, "3\n") == 1.0
+    assert scoring.score("line_count", {"answer": "3"}, "4") == 0.0
 
 
 def test_repeat_checker():
     ref = "ROMEO:\nline one\nline two\n\nJULIET:\nline three"
     meta = {"answer": ref}
-    assert dt.score("repeat", meta, ref) == 1.0
-    assert dt.score("repeat", meta, "  " + ref.replace("\n\n", "\n") + "\n") == 1.0  # blank lines ignored
-    assert dt.score("repeat", meta, "ROMEO:\nline one") == pytest.approx(2 / 5)  # partial copy
-    assert dt.score("repeat", meta, "ROMEO:\nline two\nline one\n\nJULIET:\nline three") == pytest.approx(4 / 5)
-    assert dt.score("repeat", meta, "ROMEO:\nline one\nline TWO\n\nJULIET:\nline three") == pytest.approx(4 / 5)
-    assert dt.score("repeat", meta, (ref + "\n") * 3) == pytest.approx(5 / 15)  # padding is not free
-    assert dt.score("repeat", meta, "") == 0.0
+    assert scoring.score("repeat", meta, ref) == 1.0
+    assert scoring.score("repeat", meta, "  " + ref.replace("\n\n", "\n") + "\n") == 1.0  # blank lines ignored
+    assert scoring.score("repeat", meta, "ROMEO:\nline one") == pytest.approx(2 / 5)  # partial copy
+    assert scoring.score("repeat", meta, "ROMEO:\nline two\nline one\n\nJULIET:\nline three") == pytest.approx(4 / 5)
+    assert scoring.score("repeat", meta, "ROMEO:\nline one\nline TWO\n\nJULIET:\nline three") == pytest.approx(4 / 5)
+    assert scoring.score("repeat", meta, (ref + "\n") * 3) == pytest.approx(5 / 15)  # padding is not free
+    assert scoring.score("repeat", meta, "") == 0.0
 
 
 def test_continue_checker_is_token_f1():
     meta = {"answer": "a b c d"}
-    assert dt.score("continue_speech", meta, "a b c d") == 1.0
-    assert dt.score("continue_speech", meta, "a b") == pytest.approx(2 * 1 * 0.5 / 1.5)
-    assert dt.score("continue_speech", meta, "x y z") == 0.0
-    assert dt.score("continue_speech", meta, "") == 0.0
-    assert dt.token_f1("a a b", "a b b") == pytest.approx(2 / 3)  # multiset overlap
+    assert scoring.score("continue_speech", meta, "a b c d") == 1.0
+    assert scoring.score("continue_speech", meta, "a b") == pytest.approx(2 * 1 * 0.5 / 1.5)
+    assert scoring.score("continue_speech", meta, "x y z") == 0.0
+    assert scoring.score("continue_speech", meta, "") == 0.0
+    assert scoring.token_f1("a a b", "a b b") == pytest.approx(2 / 3)  # multiset overlap
 
 
 def test_checkers_never_raise_on_arbitrary_text(records):
@@ -230,10 +233,10 @@ def test_checkers_never_raise_on_arbitrary_text(records):
         examples.setdefault(r["task"], r)
     for r in examples.values():
         for text in weird + [r["answer"] * 1000, None, b"\xff\xfe", 12]:
-            value = dt.score_example(r, text)
+            value = scoring.score_example(r, text)
             assert isinstance(value, float) and 0.0 <= value <= 1.0
     with pytest.raises(ValueError):
-        dt.score("no_such_task", {}, "x")
+        scoring.score("no_such_task", {}, "x")
 
 
 # --- token budget and mix -------------------------------------------------------------
@@ -268,11 +271,11 @@ def test_everything_fits_seq_len_256(tok, default_mix, records):
 @pytest.mark.parametrize("short_share", [0.0, 0.3, 0.5, 1.0])
 def test_task_balance_matches_short_share(short_share):
     n = 100
-    recs = dt.build_examples(n, seed=7, short_share=short_share)
+    recs = examples.build_examples(n, seed=7, short_share=short_share)
     kinds, tasks = Counter(r["kind"] for r in recs), Counter(r["task"] for r in recs)
     n_short = round(n * short_share)
     assert kinds["short"] == n_short and kinds["long"] == n - n_short
-    for names, total in ((dt.SHORT_TASKS, n_short), (dt.LONG_TASKS, n - n_short)):
+    for names, total in ((examples.SHORT_TASKS, n_short), (examples.LONG_TASKS, n - n_short)):
         per_task = [tasks[t] for t in names]
         assert sum(per_task) == total and max(per_task) - min(per_task) <= 1
 
@@ -295,10 +298,10 @@ def test_default_mix_balance(default_mix):
 
 
 def test_build_examples_is_deterministic():
-    a = dt.build_examples(50, seed=11)
-    assert a == dt.build_examples(50, seed=11)
-    assert a != dt.build_examples(50, seed=12)
+    a = examples.build_examples(50, seed=11)
+    assert a == examples.build_examples(50, seed=11)
+    assert a != examples.build_examples(50, seed=12)
     with pytest.raises(ValueError):
-        dt.build_examples(10, seed=0, short_share=1.5)
+        examples.build_examples(10, seed=0, short_share=1.5)
     with pytest.raises(ValueError):
-        dt.build_examples(10, seed=0, split="test")
+        examples.build_examples(10, seed=0, split="test")

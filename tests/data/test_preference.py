@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.preference import PreferenceDataConfig, PreferenceEvalBatches, build_preference_data, load_chats
+from data.preference import PreferenceEvalBatches, build_preference_data
+from data.preference_config import PreferenceDataConfig
 from data.preference_datamodule import PreferenceDataModule
+from data.preference_records import load_chats
 from tests.helpers import words, write_jsonl
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data.manifest import check_manifest
 from data.packed import PackedDataset, TokenStream
-from data.prepare import PrepareConfig, check_manifest, prepare
+from data.prepare import prepare
+from data.prepare_config import PrepareConfig
 from data.tokenizer import Tokenizer
 
 NUM_DOCS = 40

@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.sft import (
-    SFTBatchPlan,
-    SFTDataConfig,
-    SFTValBatches,
-    build_sft_data,
-    load_conversations,
-    pack_first_fit_decreasing,
-)
+from data.chat_records import load_conversations
+from data.sft import build_sft_data
+from data.sft_batches import SFTBatchPlan, SFTValBatches
+from data.sft_config import SFTDataConfig
 from data.sft_datamodule import SFTDataModule
+from data.sft_rows import pack_first_fit_decreasing
 from data.tokenizer import Tokenizer
 from tests.helpers import WORDS, words, write_jsonl
 

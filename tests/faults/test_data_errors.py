@@ -11,10 +11,14 @@ import pytest
 
 from data.bpe import train_bpe
 from data.demo_tasks import load_jsonl, write_demo_dataset
-from data.preference import PreferenceDataConfig, build_preference_data
-from data.prepare import PrepareConfig, check_utf8, prepare
+from data.preference import build_preference_data
+from data.preference_config import PreferenceDataConfig
+from data.prepare import prepare
+from data.prepare_config import PrepareConfig
 from data.prompts import PromptDataConfig, load_prompts
-from data.sft import SFTDataConfig, build_sft_data
+from data.sft import build_sft_data
+from data.sft_config import SFTDataConfig
+from data.sources import check_utf8
 from models.errors import DataError
 from trainer.cli import main
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.checkpoint import _read_hf_weights, load_checkpoint, save_checkpoint
+from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import CheckpointError
 from models.heads import HEAD_WEIGHTS, ScalarModel, load_scalar_model, save_scalar_model
+from models.hf_format import read_hf_weights
 from models.model import ModelConfig, Transformer
 from tests.helpers import subprocess_env
 from trainer.cli import main
@@ -115,7 +116,7 @@ def test_pickled_hf_weights_are_refused_without_running_them(tmp_path):
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     torch.save({"model.embed_tokens.weight": Payload()}, folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError) as caught:
-        _read_hf_weights(folder)
+        read_hf_weights(folder)
     assert_one_line(caught.value, str(folder / "pytorch_model.bin"), "refused", "Payload")
 
 

@@ -86,13 +86,13 @@ def test_convert_overwrite_replaces_a_non_empty_destination(native, tmp_path):
 
 
 def test_convert_disk_full_is_one_line_and_leaves_nothing(native, tmp_path, capsys, monkeypatch):
-    import models.checkpoint
+    import models.checkpoint_io
 
     def full_disk(state, path, metadata=None):
         Path(path).write_bytes(b"half a file")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(models.checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(models.checkpoint_io, "save_file", full_disk)
     assert main(["convert", str(native), "--to", "hf", str(tmp_path / "hf")]) == 2
     line = one_error_line(capsys)
     assert "no space left on device" in line and str(tmp_path / "hf") in line

@@ -16,6 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 transformers = pytest.importorskip("transformers")
 
 import models.checkpoint as ckpt  # noqa: E402
+import models.checkpoint_io as checkpoint_io  # noqa: E402
+import models.hf_format as hf_format  # noqa: E402
+import models.meta_format as meta_format  # noqa: E402
 from models.checkpoint import (  # noqa: E402
     convert,
     detect_format,
@@ -405,7 +408,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         Path(path).write_bytes(b"half a file")  # a torn write, then the crash
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "save_file", crash)
+    monkeypatch.setattr(checkpoint_io, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(native_model(seed=1), target, metadata={"step": 2})
     assert seen_tmp and not seen_tmp[0].exists()
@@ -487,22 +490,23 @@ def test_convert_hf_to_native_to_hf(tmp_path):
 
 
 def test_every_torch_load_uses_weights_only():
-    tree = ast.parse(Path(ckpt.__file__).read_text())
+    sources = [Path(module.__file__).read_text() for module in (ckpt, checkpoint_io, hf_format, meta_format)]
     loads = [
         node
-        for node in ast.walk(tree)
+        for source in sources
+        for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "load"
         and isinstance(node.func.value, ast.Name)
         and node.func.value.id == "torch"
     ]
-    assert loads, "expected the one torch.load in _torch_load"
+    assert loads, "expected the one torch.load in read_torch_file"
     for node in loads:
         flags = {kw.arg: kw.value for kw in node.keywords}
         assert isinstance(flags.get("weights_only"), ast.Constant) and flags["weights_only"].value is True
-    source = Path(ckpt.__file__).read_text()
-    assert "import pickle" not in source and "pickle.load" not in source
+    for source in sources:
+        assert "import pickle" not in source and "pickle.load" not in source
 
 
 def test_meta_loading_calls_torch_load_weights_only(tmp_path, monkeypatch):

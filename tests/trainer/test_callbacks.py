@@ -82,3 +82,24 @@ def test_metrics_csv_reader_drops_a_row_torn_by_a_kill(tmp_path):
     other = tmp_path / "other.csv"
     other.write_text("name,count,score\na,1,2.0\n")  # not a metrics file: nothing read from it
     assert read_metrics_csv(other) == {}
+
+
+class RaiseAtBatchEnd(L.Callback):
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.batch_idx:
+            raise RuntimeError("logging bug")
+
+
+@pytest.mark.parametrize(("batch_idx", "saved"), [(5, ["step-00000003.ckpt"]), (4, [])])
+def test_an_error_after_a_batch_saves_only_a_closed_accumulation_window(data_dir, tmp_path, batch_idx, saved):
+    """With 2 micro-batches a step, the 6th batch closes step 3 (its state is saved on the way out); the 5th
+    is half a step (gradients accumulated, no optimizer step): nothing is saved."""
+    overrides = ("trainer.max_steps=6", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=100")
+    config = tiny_config(data_dir, tmp_path / "runs", *overrides, "trainer.accumulate_grad_batches=2")
+    with pytest.raises(RuntimeError, match="logging bug"):
+        run_pretrain(config, extra_callbacks=[RaiseAtBatchEnd(batch_idx)])
+    checkpoints = tmp_path / "runs" / RUN_NAME / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step-*.ckpt")) == saved

@@ -19,7 +19,8 @@ import pytest
 from models import load_checkpoint
 from models.errors import ConfigError
 from models.heads import load_scalar_model
-from trainer.pipeline import RECORD, run_pipeline
+from trainer.pipeline import run_pipeline
+from trainer.pipeline_records import RECORD
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")

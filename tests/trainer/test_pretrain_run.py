@@ -19,7 +19,9 @@ import lightning as L
 import pytest
 import torch
 
-from data.prepare import PrepareConfig, prepare, read_manifest
+from data.manifest import read_manifest
+from data.prepare import prepare
+from data.prepare_config import PrepareConfig
 from models.errors import ConfigError, NonFiniteLossError
 from tests.helpers import subprocess_env
 from trainer.config import PretrainConfig, load_config

@@ -1,0 +1,1 @@
+"""Speed and memory measurements, run as modules from the checkout: ``python -m benchmarks.bench_pretrain ...``."""

@@ -1,0 +1,87 @@
+"""
+The SFT data config: SFTDataConfig, its allowed values and its validation.
+
+Owns: every setting of the SFT data pipeline (sources, schema and field names, seq_len, packing, truncation,
+bad-row policy, short-answer upsampling, seed, processes) and the checks that reject bad values up front.
+Does not own: what the settings do (data/sft.py runs the pipeline; see its docstring for the steps).
+Choices: one flat dataclass for the whole pipeline, normalised with data/prepare_config.py's
+normalize_dataclass like the other data configs, so a dict, an OmegaConf object or an SFTDataConfig all work;
+errors start with "SFT data config:" and name the setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from data.prepare_config import normalize_dataclass
+
+SCHEMAS = ("auto", "messages", "prompt_response", "alpaca")
+FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
+TOO_LONG = ("truncate", "drop")
+ON_BAD_ROW = ("error", "skip")
+
+
+@dataclass
+class SFTDataConfig:
+    train: list[str]  # files / globs (json, jsonl, parquet), or one hub dataset name with format: hub
+    val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of the train examples
+    val_fraction: float = 0.05
+    format: str = "auto"  # auto (by extension) | json | jsonl | parquet | hub
+    schema: str = "auto"  # auto (from the columns) | messages | prompt_response | alpaca
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    system_prompt: str | None = None  # prepended as a system turn to rows that have none
+    tokenizer: str = "default"
+    seq_len: int = 256
+    train_on_prompt: bool = False  # supervise every token, not only the assistant turns
+    packing: bool = True
+    too_long: str = "truncate"  # truncate | drop: examples longer than seq_len + 1 tokens
+    on_bad_row: str = "error"  # error | skip (counted per reason)
+    short_answer_max_tokens: int = 2  # an answer (last assistant turn, content + <|eot_id|>) this short is "short"
+    short_answer_factor: int = 1  # copies of each short-answer train example (1 = no upsampling)
+    short_answer_target_share: float | None = None  # or: upsample short examples to this share of examples
+    seed: int = 1234
+    num_proc: int = 1  # processes for encoding
+
+
+def normalize_config(config: SFTDataConfig | Mapping[str, Any]) -> SFTDataConfig:
+    """A validated copy with plain Python types (accepts a dict or an OmegaConf-built object)."""
+    return normalize_dataclass(SFTDataConfig, config, ("train", "val"), validate_config)
+
+
+def validate_config(config: SFTDataConfig) -> None:
+    def bad(message: str) -> ValueError:
+        return ValueError(f"SFT data config: {message}")
+
+    if not config.train:
+        raise bad("`train` is empty; give at least one file, glob or hub dataset name")
+    if config.format not in FORMATS:
+        raise bad(f"unknown format {config.format!r}; expected one of {', '.join(FORMATS)}")
+    if config.schema not in SCHEMAS:
+        raise bad(f"unknown schema {config.schema!r}; expected one of {', '.join(SCHEMAS)}")
+    if config.too_long not in TOO_LONG:
+        raise bad(f"too_long must be one of {', '.join(TOO_LONG)}, got {config.too_long!r}")
+    if config.on_bad_row not in ON_BAD_ROW:
+        raise bad(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}, got {config.on_bad_row!r}")
+    if config.seq_len < 1:
+        raise bad(f"seq_len must be >= 1, got {config.seq_len}")
+    if not 0.0 <= config.val_fraction < 1.0:
+        raise bad(f"val_fraction must be in [0, 1), got {config.val_fraction}")
+    if config.short_answer_max_tokens < 1:
+        raise bad(f"short_answer_max_tokens must be >= 1, got {config.short_answer_max_tokens}")
+    if config.short_answer_factor < 1:
+        raise bad(f"short_answer_factor must be >= 1, got {config.short_answer_factor}")
+    share = config.short_answer_target_share
+    if share is not None:
+        if not 0.0 <= share < 1.0:
+            raise bad(f"short_answer_target_share must be in [0, 1) or null, got {share}")
+        if config.short_answer_factor != 1:
+            raise bad("set short_answer_factor or short_answer_target_share, not both")
+    if config.num_proc < 1:
+        raise bad(f"num_proc must be >= 1, got {config.num_proc}")

@@ -1,0 +1,140 @@
+"""Safe file access and state checks shared by every checkpoint format (``models.checkpoint``,
+``models.hf_format``, ``models.meta_format``).
+
+Owns: reading torch files, safetensors and JSON, writing safetensors, and checking a state dict (native names)
+against a ``ModelConfig``. Each failure is a one-line ``CheckpointError`` naming the file. It does not know any
+folder layout, file name other than ``model.safetensors``, or naming scheme: the format modules do.
+
+Choices:
+
+* the one ``torch.load`` of the checkpoint code is here, with ``weights_only=True``, so a checkpoint can never run
+  code; torch's own refusal (which advises ``weights_only=False``) is never passed on;
+* a state that does not fit its config is reported whole -- every missing, unexpected and mis-shaped tensor --
+  in one line that the CLI prints as is, the key lists cut short (a wrong-model checkpoint can miss hundreds).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from pickle import UnpicklingError  # only the exception: nothing here unpickles
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from models.errors import CheckpointError
+from models.model import ModelConfig, Transformer
+
+__all__ = [
+    "WEIGHTS",
+    "check_state",
+    "read_json",
+    "read_safetensors",
+    "read_torch_file",
+    "read_torch_weights",
+    "save_safetensors",
+]
+
+WEIGHTS = "model.safetensors"  # the weights file of a native folder and of an unsharded Hugging Face one
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading and writing files
+
+
+def read_torch_file(path: Path, *, mmap: bool = False) -> Any:
+    """The only torch.load of the checkpoint code: weights_only=True, so a checkpoint can never run code. Failures
+    are one line naming the file; torch's own message (which advises ``weights_only=False``, i.e. running the
+    file's code) is never passed on."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except UnpicklingError as error:
+        text = str(error)
+        if "Weights only load failed" in text:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+            what = f" (it references {found.group(1)})" if found else ""
+            raise CheckpointError(
+                f"{path}: refused: the file is a pickle of Python objects, not only tensors{what}; "
+                "loading it could run arbitrary code"
+            ) from None
+        raise CheckpointError(
+            f"{path}: not a torch checkpoint (truncated or corrupt: {text.splitlines()[0]})"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({first})") from None
+
+
+def read_torch_weights(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
+    """A torch file that must hold a dict of tensors (pytorch_model.bin, Meta's consolidated.NN.pth)."""
+    state = read_torch_file(path, mmap=mmap)
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return dict(state)
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({error})") from None
+
+
+def save_safetensors(state: dict[str, Tensor], path: Path) -> None:
+    # "format": "pt" is the metadata transformers checks for before it trusts a safetensors file.
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checking a state against its config
+
+
+def check_state(state: Mapping[str, Tensor], config: ModelConfig, source: str) -> None:
+    """Raise one ValueError listing every missing, unexpected and mis-shaped tensor."""
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [
+        f"{name}: checkpoint {tuple(state[name].shape)} vs model {tuple(shape)}"
+        for name, shape in expected.items()
+        if name in state and state[name].shape != shape
+    ]
+    problems = []
+    if mismatched:  # first: a shape names the key, the found and the expected shape
+        problems.append(f"shape mismatches ({len(mismatched)}): {'; '.join(mismatched[:8])}")
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {_listed(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+    if problems:  # one line: the CLI prints it as is
+        raise CheckpointError(f"{source} does not match its config: " + " | ".join(problems))
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = Transformer(config)
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    if config.tie_embeddings:
+        del shapes["output.weight"]
+    return shapes
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    """A key list short enough for one line (a wrong-model checkpoint can miss hundreds)."""
+    shown = repr(names[:limit])
+    return shown if len(names) <= limit else f"{shown[:-1]}, ... {len(names) - limit} more]"

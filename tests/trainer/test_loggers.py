@@ -1,0 +1,42 @@
+"""trainer/loggers.py: the CSV logger that keeps a resumed run's history."""
+
+from __future__ import annotations
+
+import csv
+
+from trainer.loggers import HistoryCSVLogger
+from trainer.plots import read_csv_rows
+
+
+def write_rows(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "train/loss"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_csv_logger_keeps_the_history_before_a_resume_and_counts_replayed_steps_once(tmp_path):
+    metrics = tmp_path / "csv" / "metrics.csv"
+    write_rows(metrics, [{"step": step, "train/loss": 10 - step} for step in range(10)])
+    with open(metrics, "a") as handle:
+        handle.write("10,0.")  # a row torn by kill -9: dropped
+    logger = HistoryCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    # resumed from the checkpoint at step 6: steps 6.. are replayed and logged again
+    logger.log_metrics({"train/loss": 3.5, "val/loss": 4.0}, step=6)
+    logger.log_metrics({"train/loss": 2.5}, step=7)
+    logger.save()
+    rows = read_csv_rows(metrics)
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [float(row["train/loss"]) for row in rows] == [10, 9, 8, 7, 6, 5, 3.5, 2.5]
+    assert rows[6]["val/loss"] == "4.0" and rows[0]["val/loss"] == ""
+    logger.log_metrics({"train/loss": 1.5}, step=8)
+    logger.save()
+    assert [int(row["step"]) for row in read_csv_rows(metrics)] == list(range(9))
+
+
+def test_csv_logger_in_a_fresh_folder_writes_only_new_rows(tmp_path):
+    logger = HistoryCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    logger.save()
+    assert read_csv_rows(tmp_path / "csv" / "metrics.csv") == [{"step": "0", "train/loss": "1.0"}]

@@ -1,0 +1,59 @@
+"""What a pipeline run leaves in each stage's folder so the next run is incremental, and the hashes it compares.
+
+A stage that starts writes ``pipeline_stage.pending.json`` (``PENDING``) with the hash it runs with; a finished
+one writes ``pipeline_stage.json`` (``RECORD``): the hash of its fully resolved config and of its inputs' hashes.
+``stage_state`` reads them back for a stage about to run: up to date (skip it), interrupted with the same hash
+(resume it), or neither (train it from scratch). Inputs are identified cheaply: prepared data by its manifest, a
+checkpoint folder from outside the pipeline by its files' names, sizes and mtimes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+RECORD, PENDING = "pipeline_stage.json", "pipeline_stage.pending.json"
+StageState = Literal["up to date", "interrupted", "new"]
+
+
+def sha(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def data_hash(manifest: dict[str, Any]) -> str:
+    return sha(json.dumps(manifest, sort_keys=True))  # the manifest names inputs (sha256), tokenizer, settings
+
+
+def folder_fingerprint(path: Path) -> str:
+    """Names, sizes and mtimes: enough to notice a replaced start checkpoint without hashing gigabytes."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    return sha(
+        str(path.resolve()), *(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    )
+
+
+def write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / f".tmp-{name}"
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    temporary.replace(folder / name)  # atomic: a crash leaves the old record or the new one
+
+
+def stage_state(run_dir: Path, digest: str) -> StageState:
+    """What ``run_dir`` says about a model stage that would run with hash ``digest``: finished with it and its
+    ``final/`` model there (up to date), started with it and never finished (interrupted), or neither (new)."""
+    record, pending = read_json(run_dir / RECORD), read_json(run_dir / PENDING)
+    if record and record["hash"] == digest and (run_dir / "final").is_dir():
+        return "up to date"
+    if record is None and pending and pending["hash"] == digest:
+        return "interrupted"
+    return "new"
