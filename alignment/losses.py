@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.generation import scaled_logprobs
 from models.loss import IGNORE_INDEX
 
 
@@ -75,10 +76,7 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1
 
     Temperature 0 (greedy sampling) is scored at 1, as ``models.generation`` scores it.
     """
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = scaled_logprobs(logits, temperature)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

@@ -23,6 +23,7 @@ from data.sft_datamodule import SFTDataModule
 from data.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
+from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
@@ -89,7 +90,7 @@ class SFTModule(LanguageModelModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         losses = self._token_losses(batch)
-        supervised = batch["targets"] != -100
+        supervised = batch["targets"] != IGNORE_INDEX
         totals = [losses.sum(), supervised.sum()]
         for kind_id in range(len(KINDS)):
             in_kind = supervised & (batch["example_kinds"] == kind_id)

@@ -50,6 +50,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from alignment.pretrain import PretrainModule, pretrain_datamodule
 from data.prepare import prepare
 from models.hf_format import config_to_hf
 from models.model import Transformer
@@ -58,7 +59,6 @@ from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops
 from trainer.config import PretrainConfig, load_config
 from trainer.optim import build_optimizer
 from trainer.parallel import apply_activation_checkpointing, apply_compile, grad_norm_and_clip
-from trainer.pretrain import PretrainModule, pretrain_datamodule
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: default config and relative data sources
 CONTENDERS = ("lightning", "plain", "hf")

@@ -19,10 +19,9 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from data.manifest import read_manifest
+from models.loss import IGNORE_INDEX  # F.cross_entropy's default ignore_index
 
 log = logging.getLogger("lantern.data")
-
-IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 
 
 class TokenStream:

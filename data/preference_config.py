@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from data.prepare_config import normalize_dataclass
+from data.prepare_config import check_data_config, normalize_dataclass
 
 SCHEMAS = ("auto", "pairs", "hh")
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
@@ -50,17 +50,17 @@ def normalize_config(config: PreferenceDataConfig | Mapping[str, Any]) -> Prefer
 
 
 def validate_config(config: PreferenceDataConfig) -> None:
+    check_data_config(
+        config,
+        "preference data config",
+        "train",
+        {"format": FORMATS, "schema": SCHEMAS, "too_long": TOO_LONG, "on_bad_row": ON_BAD_ROW},
+    )
+
     def bad(message: str) -> ValueError:
         return ValueError(f"preference data config: {message}")
 
-    if not config.train:
-        raise bad("`train` is empty; give at least one file, glob or hub dataset name")
-    for key, allowed in (("format", FORMATS), ("schema", SCHEMAS), ("too_long", TOO_LONG), ("on_bad_row", ON_BAD_ROW)):
-        if getattr(config, key) not in allowed:
-            raise bad(f"{key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}")
     if config.seq_len < 2:
         raise bad(f"seq_len must be >= 2, got {config.seq_len}")
-    if not 0.0 <= config.val_fraction < 1.0:
-        raise bad(f"val_fraction must be in [0, 1), got {config.val_fraction}")
     if config.num_proc < 1:
         raise bad(f"num_proc must be >= 1, got {config.num_proc}")

@@ -55,20 +55,28 @@ def normalize_dataclass(
     return config
 
 
+def check_data_config(
+    config: Any, where: str, inputs: str, choices: Mapping[str, Sequence[str]], val_fraction: bool = True
+) -> None:
+    """The checks every data config shares: a non-empty input list (field ``inputs``), each field of
+    ``choices`` holding one of its allowed values, and ``val_fraction`` in [0, 1). One ValueError per
+    problem, prefixed with ``where`` and naming the field."""
+    if not getattr(config, inputs):
+        raise ValueError(f"{where}: `{inputs}` is empty; give at least one file, glob or hub dataset name")
+    for key, allowed in choices.items():
+        if getattr(config, key) not in allowed:
+            raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}")
+    if val_fraction and not 0.0 <= config.val_fraction < 1.0:
+        raise ValueError(f"{where}: val_fraction must be in [0, 1), got {config.val_fraction}")
+
+
 def normalize_prepare_config(config: PrepareConfig | dict) -> PrepareConfig:
     """A validated copy with plain Python types (callers may pass a dict or an OmegaConf-built object)."""
     return normalize_dataclass(PrepareConfig, config, ("source",), _validate_config)
 
 
 def _validate_config(config: PrepareConfig) -> None:
-    if not config.source:
-        raise ValueError("prepare: `source` is empty; give at least one file, glob or hub dataset name")
-    if config.format not in FORMATS:
-        raise ValueError(f"unknown format {config.format!r}; expected one of {', '.join(FORMATS)}")
-    if config.sample_by not in SAMPLE_BY:
-        raise ValueError(f"unknown sample_by {config.sample_by!r}; expected one of {', '.join(SAMPLE_BY)}")
-    if not 0.0 <= config.val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {config.val_fraction}")
+    check_data_config(config, "prepare", "source", {"format": FORMATS, "sample_by": SAMPLE_BY})
     if config.shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {config.shard_tokens}")
     if config.num_proc < 1:

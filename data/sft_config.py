@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from data.prepare_config import normalize_dataclass
+from data.prepare_config import check_data_config, normalize_dataclass
 
 SCHEMAS = ("auto", "messages", "prompt_response", "alpaca")
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
@@ -56,23 +56,18 @@ def normalize_config(config: SFTDataConfig | Mapping[str, Any]) -> SFTDataConfig
 
 
 def validate_config(config: SFTDataConfig) -> None:
+    check_data_config(
+        config,
+        "SFT data config",
+        "train",
+        {"format": FORMATS, "schema": SCHEMAS, "too_long": TOO_LONG, "on_bad_row": ON_BAD_ROW},
+    )
+
     def bad(message: str) -> ValueError:
         return ValueError(f"SFT data config: {message}")
 
-    if not config.train:
-        raise bad("`train` is empty; give at least one file, glob or hub dataset name")
-    if config.format not in FORMATS:
-        raise bad(f"unknown format {config.format!r}; expected one of {', '.join(FORMATS)}")
-    if config.schema not in SCHEMAS:
-        raise bad(f"unknown schema {config.schema!r}; expected one of {', '.join(SCHEMAS)}")
-    if config.too_long not in TOO_LONG:
-        raise bad(f"too_long must be one of {', '.join(TOO_LONG)}, got {config.too_long!r}")
-    if config.on_bad_row not in ON_BAD_ROW:
-        raise bad(f"on_bad_row must be one of {', '.join(ON_BAD_ROW)}, got {config.on_bad_row!r}")
     if config.seq_len < 1:
         raise bad(f"seq_len must be >= 1, got {config.seq_len}")
-    if not 0.0 <= config.val_fraction < 1.0:
-        raise bad(f"val_fraction must be in [0, 1), got {config.val_fraction}")
     if config.short_answer_max_tokens < 1:
         raise bad(f"short_answer_max_tokens must be >= 1, got {config.short_answer_max_tokens}")
     if config.short_answer_factor < 1:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from data.chat_records import Conversation
-from data.packed import IGNORE_INDEX
 from data.sft_config import SFTDataConfig
 from data.tokenizer import Tokenizer
+from models.loss import IGNORE_INDEX
 
 log = logging.getLogger("lantern.sft")
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from data.packed import IGNORE_INDEX
 from data.sft_examples import Example
+from models.loss import IGNORE_INDEX
 
 KIND_IDS = {"short": 0, "long": 1}  # example_kinds values in validation batches; padding is -1
 

@@ -89,11 +89,16 @@ def sequence_logprobs(
         document_ids, position_ids = ids_and_positions(real_mask.bool())
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    logprobs = F.log_softmax(logits, dim=-1)
-    return logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, :-1]
+    return scaled_logprobs(logits, temperature).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def scaled_logprobs(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / temperature)`` over the vocabulary in fp32; temperature 0 (greedy) is scored at 1.
+    The one definition sampling, ``sequence_logprobs`` and RL training (``alignment.losses``) share, so that a
+    PPO ratio starts at exactly 1."""
+    logits = logits.float()
+    return F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -126,14 +131,11 @@ def sample_next(
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
     """Next token (B,) and its log-prob (B,) from last-position logits (B, V); log-prob is pre-filtering."""
-    logits = logits.float()
+    logprobs = scaled_logprobs(logits, temperature)
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        logprobs = F.log_softmax(logits, dim=-1)
     else:
-        scaled = logits / temperature
-        logprobs = F.log_softmax(scaled, dim=-1)
-        probs = filter_logits(scaled, top_k, top_p).softmax(dim=-1)
+        probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 

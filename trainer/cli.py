@@ -120,8 +120,8 @@ def _run_stage(args: argparse.Namespace, schema: type, run) -> None:
 
 
 def _pretrain(args: argparse.Namespace) -> None:
+    from alignment.pretrain import run_pretrain
     from trainer.config import PretrainConfig
-    from trainer.pretrain import run_pretrain
 
     _run_stage(args, PretrainConfig, run_pretrain)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from alignment.ppo import run_ppo
+from alignment.pretrain import run_pretrain
 from alignment.reward import run_rm
 from alignment.sft import run_sft
 from data.demo_tasks import write_demo_dataset
@@ -44,7 +45,6 @@ from trainer.pipeline_records import (
     write_record,
 )
 from trainer.pipeline_report import write_report
-from trainer.pretrain import run_pretrain
 
 log = logging.getLogger("lantern.pipeline")
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.packed import IGNORE_INDEX, PackedDataset, StreamSampler, TokenStream
+from data.packed import PackedDataset, StreamSampler, TokenStream
 from data.pretrain_datamodule import PretrainDataModule
+from models.loss import IGNORE_INDEX
 
 
 def write_prepared(

@@ -384,7 +384,7 @@ def test_json_missing_field_names_file_and_row(tmp_path, no_tokenizing):
 
 def test_unknown_format_and_bad_settings(tmp_path, text_corpus, no_tokenizing):
     path, _ = text_corpus
-    with pytest.raises(ValueError, match="unknown format 'csv'"):
+    with pytest.raises(ValueError, match=r"prepare: format must be one of .*, got 'csv'"):
         prepare(config(tmp_path, [path], format="csv"))
     odd = tmp_path / "data.xyz"
     odd.write_text("x")

@@ -18,9 +18,9 @@ import lightning as L
 import pytest
 import torch
 
+from alignment.pretrain import run_pretrain
+from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
-from tests.trainer.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
-from trainer.pretrain import run_pretrain
 from trainer.storage import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,8 +166,8 @@ KILLER = """
 import os, signal, sys
 from pathlib import Path
 import lightning as L
-from tests.trainer.test_pretrain_run import tiny_config
-from trainer.pretrain import run_pretrain
+from tests.alignment.test_pretrain_run import tiny_config
+from alignment.pretrain import run_pretrain
 
 class KillAt(L.Callback):
     def on_train_batch_end(self, trainer, *args):

@@ -21,6 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from alignment.pretrain import run_pretrain
+from tests.alignment.test_pretrain_run import (
+    RUN_NAME,
+    TINY,
+    isolate_wandb,
+    read_metrics,
+    tiny_config,
+)
 from tests.faults.killing import (
     CHECKPOINT_PHASES,
     KILL_AT,
@@ -37,14 +45,6 @@ from tests.trainer.test_distributed import (
     final_weights,
     train_losses,
 )
-from tests.trainer.test_pretrain_run import (
-    RUN_NAME,
-    TINY,
-    isolate_wandb,
-    read_metrics,
-    tiny_config,
-)
-from trainer.pretrain import run_pretrain
 from trainer.storage import LATEST, checkpoint_problem
 
 ROOT = Path(__file__).resolve().parents[2]

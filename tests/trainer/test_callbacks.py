@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.trainer.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
+from alignment.pretrain import run_pretrain
+from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from trainer.plots import read_metrics_csv
-from trainer.pretrain import run_pretrain
 from trainer.storage import latest_checkpoint
 
 OVERRIDES = ("trainer.max_steps=6", "trainer.val_every_n_steps=3", "checkpoint.every_n_steps=2")

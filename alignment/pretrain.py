@@ -1,4 +1,7 @@
-"""The pretraining LightningModule: next-token loss over packed windows of the token shards."""
+"""The pretraining stage: ``PretrainModule`` (next-token loss over packed windows of the token shards, the
+token mean taken over every rank) and ``run_pretrain``, its recipe: check the config, the tokenizer and the
+prepared data, build the datamodule, then fit with the callbacks every stage has.
+Does not own: preparing the shards (data/prepare.py, ``lantern prepare``) nor the model (models/model.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from data.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
 from models.generation import complete
+from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
@@ -46,7 +50,7 @@ class PretrainModule(LanguageModelModule):
         )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = token_mean_over_ranks(self._losses(batch).sum(), (batch["targets"] != -100).sum(), self.trainer)
+        loss = token_mean_over_ranks(self._losses(batch).sum(), (batch["targets"] != IGNORE_INDEX).sum(), self.trainer)
         self.stop_if_not_finite(loss)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
@@ -57,7 +61,7 @@ class PretrainModule(LanguageModelModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         losses = self._losses(batch)
-        self._val_totals += torch.stack([losses.sum(), (batch["targets"] != -100).sum().float()])
+        self._val_totals += torch.stack([losses.sum(), (batch["targets"] != IGNORE_INDEX).sum().float()])
 
     def on_validation_epoch_end(self) -> None:
         total, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()

@@ -19,13 +19,13 @@ import lightning as L
 import pytest
 import torch
 
+from alignment.pretrain import run_pretrain
 from data.manifest import read_manifest
 from data.prepare import prepare
 from data.prepare_config import PrepareConfig
 from models.errors import ConfigError, NonFiniteLossError
 from tests.helpers import subprocess_env
 from trainer.config import PretrainConfig, load_config
-from trainer.pretrain import run_pretrain
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
