@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import os
 import socket
@@ -58,6 +57,7 @@ from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
 from trainer.config import PPOConfig, load_config
 from trainer.parallel import apply_fsdp, unsharded_for_generation
+from trainer.plots import read_csv_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,12 +94,11 @@ def ppo_overrides(args, inputs: dict, out_dir: Path) -> list[str]:
 
 def read_ppo_metrics(run_dir: Path) -> list[dict[str, float]]:
     """One dict of ppo/* values per rollout, from the CSV logger's metrics.csv."""
-    rows = []
-    with open(run_dir / "csv" / "metrics.csv", newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row.get("ppo/rollout_time") not in (None, ""):
-                rows.append({k: float(v) for k, v in row.items() if k.startswith("ppo/") and v not in ("", None)})
-    return rows
+    return [
+        {k: float(v) for k, v in row.items() if k.startswith("ppo/") and v not in ("", None)}
+        for row in read_csv_rows(run_dir / "csv" / "metrics.csv")
+        if row.get("ppo/rollout_time") not in (None, "")
+    ]
 
 
 def best_time(fn, repeats: int):

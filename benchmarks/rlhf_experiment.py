@@ -9,7 +9,6 @@ of greedy answers to held-out prompts before and after, with the final KL to the
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 
@@ -17,17 +16,17 @@ from alignment.ppo import run_ppo
 from alignment.reward import run_rm
 from data.demo_tasks import write_demo_dataset
 from trainer.config import PPOConfig, RMConfig, load_config
+from trainer.plots import read_csv_rows, read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def series(path: Path, metric: str) -> list[tuple[int, float]]:
     """(step, value) of a metric from a LossPlot CSV (metric,step,value) or a Lightning CSV log."""
-    with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    if rows and "metric" in rows[0]:
-        return [(int(r["step"]), float(r["value"])) for r in rows if r["metric"] == metric]
-    return [(int(r["step"]), float(r[metric])) for r in rows if r.get(metric) not in (None, "")]
+    points = read_metrics_csv(path)
+    if points:
+        return points.get(metric, [])
+    return [(int(r["step"]), float(r[metric])) for r in read_csv_rows(path) if r.get(metric) not in (None, "")]
 
 
 def main() -> None:

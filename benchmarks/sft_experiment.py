@@ -13,7 +13,6 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,9 @@ import torch
 
 from alignment.sft import run_sft
 from data.demo_tasks import write_demo_dataset
+from models.loss import IGNORE_INDEX
 from trainer.config import SFTConfig, load_config
+from trainer.plots import read_metrics_csv
 
 VARIANTS = {
     "a": ("unpacked, token loss", ["data.packing=false", "loss.reduction=token"]),
@@ -47,14 +48,13 @@ class StepTimer(L.Callback):
         if trainer.global_step <= self.warmup:
             return
         self.seconds += time.perf_counter() - self._start
-        self.supervised += int((batch["targets"] != -100).sum())
+        self.supervised += int((batch["targets"] != IGNORE_INDEX).sum())
         self.rows += batch["targets"].shape[0]
 
 
 def last(path: Path, metric: str) -> float:
-    with open(path, newline="") as handle:
-        values = [float(r["value"]) for r in csv.DictReader(handle) if r["metric"] == metric]
-    return values[-1] if values else float("nan")
+    points = read_metrics_csv(path).get(metric)
+    return points[-1][1] if points else float("nan")
 
 
 def main() -> None:

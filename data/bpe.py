@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from data.sources import check_utf8
 from data.tokenizer import LLAMA3_PAT, NUM_SPECIAL_TOKENS, Tokenizer
+from models.atomic import write_atomically
 from models.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -140,22 +140,6 @@ def check_output_file(out: str | os.PathLike, *, flag: str = "out") -> Path:
     return path
 
 
-def _write_atomic(out: Path, data: bytes) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a tokenizer file should be world-readable
-        os.replace(tmp, out)  # readers see either the old file or the complete new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def train_bpe(
     corpus: str | os.PathLike | Sequence[str | os.PathLike],
     vocab_size: int,
@@ -184,7 +168,8 @@ def train_bpe(
     # rustbpe starts from the 256 single bytes in byte order; tiktoken relies on all of them existing.
     if tokens[:256] != [bytes([b]) for b in range(256)]:
         raise RuntimeError("rustbpe did not emit the 256 single-byte tokens as ranks 0..255")
-    _write_atomic(out, b"".join(base64.b64encode(tok) + b" %d\n" % rank for rank, tok in enumerate(tokens)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, b"".join(base64.b64encode(tok) + b" %d\n" % rank for rank, tok in enumerate(tokens)))
 
     # Cheap end-to-end check that the written file loads and round-trips real text.
     first = next(f for f in files if f.stat().st_size > 0)

@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from typing import Any
 from data.demo_corpus import DEFAULT_CORPUS, default_tokenizer
 from data.demo_examples import TASKS, build_examples, build_pairs, prompt_records
 from data.sources import check_utf8
+from models.atomic import write_atomically
 from models.errors import DataError
 
 # Bump when task formats, sampling or file layout change: it is part of the manifest, so
@@ -86,19 +85,6 @@ def check_demo_arguments(out_dir: str | Path, *, n_train: int, n_val: int, n_pai
             if not parent.is_dir():
                 raise DataError(f"out {out}: {parent} is a file, not a folder")
             break
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _jsonl(records: Iterable[dict[str, Any]]) -> str:
@@ -151,8 +137,8 @@ def write_demo_dataset(
     # so the next call rebuilds instead of trusting a mix of old and new files.
     paths["manifest"].unlink(missing_ok=True)
     for key, records in (("train", train), ("val", val), ("prompts", prompt_records(val)), ("pairs", pairs)):
-        _atomic_write(paths[key], _jsonl(records))
-    _atomic_write(paths["manifest"], json.dumps(params, indent=2) + "\n")
+        write_atomically(paths[key], _jsonl(records), what="demo data file")
+    write_atomically(paths["manifest"], json.dumps(params, indent=2) + "\n", what="demo data manifest")
     return paths
 
 

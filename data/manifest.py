@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from data.prepare_config import PrepareConfig
 from data.tokenizer import Tokenizer
+from models.atomic import write_atomically
 
 # Bump when the on-disk layout changes: older data is then rebuilt rather than misread.
 MANIFEST_VERSION = 1
@@ -64,13 +64,8 @@ def check_manifest(data_dir: str | Path, tokenizer: Tokenizer | str) -> dict:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``obj`` as indented JSON, replacing ``path`` atomically (models/atomic.py)."""
+    write_atomically(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", what="data manifest")
 
 
 def _sha256(path: str) -> str:

@@ -93,10 +93,10 @@ def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file") -
     writers never collide on it, and removed when the write fails (raised as a StorageError)."""
     path = Path(path)
     temporary = path.with_name(f".tmp-{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    mode = "wb" if isinstance(data, bytes) else "w"
+    payload = data.encode("utf-8") if isinstance(data, str) else data  # UTF-8 whatever the locale
     try:
-        with open(temporary, mode) as handle:
-            handle.write(data)
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

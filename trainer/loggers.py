@@ -92,7 +92,7 @@ class SafeWandbLogger(WandbLogger):
             self._guard("finish", self._finish)
 
     def _finish(self) -> None:
-        import wandb
+        import wandb  # deferred like every wandb import here: only runs that log to W&B pay for it
 
         # Close the run so the offline folder is complete when the process carries on (tests, pipelines).
         if self._experiment is not None and wandb.run is not None:
@@ -173,7 +173,7 @@ def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparamet
 
 def _finish_failed_wandb_run() -> None:
     try:
-        import wandb
+        import wandb  # deferred: see _finish
 
         if wandb.run is not None:
             wandb.finish()
