@@ -26,7 +26,7 @@ from trainer.callbacks import (
     device_peak_flops,
 )
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
-from trainer.loggers import make_logger
+from trainer.loggers import close_logger, make_logger
 from trainer.storage import is_global_rank_zero, latest_checkpoint, lock_run_directory, release_run_directory
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ def fit_stage(
 ) -> Path | None:
     """The end every stage shares: logger, trainer, resume (checkpoint.resume, from run_dir/checkpoints) and fit.
     Returns run_dir on rank 0, None on the other ranks."""
+    logger: Logger | bool = False
     try:
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
@@ -286,5 +287,6 @@ def fit_stage(
     except (StorageError, FileExistsError) as error:  # a full or read-only disk, or final/ not Lantern's: one line
         raise LanternError(str(error)) from error
     finally:
+        close_logger(logger)
         release_run_directory(run_dir)
     return run_dir if trainer.is_global_zero else None

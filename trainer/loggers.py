@@ -89,9 +89,9 @@ class SafeWandbLogger(WandbLogger):
     def finalize(self, status: str) -> None:
         self._guard("finalize", super().finalize, status)
         if status != "running":
-            self._guard("finish", self._finish)
+            self._guard("finish", self.finish_run)
 
-    def _finish(self) -> None:
+    def finish_run(self) -> None:
         import wandb  # deferred like every wandb import here: only runs that log to W&B pay for it
 
         # Close the run so the offline folder is complete when the process carries on (tests, pipelines).
@@ -173,7 +173,7 @@ def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparamet
 
 def _finish_failed_wandb_run() -> None:
     try:
-        import wandb  # deferred: see _finish
+        import wandb  # deferred: see finish_run
 
         if wandb.run is not None:
             wandb.finish()
@@ -187,3 +187,15 @@ def _wandb_settings(mode: str) -> Any:
     # No console capture and no system-stats thread: fewer moving parts in offline CPU runs.
     timeout = {"init_timeout": WANDB_ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
     return wandb.Settings(console="off", x_disable_stats=True, silent=True, **timeout)
+
+
+def close_logger(logger: Logger | bool) -> None:
+    """End the W&B run a stage started, however the stage ended: a run left open in this process would be
+    taken over by the next stage (a pipeline, a test session). A no-op once Lightning has finalized it; a
+    failure is a warning, never an error on top of the one being raised."""
+    if not isinstance(logger, SafeWandbLogger):
+        return
+    try:
+        logger.finish_run()
+    except Exception as error:
+        warnings.warn(f"cannot close the W&B run ({one_line(error)})")

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import csv
 
+import pytest
+
+from alignment.pretrain import run_pretrain
+from models.errors import ConfigError
+from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, tiny_config
 from trainer.loggers import HistoryCSVLogger
 from trainer.plots import read_csv_rows
+
+wandb = pytest.importorskip("wandb")
 
 
 def write_rows(path, rows):
@@ -40,3 +47,14 @@ def test_csv_logger_in_a_fresh_folder_writes_only_new_rows(tmp_path):
     logger.log_metrics({"train/loss": 1.0}, step=0)
     logger.save()
     assert read_csv_rows(tmp_path / "csv" / "metrics.csv") == [{"step": "0", "train/loss": "1.0"}]
+
+
+def test_a_stage_that_fails_after_wandb_started_leaves_no_run_open(data_dir, tmp_path, monkeypatch):
+    """W&B starts when the logger is made; a stage that then fails before Lightning runs (here: a resume path
+    that does not exist) must still end that run, or the next stage in this process would reuse it."""
+    isolate_wandb(monkeypatch, tmp_path)
+    config = tiny_config(data_dir, tmp_path / "runs", "logger.kind=wandb", "checkpoint.resume=/no/such/checkpoint")
+    with pytest.raises(ConfigError, match="checkpoint.resume"):
+        run_pretrain(config)
+    assert list((tmp_path / "runs" / RUN_NAME / "wandb").glob("offline-run-*")), "W&B never started: no test"
+    assert wandb.run is None
