@@ -1,12 +1,12 @@
-"""PPO (RLHF): optimise the SFT policy against a reward model, with a KL penalty to the SFT reference.
+"""PPOModule: optimise the SFT policy against a reward model, with a KL penalty to the SFT reference. The stage
+around it (checks, model loading, callbacks) is alignment/ppo.py.
 
 Each training step is one rollout: generate responses to a batch of prompts (KV cache, policy in eval mode,
 FSDP weights gathered once), score them, then several PPO epochs over minibatches. Optimisation is manual:
 two optimisers (policy, critic) with their own schedules. Lightning's global step counts rollouts.
 
-Alignment: for a sequence of prompt length P, the logit at position t scores token t+1, so response token j
-(at P + j) is scored by logits[P + j - 1]; the critic's value for it is read at the same position. Rollout,
-reference and training passes all compute log-probs with ``logprobs_and_entropy`` at the same temperature.
+Rollout, reference and training passes all read log-probs and values through alignment/responses.py (which
+states the position alignment) at the same temperature, so the first PPO ratio is exactly 1.
 """
 
 from __future__ import annotations
