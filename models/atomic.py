@@ -56,7 +56,9 @@ def storage_error(error: OSError, path: PathLike, what: str, kept: str = "") -> 
     return result
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file, a link or a folder tree if it is there; never raises (a leftover is harmless, an error
+    on top of the one being handled is not)."""
     with contextlib.suppress(OSError):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -101,7 +103,7 @@ def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file") -
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except OSError as error:
-        _remove(temporary)
+        remove_path(temporary)
         kept = "the previous version is unchanged" if path.exists() else "nothing was written"
         raise storage_error(error, path, what, kept=kept) from error
     fsync_dir(path.parent)

@@ -40,16 +40,11 @@ def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -
     """The stage's run folder (run.out_dir / run.name), created and locked for this run (global rank 0; see
     trainer.storage.lock_run_directory), with the resolved config written to config.yaml and, when given,
     the datamodule's loading statistics to data_stats.json. ``fit_stage`` releases the lock."""
-    if config.trainer.max_nonfinite_steps < 0:
-        raise ConfigError(
-            f"trainer.max_nonfinite_steps must be >= 0 (0 stops at the first NaN/Inf loss), got {config.trainer.max_nonfinite_steps}"
-        )
-    warmup, max_steps = getattr(getattr(config, "optim", None), "warmup_steps", 0), config.trainer.max_steps
-    if max_steps > 0 and warmup > max_steps:
+    if config.optim.warmup_steps > config.trainer.max_steps:
         log.warning(
             "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
-            warmup,
-            max_steps,
+            config.optim.warmup_steps,
+            config.trainer.max_steps,
         )
     run_dir = run_directory(config.run.out_dir, config.run.name)
     try:
@@ -93,6 +88,11 @@ def check_trainer_config(config: TrainerConfig) -> None:
     ):
         if getattr(config, key) < 1:
             raise ConfigError(f"trainer.{key} must be >= 1, got {getattr(config, key)}")
+    if config.max_nonfinite_steps < 0:
+        raise ConfigError(
+            "trainer.max_nonfinite_steps must be >= 0 (0 stops at the first NaN/Inf loss), "
+            f"got {config.max_nonfinite_steps}"
+        )
     if config.cpu_offload and config.strategy != "fsdp":
         raise ConfigError("trainer.cpu_offload needs trainer.strategy 'fsdp'")
     if config.cpu_offload and (config.accelerator == "cpu" or not torch.cuda.is_available()):

@@ -201,7 +201,7 @@ class LossPlot(L.Callback):
         self.history = {
             name: [(s, v) for s, v in previous.get(name, []) if s <= trainer.global_step] for name in self.metrics
         }
-        self._appending = self._write_csv()
+        self._appending = write_points(self.history, path)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero:
@@ -218,9 +218,6 @@ class LossPlot(L.Callback):
         if trainer.is_global_zero:  # a callback before this one (a checkpoint write) may have failed the step's end
             self._record(trainer, validation=False)
         self.write(trainer)
-
-    def _write_csv(self) -> bool:
-        return write_points(self.history, self.run_dir / self.csv_name)
 
     def write(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero or not any(self.history.values()):

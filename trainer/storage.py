@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import time
 import warnings
@@ -21,7 +20,15 @@ from typing import Any
 
 import lightning as L
 
-from models.atomic import fsync_dir, fsync_tree, manifest_mismatch, sha256_manifest, storage_error, write_atomically
+from models.atomic import (
+    fsync_dir,
+    fsync_tree,
+    manifest_mismatch,
+    remove_path,
+    sha256_manifest,
+    storage_error,
+    write_atomically,
+)
 from models.errors import LanternError
 
 log = logging.getLogger(__name__)
@@ -148,15 +155,8 @@ def newest_verified_checkpoint(directory: Path) -> Path | None:
 
 def remove_checkpoint(checkpoint: Path) -> None:
     """A checkpoint and its manifest (the checkpoint first: a manifest alone is never mistaken for one)."""
-    _remove(checkpoint)
+    remove_path(checkpoint)
     manifest_path(checkpoint).unlink(missing_ok=True)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class AtomicCheckpoint(L.Callback):
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 for stale in self.directory.glob(".tmp-*"):  # left by a crash mid-save: never a good checkpoint
-                    _remove(stale)
+                    remove_path(stale)
                 for manifest in self.directory.glob(f"step-*.ckpt{MANIFEST_SUFFIX}"):  # killed before the rename
                     if not manifest.with_name(manifest.name.removesuffix(MANIFEST_SUFFIX)).exists():
                         manifest.unlink()
@@ -274,7 +274,7 @@ class AtomicCheckpoint(L.Callback):
             except OSError as caught:
                 error, written = caught, False
             if not written:
-                _remove(temporary)
+                remove_path(temporary)
                 if not final.exists():
                     manifest_path(final).unlink(missing_ok=True)
         if not trainer.strategy.reduce_boolean_decision(written, all=True):
@@ -291,7 +291,7 @@ class AtomicCheckpoint(L.Callback):
         fsync_tree(temporary)
         write_manifest(temporary, final, step)
         if final.is_dir():  # saved at this step before, as shards: a folder cannot be replaced in one rename
-            _remove(final)
+            remove_path(final)
         os.replace(temporary, final)
         write_atomically(self.directory / LATEST, final.name + "\n", what="checkpoint pointer")
         fsync_dir(self.directory)
