@@ -55,16 +55,16 @@ def read_torch_file(path: Path, *, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except UnpicklingError as error:
         text = str(error)
-        if "Weights only load failed" in text:
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-            what = f" (it references {found.group(1)})" if found else ""
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        if found:  # a well-formed pickle that names Python objects to build: refused, never run
             raise CheckpointError(
-                f"{path}: refused: the file is a pickle of Python objects, not only tensors{what}; "
-                "loading it could run arbitrary code"
+                f"{path}: refused: the file is a pickle of Python objects, not only tensors (it references "
+                f"{found.group(1)}); loading it could run arbitrary code"
             ) from None
-        raise CheckpointError(
-            f"{path}: not a torch checkpoint (truncated or corrupt: {text.splitlines()[0]})"
-        ) from None
+        # anything else the weights-only unpickler stops at (an unknown opcode, random bytes) is damage
+        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        detail = reason.group(1) if reason else text.splitlines()[0]
+        raise CheckpointError(f"{path}: not a torch checkpoint (truncated or corrupt: {detail})") from None
     except (RuntimeError, EOFError, ValueError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CheckpointError(f"{path}: truncated or corrupt torch checkpoint ({first})") from None

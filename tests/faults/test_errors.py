@@ -208,3 +208,14 @@ def test_cli_os_error_is_one_line(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "missing.txt" in err
+
+
+def test_random_bytes_are_called_corrupt_not_a_dangerous_pickle(tmp_path):
+    """Bytes the weights-only unpickler cannot parse are damage; "refused ... could run arbitrary code" is kept
+    for pickles that really name Python objects."""
+    path = tmp_path / "noise.ckpt"
+    path.write_bytes(bytes(range(7, 107)))  # not a zip, and opcode 7 is not a pickle opcode
+    with pytest.raises(CheckpointError) as caught:
+        read_training_checkpoint(path)
+    assert_one_line(caught.value, str(path), "truncated or corrupt")
+    assert "refused" not in str(caught.value) and "weights_only" not in str(caught.value)
