@@ -1,5 +1,6 @@
-"""The PPO stage (RLHF), as a recipe: check the config, load the four models (policy and frozen reference
-from SFT, critic, frozen reward model), build the prompts data, then fit ``PPOModule`` (alignment/ppo_module.py,
+"""The PPO stage (RLHF), as a recipe: check the config, build the reward (a reward model, a checker, or a weighted
+sum: alignment/rewards.py), load the policy and frozen reference from SFT and the critic, build the prompts data
+(held-out prompts disjoint from the training ones), then fit ``PPOModule`` (alignment/ppo_module.py,
 which owns the rollouts and the PPO update) with the callbacks every stage has.
 """
 
@@ -12,18 +13,19 @@ from typing import Any
 
 import torch
 
+from alignment.evaluation import check_disjoint
 from alignment.ppo_module import PPOModule
 from alignment.responses import RewardFunction
-from alignment.rewards import load_checker
+from alignment.rewards import Reward, RewardTerm, build_reward, load_checker, load_reward_model_score
 from data.prompts import PromptDataModule
 from data.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
-from models.heads import ScalarModel, load_scalar_model
+from models.heads import ScalarModel
 from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
-from trainer.config import PPOConfig
+from trainer.rl_config import PPOConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,35 @@ def check_ppo_config(config: PPOConfig) -> None:
         raise ConfigError("init.policy is required: the SFT model folder PPO starts from")
 
 
-def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction | None) -> dict[str, Any]:
-    """Policy and reference (the SFT model), reward model and critic, checked to agree before any compute."""
+def ppo_reward(config: PPOConfig, reward_fn: RewardFunction | None) -> Reward:
+    """``reward.terms`` if any, else the reward model of ``init.reward_model``; ``reward_fn`` (tests, or a
+    programmatic reward over token rows) replaces both."""
+    if reward_fn is not None:
+        return Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
+    if config.reward.terms:
+        return build_reward(config.reward.terms)
+    if not config.init.reward_model:
+        raise ConfigError("init.reward_model is required (the reward-model folder, `lantern rm`), or name reward.terms")
+    return Reward(
+        [RewardTerm("reward_model", 1.0, tokens=load_reward_model_score(config.init.reward_model, "init.reward_model"))]
+    )
+
+
+def normalised_critic(reward_model: ScalarModel, stats: dict[str, float]) -> ScalarModel:
+    """A critic copied from the reward model, its head rescaled so that it outputs (reward - mean) / std: the
+    normalised units PPO's scores, and so its returns, are in (a copy in raw units starts far off: explained
+    variance was -6 in the demo)."""
+    critic = copy.deepcopy(reward_model).requires_grad_(True).train()
+    if "reward_mean" in stats:
+        std = max(float(stats["reward_std"]), 1e-6)
+        with torch.no_grad():
+            critic.head.proj.weight.div_(std)
+            critic.head.proj.bias.sub_(float(stats["reward_mean"])).div_(std)
+    return critic
+
+
+def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[str, Any]:
+    """Policy and reference (the SFT model) and the critic, checked to agree with the reward before any compute."""
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
     check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
     check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
@@ -54,29 +83,22 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward_fn: RewardFunction
             f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + ppo.response_max_tokens "
             f"({config.ppo.response_max_tokens}) exceed the policy's max_seq_len ({policy.config.max_seq_len})"
         )
-    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
-    models: dict[str, Any] = {
-        "policy": policy,
-        "reference": copy.deepcopy(policy),
-        "reward_model": None,
-        "reward_stats": {},
-    }
-    if reward_fn is None:
-        if not config.init.reward_model:
-            raise ConfigError("init.reward_model is required: the reward-model folder (`lantern rm`)")
-        reward_model, metadata = load_scalar_model(config.init.reward_model)
-        if reward_model.config.vocab_size != policy.config.vocab_size:
+    for scorer in reward.models:
+        if scorer.model.config.vocab_size != policy.config.vocab_size:
             raise ConfigError(
-                f"the reward model {config.init.reward_model} has vocab_size {reward_model.config.vocab_size}, "
+                f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
                 f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
             )
-        check_same_tokenizer(tokenizer, config.init.reward_model, key="data.tokenizer (the reward model's)")
-        models["reward_model"] = reward_model
-        models["reward_stats"] = {k: metadata[k] for k in ("reward_mean", "reward_std") if k in metadata}
-    if config.init.critic == "reward_model" and models["reward_model"] is not None:
-        critic = copy.deepcopy(models["reward_model"])
-    elif config.init.critic == "reward_model" and config.init.reward_model:  # a reward_fn run may still name an RM
-        critic = load_scalar_model(config.init.reward_model)[0]
+        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer (the reward model's)")
+    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
+    models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy)}
+    if config.init.critic == "reward_model" and (reward.models or config.init.reward_model):
+        scorer = (
+            reward.models[0]
+            if reward.models
+            else load_reward_model_score(config.init.reward_model, "init.reward_model")
+        )
+        critic = normalised_critic(scorer.model, scorer.stats)
     else:
         critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
     if not critic.config.tie_embeddings:
@@ -92,14 +114,16 @@ def run_ppo(
 ) -> Path | None:
     """Check everything that can be checked, then run PPO; returns the run folder on rank 0, else None.
 
-    ``reward_fn`` replaces the reward model (tests, or a programmatic reward)."""
+    ``reward_fn`` replaces the configured reward (tests, or a programmatic reward over token rows)."""
     check_trainer_config(config.trainer)  # before anything is created
     check_ppo_config(config)
     checker = load_checker(config.eval.checker, "eval.checker")
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    models = load_ppo_models(config, tokenizer, reward_fn)
+    reward = ppo_reward(config, reward_fn)
+    models = load_ppo_models(config, tokenizer, reward)
     datamodule = PromptDataModule(config.data, batch_size=config.ppo.rollout_batch_size)
     datamodule.setup("fit")
+    check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
 
     run_dir = start_run_directory(config)
     callbacks = [
@@ -107,7 +131,7 @@ def run_ppo(
         LossPlot(
             run_dir,
             metrics=("ppo/score", "ppo/reward"),
-            title="PPO: reward-model score and total reward per rollout",
+            title="PPO: score and total reward (score - KL penalty) per rollout",
             filename="reward.png",
             ylabel="mean per sequence",
         ),
@@ -122,7 +146,6 @@ def run_ppo(
         *(extra_callbacks or []),
     ]
     module = PPOModule(
-        config, models["policy"], models["critic"], models["reference"], models["reward_model"], tokenizer,
-        reward_stats=models["reward_stats"], reward_fn=reward_fn, checker=checker,
-    )  # fmt: skip
+        config, models["policy"], models["critic"], models["reference"], reward, tokenizer, checker=checker
+    )
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False)

@@ -55,9 +55,10 @@ from models.checkpoint import load_checkpoint, save_checkpoint
 from models.generation import generate
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
-from trainer.config import PPOConfig, load_config
+from trainer.config import load_config
 from trainer.parallel import apply_fsdp, unsharded_for_generation
 from trainer.plots import read_csv_rows
+from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

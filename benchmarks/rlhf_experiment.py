@@ -15,8 +15,9 @@ from pathlib import Path
 from alignment.ppo import run_ppo
 from alignment.reward import run_rm
 from data.demo_tasks import write_demo_dataset
-from trainer.config import PPOConfig, RMConfig, load_config
+from trainer.config import RMConfig, load_config
 from trainer.plots import read_csv_rows, read_metrics_csv
+from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

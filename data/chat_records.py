@@ -2,14 +2,27 @@
 Chat records: files -> rows -> validated conversations, for SFT (and the preference and prompt loaders).
 
 Owns: resolving and loading SFT-style inputs one file at a time (resolve_sources, read_records), mapping a row
-to chat messages by schema ("messages", "prompt_response", "alpaca"; detect_schema, record_to_messages), the
-row checks and their reasons (BadRow, BAD_ROW_REASONS, check_messages, required_field, string_field), the
-error-or-skip loop over rows (load_rows), and the seeded val hold-out (hold_out).
+to chat messages by schema (detect_schema, record_to_messages), reading message lists in either key style
+(check_messages; ShareGPT's roles: SHAREGPT_ROLES) and prompts / replies given as a string or a list
+(field_turns), the row checks and their reasons (BadRow, BAD_ROW_REASONS, required_field,
+string_field), the error-or-skip loop over rows (load_rows), and the seeded val hold-out (hold_out).
 Does not own: file formats, UTF-8 and JSON diagnosis (data/sources.py), tokenizing and the chat template
 (data/sft_examples.py, data/tokenizer.py), rows and batches (data/sft_rows.py, data/sft_batches.py).
 Choices: nothing is repaired silently: a bad row raises a ValueError naming file, row, reason and schema, or
 with on_bad_row=skip is skipped and counted per reason. An optional system prompt is prepended only to rows
 without a system turn; a conversation must end with a non-empty assistant turn.
+
+SFT schemas, auto-detected from a file's columns, the first that fits in this order (or set with `schema`):
+
+    messages           {"messages": [{"role", "content"}, ...]}
+    sharegpt           {"conversations": [{"from": "human" | "gpt" | ..., "value"}, ...]}
+    prompt_response    {"prompt": str | messages, "response": str}
+    prompt_completion  TRL's {"prompt": str | messages, "completion": str | messages}: the completion is the
+                       assistant turn(s)
+    alpaca             {"instruction", "input" (optional), "output"}
+
+Any message list, in any schema (and in the preference and prompt data), may use either key style: OpenAI's
+{"role", "content"} or ShareGPT's {"from", "value"}, whose first message decides the style for the list.
 """
 
 from __future__ import annotations
@@ -35,9 +48,9 @@ BAD_ROW_REASONS = (
     "missing_field",  # a mapped field (or a message's role / content) is absent or null
     "empty_assistant",  # an assistant turn whose content is only whitespace
     "not_ending_with_assistant",  # nothing to answer: the conversation is empty or ends with another role
-    "unknown_role",  # a role the chat template does not know
+    "unknown_role",  # a role the chat template does not know (or a ShareGPT "from" that maps to none)
     "non_string_content",  # content (or prompt / response / instruction / input / output) that is not a string
-    "malformed",  # wrong structure: messages that are not a list of objects
+    "malformed",  # wrong structure: messages that are not a list of objects, a preference pair with no shared prompt
 )
 
 
@@ -85,18 +98,25 @@ def read_records(fmt: str, source: str, num_proc: int = 1) -> tuple[list[dict[st
 
 
 def detect_schema(columns: Sequence[str], config: SFTDataConfig, where: str) -> str:
+    """The schema of a file with `columns`: config.schema, or the first in the docstring's order that fits."""
     if config.schema != "auto":
         return config.schema
     if config.messages_field in columns:
         return "messages"
+    if config.conversations_field in columns:
+        return "sharegpt"
     if config.prompt_field in columns and config.response_field in columns:
         return "prompt_response"
+    if config.prompt_field in columns and config.completion_field in columns:
+        return "prompt_completion"
     if config.instruction_field in columns and config.output_field in columns:
         return "alpaca"
     raise ValueError(
         f"{where}: cannot tell the schema from the columns {list(columns)}: expected {config.messages_field!r} "
-        f"(messages), {config.prompt_field!r} + {config.response_field!r} (prompt_response) or "
-        f"{config.instruction_field!r} + {config.output_field!r} (alpaca); set schema and the *_field names"
+        f"(messages), {config.conversations_field!r} (sharegpt), {config.prompt_field!r} + "
+        f"{config.response_field!r} (prompt_response), {config.prompt_field!r} + {config.completion_field!r} "
+        f"(prompt_completion) or {config.instruction_field!r} + {config.output_field!r} (alpaca); set schema and "
+        "the *_field names"
     )
 
 
@@ -107,7 +127,8 @@ def type_name(value: Any) -> str:
 def required_field(record: Mapping[str, Any], name: str) -> Any:
     value = record.get(name)
     if value is None:  # absent, or null (datasets fills absent columns with null)
-        raise BadRow("missing_field", f"no {name!r} field")
+        present = sorted(key for key, item in record.items() if item is not None)
+        raise BadRow("missing_field", f"no {name!r} field (the row has {present})")  # shows a row of another format
     return value
 
 
@@ -118,43 +139,77 @@ def string_field(record: Mapping[str, Any], name: str) -> str:
     return value
 
 
+SHAREGPT_ROLES = {  # ShareGPT "from" -> chat role: FastChat's names, LLaMA-Factory's tool turns, and ours
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",  # the model's tool call: an assistant turn, supervised like any answer
+    "observation": "ipython",  # the tool's result: Llama 3 gives tool output the ipython role
+    "ipython": "ipython",
+    "tool": "tool",
+}
+
+
+def is_sharegpt(messages: list) -> bool:
+    """ShareGPT keys: the first message has "from" and no "role" (datasets gives absent keys as null)."""
+    first = messages[0] if messages else None
+    return isinstance(first, Mapping) and first.get("role") is None and first.get("from") is not None
+
+
 def check_messages(messages: Any, name: str) -> list[dict[str, str]]:
+    """The {role, content} turns of a message list in OpenAI's or ShareGPT's keys; BadRow says what is wrong."""
     if not isinstance(messages, list):
         raise BadRow("malformed", f"{name!r} must be a list of messages, got {type_name(messages)}")
+    sharegpt = is_sharegpt(messages)
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     checked = []
     for index, message in enumerate(messages):
         where = f"{name}[{index}]"
         if not isinstance(message, Mapping):
-            raise BadRow("malformed", f"{where} must be an object with 'role' and 'content', got {type_name(message)}")
-        role, content = message.get("role"), message.get("content")
+            raise BadRow(
+                "malformed",
+                f"{where} must be an object with {role_key!r} and {content_key!r}, got {type_name(message)}",
+            )
+        role, content = message.get(role_key), message.get(content_key)
         if role is None:
-            raise BadRow("missing_field", f"{where} has no 'role'")
-        if role not in CHAT_ROLES:
+            raise BadRow("missing_field", f"{where} has no {role_key!r}")
+        if sharegpt:
+            if not isinstance(role, str) or role not in SHAREGPT_ROLES:
+                allowed = ", ".join(SHAREGPT_ROLES)
+                raise BadRow("unknown_role", f"{where} has unknown 'from' value {role!r}; allowed: {allowed}")
+            role = SHAREGPT_ROLES[role]
+        elif role not in CHAT_ROLES:
             raise BadRow("unknown_role", f"{where} has unknown role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
         if content is None:
-            raise BadRow("missing_field", f"{where} ({role}) has no 'content'")
+            raise BadRow("missing_field", f"{where} ({role}) has no {content_key!r}")
         if not isinstance(content, str):
             raise BadRow("non_string_content", f"{where} ({role}) content must be a string, got {type_name(content)}")
         checked.append({"role": role, "content": content})
     return checked
 
 
+def field_turns(value: Any, name: str, role: str) -> list[dict[str, str]]:
+    """A prompt or reply field as turns: a string is one `role` turn, a list holds the messages themselves."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return check_messages(value, name)
+    raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {type_name(value)}")
+
+
 def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataConfig) -> list[dict[str, str]]:
     """The conversation a row holds under `schema`; BadRow says why there is none."""
-    if schema == "messages":
-        messages = check_messages(required_field(record, config.messages_field), config.messages_field)
+    if schema in ("messages", "sharegpt"):
+        name = config.messages_field if schema == "messages" else config.conversations_field
+        messages = check_messages(required_field(record, name), name)
     elif schema == "prompt_response":
-        prompt = required_field(record, config.prompt_field)
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list):
-            messages = check_messages(prompt, config.prompt_field)
-        else:
-            raise BadRow(
-                "non_string_content",
-                f"{config.prompt_field!r} must be a string or a list of messages, got {type_name(prompt)}",
-            )
+        messages = field_turns(required_field(record, config.prompt_field), config.prompt_field, "user")
         messages.append({"role": "assistant", "content": string_field(record, config.response_field)})
+    elif schema == "prompt_completion":
+        messages = field_turns(required_field(record, config.prompt_field), config.prompt_field, "user")
+        messages += field_turns(required_field(record, config.completion_field), config.completion_field, "assistant")
     elif schema == "alpaca":
         instruction = string_field(record, config.instruction_field)
         extra = record.get(config.input_field)

@@ -20,7 +20,8 @@ answer stays well under 256 tokens with the default tokenizer.
 Layout of a dataset written by write_demo_dataset(out_dir):
     train.jsonl    {"messages": [user, assistant], "task", "kind", "answer", "meta"}
     val.jsonl      same, from speeches that never appear in train
-    prompts.jsonl  val records without the assistant turn (the PPO prompt set)
+    prompts.jsonl  val records without the assistant turn: the RL stages' held-out prompts
+    train_prompts.jsonl  train records without the assistant turn: the RL stages' training prompts
     pairs.jsonl    {"prompt": [user], "chosen", "rejected", "task", "kind", "meta"} (train pool)
     demo_manifest.json   parameters; a matching manifest makes the call a no-op
 
@@ -91,7 +92,13 @@ def _jsonl(records: Iterable[dict[str, Any]]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
-DATA_FILES = {"train": "train.jsonl", "val": "val.jsonl", "prompts": "prompts.jsonl", "pairs": "pairs.jsonl"}
+DATA_FILES = {
+    "train": "train.jsonl",
+    "val": "val.jsonl",
+    "prompts": "prompts.jsonl",
+    "train_prompts": "train_prompts.jsonl",
+    "pairs": "pairs.jsonl",
+}
 MANIFEST = "demo_manifest.json"
 
 
@@ -104,8 +111,8 @@ def write_demo_dataset(
     seed: int = 0,
     corpus_path: str | Path = DEFAULT_CORPUS,
 ) -> dict[str, Path]:
-    """Write train/val/prompts/pairs.jsonl + demo_manifest.json under out_dir and return
-    their paths ({"train", "val", "prompts", "pairs", "manifest"}). A no-op when all files
+    """Write train/val/prompts/train_prompts/pairs.jsonl + demo_manifest.json under out_dir and return
+    their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
     exist and the manifest records the same parameters."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     out = Path(out_dir)
@@ -136,7 +143,14 @@ def write_demo_dataset(
     # Manifest goes first and comes back last: an interrupted rewrite leaves no manifest,
     # so the next call rebuilds instead of trusting a mix of old and new files.
     paths["manifest"].unlink(missing_ok=True)
-    for key, records in (("train", train), ("val", val), ("prompts", prompt_records(val)), ("pairs", pairs)):
+    files = {
+        "train": train,
+        "val": val,
+        "prompts": prompt_records(val),
+        "train_prompts": prompt_records(train),
+        "pairs": pairs,
+    }
+    for key, records in files.items():
         write_atomically(paths[key], _jsonl(records), what="demo data file")
     write_atomically(paths["manifest"], json.dumps(params, indent=2) + "\n", what="demo data manifest")
     return paths

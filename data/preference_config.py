@@ -18,7 +18,7 @@ from typing import Any
 
 from data.prepare_config import check_data_config, normalize_dataclass
 
-SCHEMAS = ("auto", "pairs", "hh")
+SCHEMAS = ("auto", "pairs", "implicit_prompt", "hh")  # hh: implicit_prompt's former name
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
 TOO_LONG = ("truncate", "drop")
 ON_BAD_ROW = ("error", "skip")
@@ -30,7 +30,7 @@ class PreferenceDataConfig:
     val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of the train pairs
     val_fraction: float = 0.05
     format: str = "auto"  # auto (by extension) | json | jsonl | parquet | hub
-    schema: str = "auto"  # auto (from the columns) | pairs | hh
+    schema: str = "auto"  # auto (from the columns) | pairs | implicit_prompt (TRL message lists or HH transcripts)
     prompt_field: str = "prompt"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"

@@ -1,17 +1,24 @@
 """
-Preference rows: records -> (prompt, chosen, rejected) chats, for the reward model.
+Preference rows: records -> (prompt, chosen, rejected) chats, for the reward model and the other preference stages.
 
-Schemas (auto-detected from the columns, or set with `schema`):
+Schemas (auto-detected from the columns: "pairs" when there is a prompt column, or set with `schema`):
 
-    pairs   {"prompt", "chosen", "rejected"}: prompt is a string (one user turn) or a message list; chosen and
-            rejected are strings (the assistant reply) or message lists (the assistant turn(s) after the prompt;
-            a list that repeats the prompt first, as UltraFeedback-binarized writes it, has that part removed).
-    hh      Anthropic HH-RLHF {"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."}: two full
-            transcripts. Their longest shared prefix of turns is the prompt (Human -> user, Assistant ->
-            assistant) and each side's remaining turn, its final Assistant turn, is the reply.
+    pairs            {"prompt", "chosen", "rejected"}: prompt is a string (one user turn) or a message list; chosen
+                     and rejected are strings (the assistant reply) or message lists (the assistant turn(s) after
+                     the prompt; a list that repeats the prompt first, as UltraFeedback-binarized writes it, has
+                     that part removed).
+    implicit_prompt  {"chosen", "rejected"}, two whole conversations and no prompt: TRL's implicit-prompt message
+                     lists, or Anthropic HH-RLHF transcripts "\\n\\nHuman: ...\\n\\nAssistant: ..." (Human -> user,
+                     Assistant -> assistant). Their longest shared prefix of turns is the prompt; what follows on
+                     each side, ending with an assistant turn and with no user or system turn, is the reply.
+                     "hh", its former name, still selects it.
+
+Message lists may use OpenAI's {"role", "content"} or ShareGPT's {"from", "value"} keys (data/chat_records.py's
+check_messages).
 
 Owns: PreferenceChat, telling the schema from the columns (detect_schema), reading a row under a schema
-(record_to_chat; HH transcripts: parse_hh, hh_to_pair) and loading every good row of the sources (load_chats).
+(record_to_chat; whole conversations: conversation_turns, parse_hh, split_implicit_prompt) and loading every
+good row of the sources (load_chats).
 Does not own: the settings (data/preference_config.py), files, formats and the error-or-skip loop over rows
 (data/chat_records.py, shared with SFT), dropping uninformative pairs, encoding and batches
 (data/preference.py).
@@ -32,9 +39,9 @@ from typing import Any
 from data.chat_records import (  # SFT's loaders and row checks: the same files, errors and bad-row reasons
     BadRow,
     check_messages,
+    field_turns,
     load_rows,
     required_field,
-    string_field,
     type_name,
 )
 from data.preference_config import PreferenceDataConfig
@@ -56,28 +63,17 @@ def detect_schema(columns: Sequence[str], config: PreferenceDataConfig, where: s
     if config.schema != "auto":
         return config.schema
     if config.chosen_field in columns and config.rejected_field in columns:
-        return "pairs" if config.prompt_field in columns else "hh"
+        return "pairs" if config.prompt_field in columns else "implicit_prompt"
     raise ValueError(
         f"{where}: cannot tell the preference schema from the columns {list(columns)}: expected "
         f"{config.prompt_field!r} + {config.chosen_field!r} + {config.rejected_field!r} (pairs) or "
-        f"{config.chosen_field!r} + {config.rejected_field!r} transcripts (hh); set schema and the *_field names"
+        f"{config.chosen_field!r} + {config.rejected_field!r} as whole conversations, message lists or HH "
+        "transcripts (implicit_prompt); set schema and the *_field names"
     )
 
 
-def _prompt(value: Any, name: str) -> Messages:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if isinstance(value, list):
-        return check_messages(value, name)
-    raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {type_name(value)}")
-
-
 def _reply(value: Any, name: str, prompt: Messages) -> Messages:
-    if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
-    if not isinstance(value, list):
-        raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {type_name(value)}")
-    turns = check_messages(value, name)
+    turns = field_turns(value, name, "assistant")
     if len(turns) > len(prompt) and turns[: len(prompt)] == prompt:
         turns = turns[len(prompt) :]  # the whole conversation was given: keep what follows the prompt
     if turns and turns[-1]["role"] != "assistant":
@@ -98,40 +94,54 @@ def parse_hh(text: str, name: str) -> Messages:
     return [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(parts[1::2], parts[2::2])]
 
 
-def hh_to_pair(
-    chosen_text: str, rejected_text: str, config: PreferenceDataConfig
+def conversation_turns(value: Any, name: str) -> Messages:
+    """One side of an implicit-prompt pair as turns: an HH transcript (a string) or a message list."""
+    if isinstance(value, str):
+        return parse_hh(value, name)
+    if isinstance(value, list):
+        return check_messages(value, name)
+    problem = f"{name!r} must be an HH transcript or a list of messages, got {type_name(value)}"
+    raise BadRow("non_string_content", problem)
+
+
+def split_implicit_prompt(
+    chosen: Messages, rejected: Messages, config: PreferenceDataConfig
 ) -> tuple[Messages, Messages, Messages]:
-    """(prompt, chosen reply, rejected reply): the longest shared prefix of turns, then each side's last turn."""
-    chosen = parse_hh(chosen_text, config.chosen_field)
-    rejected = parse_hh(rejected_text, config.rejected_field)
+    """(prompt, chosen reply, rejected reply) of two whole conversations: their longest shared prefix of turns,
+    then what follows on each side, which must be assistant turns (tool turns between them allowed)."""
+    for name, turns in ((config.chosen_field, chosen), (config.rejected_field, rejected)):
+        if not turns or turns[-1]["role"] != "assistant":
+            last = f"ends with a {turns[-1]['role']} turn" if turns else "has no turns"
+            raise BadRow("not_ending_with_assistant", f"{name!r} must end with an assistant turn, it {last}")
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
-    prompt, chosen_rest, rejected_rest = chosen[:shared], chosen[shared:], rejected[shared:]
-    if not chosen_rest and not rejected_rest:
-        return prompt[:-1], prompt[-1:], prompt[-1:]  # identical transcripts: dropped as identical later
-    if not prompt:
-        raise BadRow("malformed", "the transcripts share no turns: there is no common prompt")
-    if len(chosen_rest) != 1 or len(rejected_rest) != 1:
+    if shared == len(chosen) == len(rejected):
+        return chosen[:-1], chosen[-1:], rejected[-1:]  # identical conversations: dropped as identical later
+    if not shared:
+        names = f"{config.chosen_field!r} and {config.rejected_field!r}"
+        raise BadRow("malformed", f"{names} differ from their first turn on: there is no shared prompt")
+    chosen_reply, rejected_reply = chosen[shared:], rejected[shared:]  # one may be [], an empty reply dropped later
+    if any(turn["role"] in ("user", "system") for turn in chosen_reply + rejected_reply):
         raise BadRow(
             "malformed",
-            f"the transcripts diverge at turn {shared + 1} but must differ only in their final Assistant turn "
-            f"({len(chosen_rest)} and {len(rejected_rest)} turns follow the shared prompt)",
+            f"the conversations diverge at turn {shared + 1} but may differ only in the assistant turns at their end "
+            f"({len(chosen_reply)} and {len(rejected_reply)} turns follow the shared prompt, a user or system one "
+            "among them)",
         )
-    if chosen_rest[0]["role"] != "assistant" or rejected_rest[0]["role"] != "assistant":
-        raise BadRow("not_ending_with_assistant", "the turns after the shared prompt must be Assistant turns")
-    return prompt, chosen_rest, rejected_rest
+    return chosen[:shared], chosen_reply, rejected_reply
 
 
 def record_to_chat(record: Mapping[str, Any], schema: str, config: PreferenceDataConfig, where: str) -> PreferenceChat:
     """The pair a row holds under `schema`; BadRow says why there is none."""
     if schema == "pairs":
-        prompt = _prompt(required_field(record, config.prompt_field), config.prompt_field)
+        prompt = field_turns(required_field(record, config.prompt_field), config.prompt_field, "user")
         chosen = _reply(required_field(record, config.chosen_field), config.chosen_field, prompt)
         rejected = _reply(required_field(record, config.rejected_field), config.rejected_field, prompt)
-    elif schema == "hh":
-        chosen_text = string_field(record, config.chosen_field)
-        prompt, chosen, rejected = hh_to_pair(chosen_text, string_field(record, config.rejected_field), config)
+    elif schema in ("implicit_prompt", "hh"):
+        chosen_turns = conversation_turns(required_field(record, config.chosen_field), config.chosen_field)
+        rejected_turns = conversation_turns(required_field(record, config.rejected_field), config.rejected_field)
+        prompt, chosen, rejected = split_implicit_prompt(chosen_turns, rejected_turns, config)
     else:
         raise ValueError(f"unknown preference schema {schema!r}")
     if config.system_prompt is not None and not any(m["role"] == "system" for m in prompt):

@@ -1,8 +1,10 @@
 """Prompts for PPO rollouts and evaluation: chat prompts encoded up to the assistant header.
 
-Rows are ``{"messages": [...]}`` (a trailing assistant turn is kept aside as the reference answer) or
-``{"prompt": "..." | [...]}``; other columns (task, meta, answer) travel with the prompt so ground-truth
-checkers can score the answers. Loading, file resolution and message validation are SFT's.
+Rows are ``{"messages": [...]}``, ShareGPT ``{"conversations": [...]}`` (a trailing assistant turn is kept
+aside as the reference answer) or ``{"prompt": "..." | [...]}``, with TRL's ``"completion"`` (if there is one)
+the reference answer, so SFT's files serve as prompts too; other columns (task, meta, answer) travel with the
+prompt so ground-truth checkers can score the answers. Loading, file resolution and message validation (either
+key style, role/content or ShareGPT's from/value) are SFT's (data/chat_records.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader
 
-from data.chat_records import BadRow, check_messages, read_records, resolve_sources
+from data.chat_records import BadRow, check_messages, field_turns, read_records, resolve_sources
 from data.packed import StreamSampler
 from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
@@ -28,7 +30,9 @@ class PromptDataConfig:
     val_fraction: float = 0.1
     format: str = "auto"
     messages_field: str = "messages"
+    conversations_field: str = "conversations"  # ShareGPT
     prompt_field: str = "prompt"
+    completion_field: str = "completion"  # TRL prompt / completion rows: the reference answer
     tokenizer: str = "default"
     max_prompt_tokens: int = 192
     too_long: str = "truncate"  # truncate (keep <|begin_of_text|> and the last tokens: the question) | drop
@@ -40,15 +44,15 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
     """(messages up to the assistant's turn, reference answer or None)."""
     if record.get(config.messages_field) is not None:
         messages = check_messages(record[config.messages_field], config.messages_field)
+    elif record.get(config.conversations_field) is not None:
+        messages = check_messages(record[config.conversations_field], config.conversations_field)
     elif record.get(config.prompt_field) is not None:
-        prompt = record[config.prompt_field]
-        messages = (
-            [{"role": "user", "content": prompt}]
-            if isinstance(prompt, str)
-            else check_messages(prompt, config.prompt_field)
-        )
+        messages = field_turns(record[config.prompt_field], config.prompt_field, "user")
+        if record.get(config.completion_field) is not None:  # its last assistant turn becomes the reference below
+            messages += field_turns(record[config.completion_field], config.completion_field, "assistant")
     else:
-        raise BadRow("missing_field", f"no {config.messages_field!r} or {config.prompt_field!r} field")
+        fields = f"{config.messages_field!r}, {config.conversations_field!r} or {config.prompt_field!r}"
+        raise BadRow("missing_field", f"no {fields} field")
     reference = record.get("answer")
     if messages and messages[-1]["role"] == "assistant":
         reference = messages.pop()["content"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from data.prepare_config import check_data_config, normalize_dataclass
 
-SCHEMAS = ("auto", "messages", "prompt_response", "alpaca")
+SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "prompt_completion", "alpaca")
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
 TOO_LONG = ("truncate", "drop")
 ON_BAD_ROW = ("error", "skip")
@@ -29,10 +29,12 @@ class SFTDataConfig:
     val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of the train examples
     val_fraction: float = 0.05
     format: str = "auto"  # auto (by extension) | json | jsonl | parquet | hub
-    schema: str = "auto"  # auto (from the columns) | messages | prompt_response | alpaca
+    schema: str = "auto"  # auto (from the columns) | messages | sharegpt | prompt_response | prompt_completion | alpaca
     messages_field: str = "messages"
+    conversations_field: str = "conversations"  # sharegpt
     prompt_field: str = "prompt"
     response_field: str = "response"
+    completion_field: str = "completion"  # prompt_completion (TRL)
     instruction_field: str = "instruction"
     input_field: str = "input"
     output_field: str = "output"

@@ -142,9 +142,33 @@ def _rm(args: argparse.Namespace) -> None:
 
 def _ppo(args: argparse.Namespace) -> None:
     from alignment.ppo import run_ppo
-    from trainer.config import PPOConfig
+    from trainer.rl_config import PPOConfig
 
     _run_stage(args, PPOConfig, run_ppo)
+
+
+def _grpo(args: argparse.Namespace) -> None:
+    from alignment.grpo import run_grpo
+
+    from trainer.rl_config import GRPOConfig
+
+    _run_stage(args, GRPOConfig, run_grpo)
+
+
+def _dpo(args: argparse.Namespace) -> None:
+    from alignment.dpo import run_dpo
+
+    from trainer.dpo_config import DPOConfig
+
+    _run_stage(args, DPOConfig, run_dpo)
+
+
+def _rejection_sampling(args: argparse.Namespace) -> None:
+    from alignment.rejection_sampling import run_rejection_sampling
+
+    from trainer.rs_config import RejectionSamplingConfig
+
+    _run_stage(args, RejectionSamplingConfig, run_rejection_sampling)
 
 
 def _pipeline(args: argparse.Namespace) -> None:
@@ -235,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
     _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
     _add_stage(commands, "ppo", "optimise the SFT policy against the reward model with PPO", _ppo)
+    _add_stage(
+        commands, "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward", _grpo
+    )
+    _add_stage(commands, "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs", _dpo)
+    _add_stage(
+        commands,
+        "rejection-sampling",
+        "sample K answers per prompt, keep the best by the reward, then SFT on them",
+        _rejection_sampling,
+    )
     _add_stage(
         commands,
         "pipeline",

@@ -19,7 +19,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.preference_config import PreferenceDataConfig
 from data.prepare_config import PrepareConfig
-from data.prompts import PromptDataConfig
 from data.sft_config import SFTDataConfig
 from models.errors import ConfigError, one_line
 from models.model import ModelConfig
@@ -57,6 +56,9 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float | None = 1.0
     z_loss: float = 0.0
+    # cosine: warmup, then cosine down to min_lr at trainer.max_steps (pretraining, SFT); constant: warmup, then
+    # lr throughout (the RL stages' default: their data shifts as the policy does, so no end is known in advance)
+    schedule: Literal["cosine", "constant"] = "cosine"
 
 
 @dataclass
@@ -317,71 +319,3 @@ def to_yaml(config: Any) -> str:
 
 def to_dict(config: Any) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
-
-
-# ---- PPO ----
-
-
-@dataclass
-class PPOInitConfig:
-    policy: str | None = None  # the SFT model folder: policy, and frozen reference
-    reward_model: str | None = None  # the reward-model folder (`lantern rm`): frozen reward, and the critic
-    critic: Literal["reward_model", "zeros"] = "reward_model"  # critic starts as the RM, or with a zero value head
-
-
-@dataclass
-class PPOHyperparameters:
-    rollout_batch_size: int = 16  # prompts per rank per rollout
-    minibatch_size: int = 8  # per rank per optimiser step
-    micro_batch_size: int = 4  # per forward/backward (gradient accumulation within a minibatch)
-    epochs: int = 2  # PPO epochs over each rollout
-    response_max_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    clip_ratio: float = 0.2
-    clip_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
-    whiten_rewards: bool = False
-    reward_clip: float | None = None  # clip normalised scores to [-c, c]
-    missing_eos_penalty: float | None = 1.0  # subtracted from the score of a response without an end-of-turn
-    kl_coef: float = 0.05
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    kl_adaptive: bool = False
-    kl_target: float | None = 6.0
-    kl_horizon: int = 10000
-    entropy_coef: float = 0.0
-    critic_warmup_rollouts: int = 0  # rollouts that train only the critic
-    frozen_device: Literal["same", "cpu"] = "same"  # where the reference and reward model live
-    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-@dataclass
-class PPOEvalConfig:
-    generations: int = 64  # held-out prompts answered greedily at each evaluation
-    # the ground truth of those answers: "package.module:function" taking (prompt row, answer) and returning a
-    # score in [0, 1] or None (alignment/rewards.py); "" measures none. The demo's: data.demo_scoring:score_example
-    checker: str = ""
-    every_n_rollouts: int = 10
-    batch_size: int = 16
-    table_rows: int = 8
-
-
-@dataclass
-class PPOConfig:
-    run: RunConfig = field(default_factory=lambda: RunConfig(name="ppo"))
-    init: PPOInitConfig = field(default_factory=PPOInitConfig)
-    data: PromptDataConfig = field(default_factory=PromptDataConfig)
-    ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
-    optim: OptimConfig = field(
-        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0)
-    )
-    critic_optim: OptimConfig = field(
-        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=0, weight_decay=0.0)
-    )
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=100, val_every_n_steps=10**9))
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_n_steps=20))
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    eval: PPOEvalConfig = field(default_factory=PPOEvalConfig)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import NonFiniteLossError
-from trainer.optim import build_optimizer
+from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
 
 log = logging.getLogger(__name__)
@@ -79,18 +79,7 @@ class LanguageModelModule(L.LightningModule):
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optim = self.config.optim
-        optimizer, schedule = build_optimizer(
-            self.model,
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            weight_decay=optim.weight_decay,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            warmup_steps=optim.warmup_steps,
-            max_steps=self.config.trainer.max_steps,
-            decay_embeddings_and_norms=optim.decay_embeddings_and_norms,
-        )
+        optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -1,4 +1,4 @@
-"""AdamW with decay on matrices only, and linear warmup into cosine decay."""
+"""AdamW with decay on matrices only, and linear warmup into cosine decay (or a constant rate, for RL)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 
 import torch
 from torch import nn
+
+from trainer.config import OptimConfig
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings_and_norms: bool = False) -> list[dict]:
@@ -30,10 +32,15 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings_and
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, lr: float, min_lr: float) -> float:
-    """Learning rate at ``step``: linear from lr/warmup to lr, then cosine down to min_lr at max_steps."""
+def warmup_cosine(
+    step: int, *, warmup_steps: int, max_steps: int, lr: float, min_lr: float, schedule: str = "cosine"
+) -> float:
+    """Learning rate at ``step``: linear from lr/warmup to lr, then cosine down to min_lr at max_steps
+    (``schedule="constant"``: lr after the warmup)."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
     if step >= max_steps:
         return min_lr
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
@@ -51,6 +58,7 @@ def build_optimizer(
     warmup_steps: int,
     max_steps: int,
     decay_embeddings_and_norms: bool = False,
+    schedule: str = "cosine",
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     # fused AdamW where the device supports it (CUDA); foreach elsewhere
     on_cuda = any(p.is_cuda for p in model.parameters())
@@ -63,6 +71,20 @@ def build_optimizer(
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: warmup_cosine(step, warmup_steps=warmup_steps, max_steps=max_steps, lr=lr, min_lr=min_lr) / lr,
+        lambda step: (
+            warmup_cosine(step, warmup_steps=warmup_steps, max_steps=max_steps, lr=lr, min_lr=min_lr, schedule=schedule)
+            / lr
+        ),
     )
     return optimizer, schedule
+
+
+def optimizer_from_config(
+    model: nn.Module, optim: OptimConfig, max_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """``build_optimizer`` with every setting read from an ``optim`` config section."""
+    return build_optimizer(
+        model, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+        eps=optim.eps, warmup_steps=optim.warmup_steps, max_steps=max_steps,
+        decay_embeddings_and_norms=optim.decay_embeddings_and_norms, schedule=optim.schedule,
+    )  # fmt: skip

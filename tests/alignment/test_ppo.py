@@ -23,19 +23,16 @@ from alignment.losses import (
 from alignment.ppo import run_ppo
 from alignment.ppo_module import PPOModule
 from alignment.responses import response_logprobs, response_values
-from data.demo_tasks import write_demo_dataset
-from data.tokenizer import Tokenizer
-from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
+from tests.alignment.conftest import TINY
 from tests.helpers import run_cli
-from trainer.config import PPOConfig, load_config
+from trainer.config import load_config
+from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=256)
-
 
 # ---- the math, by hand ----
 
@@ -201,34 +198,6 @@ def test_no_dropout_anywhere(tiny_policy):
 # ---- runs ----
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
-    """A tiny SFT-like policy and a reward model over it, saved as the stages would, plus demo prompts."""
-    root = tmp_path_factory.mktemp("ppo")
-    tokenizer = Tokenizer.load("default")
-    torch.manual_seed(0)
-    policy = Transformer(ModelConfig(**TINY))
-    for p in policy.parameters():  # less flat than the 0.02 init: some tokens are sampled often enough to learn
-        if p.ndim == 2:
-            nn.init.normal_(p, std=0.08)
-    nn.init.normal_(policy.output.weight, std=0.4)
-    policy_dir = save_checkpoint(policy, root / "sft", tokenizer_path=tokenizer.path)
-    reward_dir = save_scalar_model(
-        ScalarModel.from_backbone(policy),
-        root / "rm",
-        tokenizer_path=tokenizer.path,
-        metadata={"reward_mean": 0.1, "reward_std": 2.0},
-    )
-    demo = write_demo_dataset(root / "demo", n_train=20, n_val=40, n_pairs=10, seed=0)
-    return {
-        "root": root,
-        "policy": policy_dir,
-        "reward": reward_dir,
-        "prompts": demo["prompts"],
-        "tokenizer": tokenizer,
-    }
-
-
 def ppo_config(setup, out_dir, *overrides) -> PPOConfig:
     return load_config(
         PPOConfig,
@@ -236,7 +205,8 @@ def ppo_config(setup, out_dir, *overrides) -> PPOConfig:
         [
             f"init.policy={setup['policy']}",
             f"init.reward_model={setup['reward']}",
-            f"data.train=[{setup['prompts']}]",
+            f"data.train=[{setup['train_prompts']}]",
+            f"data.val=[{setup['prompts']}]",
             f"run.out_dir={out_dir}",
             "logger.kind=none",
             *overrides,
@@ -288,6 +258,8 @@ def test_toy_reward_rises_while_kl_stays_finite(setup, tmp_path):
         "ppo.minibatch_size=8",
         "ppo.micro_batch_size=8",
         "optim.lr=2e-3",
+        "optim.schedule=cosine",  # the toy's large step must decay, or the policy overshoots (KL ~80)
+        "optim.min_lr=1e-6",
         "ppo.epochs=2",
         "ppo.missing_eos_penalty=null",
         "ppo.kl_coef=0.01",
@@ -383,7 +355,7 @@ def test_resume_restores_both_optimizers_and_the_kl_controller(setup, tmp_path):
     assert checkpoint["ppo"]["kl_controller"]["value"] != 0.05  # the adaptive controller moved
     # the sampling state (rollouts at temperature 1 and minibatch order) is saved from the device that samples
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert checkpoint["ppo"]["sampler_device"] == device and checkpoint["ppo"]["sampler"].dtype == torch.uint8
+    assert checkpoint["rl"]["sampler_device"] == device and checkpoint["rl"]["sampler"].dtype == torch.uint8
     assert len(checkpoint["optimizer_states"]) == 2 and len(checkpoint["lr_schedulers"]) == 2
     resumed = run_ppo(ppo_config(setup, tmp_path / "resumed", *common))
     a, b = load_file(straight / "final/model.safetensors"), load_file(resumed / "final/model.safetensors")
@@ -431,7 +403,8 @@ def test_fsdp_ppo_on_two_processes(setup, tmp_path):
     """2-process FSDP2 PPO on CPU: generation with weights gathered once, losses reduced over ranks; its
     first rollout's score equals a single process's with the same prompts (the same global batch)."""
     common = [
-        f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}", f"data.train=[{setup['prompts']}]",
+        f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}", f"data.train=[{setup['train_prompts']}]",
+        f"data.val=[{setup['prompts']}]",
         "logger.kind=none", "trainer.max_steps=2", "eval.every_n_rollouts=2", "trainer.accelerator=cpu", "run.name=run",
         "ppo.temperature=0",  # greedy rollouts: the same responses whatever the rank layout
     ]  # fmt: skip

@@ -21,8 +21,9 @@ from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
 from trainer.checks import RANGES, check_initial_model, numeric_fields, range_rule
-from trainer.config import PPOConfig, PretrainConfig, RMConfig, SFTConfig, load_config
+from trainer.config import PretrainConfig, RMConfig, SFTConfig, load_config
 from trainer.pipeline import STAGES, PipelineConfig
+from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = {"pretrain": PretrainConfig, "sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig, "pipeline": PipelineConfig}

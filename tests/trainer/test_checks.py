@@ -45,7 +45,8 @@ from trainer.checks import (
     numeric_fields,
     range_rule,
 )
-from trainer.config import CheckpointConfig, OptimConfig, PPOConfig, PretrainConfig, TrainerConfig
+from trainer.config import CheckpointConfig, OptimConfig, PretrainConfig, TrainerConfig
+from trainer.rl_config import PPOConfig
 
 # ---- the RANGES table and its lookup
 

@@ -1,0 +1,44 @@
+"""Fixtures the alignment tests share: a tiny SFT-like policy, a reward model over it, and demo prompts."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from data.demo_tasks import write_demo_dataset
+from data.tokenizer import Tokenizer
+from models.checkpoint import save_checkpoint
+from models.heads import ScalarModel, save_scalar_model
+from models.model import ModelConfig, Transformer
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    """A tiny SFT-like policy and a reward model over it, saved as the stages would, plus demo prompts."""
+    root = tmp_path_factory.mktemp("ppo")
+    tokenizer = Tokenizer.load("default")
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig(**TINY))
+    for p in policy.parameters():  # less flat than the 0.02 init: some tokens are sampled often enough to learn
+        if p.ndim == 2:
+            nn.init.normal_(p, std=0.08)
+    nn.init.normal_(policy.output.weight, std=0.4)
+    policy_dir = save_checkpoint(policy, root / "sft", tokenizer_path=tokenizer.path)
+    reward_dir = save_scalar_model(
+        ScalarModel.from_backbone(policy),
+        root / "rm",
+        tokenizer_path=tokenizer.path,
+        metadata={"reward_mean": 0.1, "reward_std": 2.0},
+    )
+    demo = write_demo_dataset(root / "demo", n_train=20, n_val=40, n_pairs=10, seed=0)
+    return {
+        "root": root,
+        "policy": policy_dir,
+        "reward": reward_dir,
+        "prompts": demo["prompts"],
+        "train_prompts": demo["train_prompts"],
+        "tokenizer": tokenizer,
+    }
