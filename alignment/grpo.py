@@ -81,7 +81,7 @@ def run_grpo(config: GRPOConfig, extra_callbacks: list | None = None) -> Path | 
             title=f"{name}: KL to the reference per sequence",
             filename="kl.png",
             ylabel="KL (nats)",
-        ),  # fmt: skip
+        ),
         LossPlot(run_dir, metrics=("grpo/policy_loss",), title=f"{name}: policy loss", filename="loss.png"),
         *(extra_callbacks or []),
     ]

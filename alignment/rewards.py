@@ -17,6 +17,7 @@ against the prompt's reference. PPO, GRPO and rejection sampling all score respo
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,8 @@ def build_reward(terms: Sequence[Any], key: str = "reward.terms") -> Reward:
     built = []
     for index, term in enumerate(terms):
         where = f"{key}[{index}]"
+        if not math.isfinite(term.weight):  # range checks do not reach into lists of sections: checked here
+            raise ConfigError(f"{where}.weight must be a finite number, got {term.weight}")
         if term.kind == "reward_model":
             if not term.path:
                 raise ConfigError(f"{where}.path: a reward_model term needs the reward-model folder (`lantern rm`)")

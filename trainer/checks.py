@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 AT_LEAST_1 = (1, None, False, False)
 AT_LEAST_0 = (0, None, False, False)
 POSITIVE = (0, None, True, False)
-ANY_FINITE = (None, None, False, False)
+ANY_FINITE = (None, None, False, False)  # any number but NaN and infinity
 UNIT = (0, 1, False, False)  # a probability or a discount: [0, 1]
 UNIT_HALF_OPEN = (0, 1, False, True)  # [0, 1): a fraction held out, an Adam beta
 RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
@@ -85,7 +85,6 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     # GRPO / RLOO, rewards, held-out evaluation
     "prompts_per_rollout": AT_LEAST_1,
     "group_size": (1, None, True, False),  # > 1: a group of one has no baseline
-    "weight": ANY_FINITE,
     "pass_k": AT_LEAST_0,
     "pass_k_prompts": AT_LEAST_0,
     # DPO / IPO / SimPO

@@ -94,3 +94,18 @@ def test_a_unanimous_group_has_no_advantage(baseline: str) -> None:
 def test_group_advantages_need_two_samples() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         group_advantages(t(1.0).reshape(1, 1))
+
+
+def test_ipo_hand_computed_away_from_the_target_with_its_rewards() -> None:
+    # h = (-1 - -1.2) - (-2 - -1.5) = 0.7; target 1 / (2 * 0.25) = 2: (0.7 - 2)^2 = 1.69
+    losses, chosen, rejected = preference_loss(t(-1.0), t(-2.0), t(-1.2), t(-1.5), kind="ipo", beta=0.25)
+    torch.testing.assert_close(losses, t(1.69))
+    torch.testing.assert_close((chosen, rejected), (t(0.05), t(-0.125)))  # beta * (policy - reference)
+
+
+def test_simpo_with_label_smoothing_by_hand() -> None:
+    # logits = 2 * (-1 - -2) - 0.5 = 1.5; smoothed: 0.8 * -log sigmoid(1.5) + 0.2 * -log sigmoid(-1.5)
+    losses, _, _ = preference_loss(
+        t(-1.0), t(-2.0), None, None, kind="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.2
+    )
+    torch.testing.assert_close(losses, t(0.8 * math.log1p(math.exp(-1.5)) + 0.2 * math.log1p(math.exp(1.5))))

@@ -32,6 +32,7 @@ from trainer.build import (
 )
 from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot
 from trainer.checks import (
+    ANY_FINITE,
     AT_LEAST_0,
     AT_LEAST_1,
     POSITIVE,
@@ -55,7 +56,8 @@ def test_rules_are_well_formed():
     for key, rule in RANGES.items():
         low, high, low_open, high_open = rule
         assert isinstance(low_open, bool) and isinstance(high_open, bool), key
-        assert low is not None or high is not None, key  # a rule that bounds nothing belongs in UNBOUNDED
+        # a rule that bounds nothing belongs in UNBOUNDED, unless it asks for a finite number
+        assert low is not None or high is not None or rule == ANY_FINITE, key
         if low is not None and high is not None:
             assert low < high, key
         if high is None:
