@@ -1,4 +1,5 @@
-"""The whole recipe in one command: prepare → pretrain → SFT → reward model → PPO, then a report.
+"""The whole recipe in one command: prepare → pretrain → SFT → reward model → PPO (and/or GRPO, DPO, rejection
+sampling, each from the SFT model), then a report that evaluates every model on the same held-out prompts.
 
 Each stage is the ordinary stage (``run_pretrain``, ``run_sft``, ...) on its own preset plus overrides; the
 pipeline only appends the wiring overrides (folders, the previous stage's ``final/``, the demo data, one shared
@@ -26,14 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from alignment.dpo import run_dpo
+from alignment.evaluation import check_disjoint
+from alignment.grpo import run_grpo
 from alignment.ppo import run_ppo
 from alignment.pretrain import run_pretrain
+from alignment.rejection_sampling import run_rejection_sampling
 from alignment.reward import run_rm
 from alignment.sft import run_sft
 from data.demo_tasks import write_demo_dataset
 from data.prepare import prepare
+from data.prompts import PromptDataConfig, load_prompts
+from data.tokenizer import Tokenizer
 from models.errors import ConfigError
-from trainer.config import PPOConfig, PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
+from trainer.config import PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
+from trainer.dpo_config import DPOConfig
 from trainer.pipeline_records import (
     PENDING,
     RECORD,
@@ -45,10 +53,14 @@ from trainer.pipeline_records import (
     write_record,
 )
 from trainer.pipeline_report import write_report
+from trainer.rl_config import GRPOConfig, PPOConfig
+from trainer.rs_config import RejectionSamplingConfig
 
 log = logging.getLogger("lantern.pipeline")
 
-STAGES = ("prepare", "pretrain", "sft", "rm", "ppo")
+# the order stages run in; ppo, grpo, dpo and rejection_sampling each start from the SFT model (alternatives to
+# compare, any of them alone or all together)
+STAGES = ("prepare", "pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling")
 
 
 @dataclass
@@ -74,8 +86,15 @@ class PipelineLoggerSection:
 
 @dataclass
 class ReportSection:
-    prompts: int = 16  # held-out demo prompts answered greedily by each model in report.md
-    max_new_tokens: int = 64
+    prompts: int = 16  # held-out prompts whose answers by each model are shown in report.md
+    max_new_tokens: int = 64  # one token budget for every model's answers
+    # the ground truth every model's answers are scored by (alignment/rewards.py); every held-out prompt is used
+    checker: str = "data.demo_scoring:score_example"
+    max_prompt_tokens: int = 192
+    batch_size: int = 64
+    pass_k: int = 8  # pass@k of k samples (temperature 1) per prompt, for SFT and the stages after it; 0: off
+    pass_k_prompts: int = 200  # held-out prompts pass@k is measured on; 0: all
+    seed: int = 0  # of the samples behind pass@k and the KL estimates
 
 
 @dataclass
@@ -91,6 +110,11 @@ class PipelineConfig:
     sft: StageSection = field(default_factory=lambda: StageSection("configs/sft/tiny.yaml"))
     rm: StageSection = field(default_factory=lambda: StageSection("configs/rm/tiny.yaml"))
     ppo: StageSection = field(default_factory=lambda: StageSection("configs/ppo/tiny.yaml"))
+    grpo: StageSection = field(default_factory=lambda: StageSection("configs/grpo/tiny.yaml"))
+    dpo: StageSection = field(default_factory=lambda: StageSection("configs/dpo/tiny.yaml"))
+    rejection_sampling: StageSection = field(
+        default_factory=lambda: StageSection("configs/rejection_sampling/tiny.yaml")
+    )
     report: ReportSection = field(default_factory=ReportSection)
 
 
@@ -100,12 +124,25 @@ MODEL_STAGES: dict[str, tuple[type, dict[str, str]]] = {
     "sft": (SFTConfig, {"init.checkpoint": "pretrain"}),
     "rm": (RMConfig, {"init.checkpoint": "sft"}),
     "ppo": (PPOConfig, {"init.policy": "sft", "init.reward_model": "rm"}),
+    "grpo": (GRPOConfig, {"init.policy": "sft"}),
+    "dpo": (DPOConfig, {"init.policy": "sft"}),
+    "rejection_sampling": (RejectionSamplingConfig, {"init.policy": "sft"}),
 }
+# RL stages train on the training pool's prompts and evaluate on the val split's (never trained on by any stage)
 DEMO_FILES = {
     "sft": {"data.train": "train", "data.val": "val"},
     "rm": {"data.train": "pairs"},
-    "ppo": {"data.train": "prompts"},
+    "ppo": {"data.train": "train_prompts", "data.val": "prompts"},
+    "grpo": {"data.train": "train_prompts", "data.val": "prompts"},
+    "dpo": {"data.train": "pairs"},
+    "rejection_sampling": {"data.train": "train_prompts", "sft.data.val": "val"},
 }
+
+
+def training_section(config: Any) -> Any:
+    """The part of a stage config that holds its trainer and checkpoint sections: rejection sampling's are in its
+    embedded SFT section."""
+    return getattr(config, "sft", None) if isinstance(config, RejectionSamplingConfig) else config
 
 
 class Pipeline:
@@ -132,9 +169,12 @@ class Pipeline:
         schema, upstream = MODEL_STAGES["pretrain" if stage == "prepare" else stage]
         section: StageSection = getattr(self.config, "pretrain" if stage == "prepare" else stage)
         logger = self.config.logger
+        # rejection sampling trains through its embedded SFT section, which holds its logger and trainer
+        nested = "sft." if stage == "rejection_sampling" else ""
         wiring: dict[str, Any] = {
-            "run.out_dir": str(self.root), "run.name": stage, "logger.kind": logger.kind,
-            "logger.project": logger.project, "logger.mode": logger.mode, "logger.group": self.config.name,
+            "run.out_dir": str(self.root), "run.name": stage, f"{nested}logger.kind": logger.kind,
+            f"{nested}logger.project": logger.project, f"{nested}logger.mode": logger.mode,
+            f"{nested}logger.group": self.config.name,
         }  # fmt: skip
         if stage in ("prepare", "pretrain"):
             wiring["data.out_dir"] = str(self.corpus)
@@ -150,10 +190,11 @@ class Pipeline:
         # JSON values are valid YAML, so paths with odd characters survive load_config's parsing
         overrides = [*section.overrides, *(f"{key}={json.dumps(value)}" for key, value in wiring.items())]
         config = load_config(schema, section.config, overrides)
-        if config.trainer.strategy != "single":
+        trainer = training_section(config).trainer
+        if trainer.strategy != "single":
             # each rank would re-run the whole pipeline and race on its records; run such stages on their own
             raise ConfigError(
-                f"{stage}: the pipeline runs single-process stages; got trainer.strategy={config.trainer.strategy}"
+                f"{stage}: the pipeline runs single-process stages; got {nested}trainer.strategy={trainer.strategy}"
             )
         for key, source in upstream.items():
             if key not in wiring and (value := functools.reduce(getattr, key.split("."), config)):
@@ -179,11 +220,16 @@ class Pipeline:
         final = self.stage_dir(stage) / "final"
         return (final, record["hash"]) if record and final.is_dir() else (None, "none")
 
-    def run(self) -> None:
+    def write_demo(self) -> None:
+        """The demo data is cheap and idempotent, and every stage after pretraining reads it: always made, and its
+        held-out prompts checked against the training prompts before any compute."""
         demo = self.config.demo
-        # The demo data is cheap and idempotent, and every stage after pretraining reads it: always made.
         write_demo_dataset(self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed)
         self.demo_hash = sha((self.demo / "demo_manifest.json").read_text())
+        self.check_heldout_disjoint()
+
+    def run(self) -> None:
+        self.write_demo()
         for index, stage in enumerate(self.config.stages, start=1):
             print(
                 f"\n=== pipeline {self.config.name}: stage {index}/{len(self.config.stages)}: {stage} ===", flush=True
@@ -191,6 +237,14 @@ class Pipeline:
             start = time.perf_counter()
             self.prepare() if stage == "prepare" else self.model_stage(stage)
             log.info("%s: %s in %.0fs", stage, self.status[stage], time.perf_counter() - start)
+
+    def check_heldout_disjoint(self) -> None:
+        """Before any compute: the held-out prompts every model is scored on share none with the training prompts."""
+        tokenizer = Tokenizer.load("default")
+        config = PromptDataConfig(max_prompt_tokens=self.config.report.max_prompt_tokens)
+        train = load_prompts(config, [str(self.demo / "train_prompts.jsonl")], tokenizer)[0]
+        heldout = load_prompts(config, [str(self.demo / "prompts.jsonl")], tokenizer)[0]
+        check_disjoint(train, heldout, f"{self.demo / 'prompts.jsonl'}")
 
     def prepare(self) -> None:
         # prepare() is idempotent with exact change detection (input sha256, tokenizer fingerprint, settings):
@@ -229,7 +283,7 @@ class Pipeline:
     def train(self, stage: str, config: Any, digest: str, resume: bool) -> None:
         run_dir = self.stage_dir(stage)
         if resume:
-            config.checkpoint.resume, self.status[stage] = "auto", "resumed"  # the stage's own resume
+            training_section(config).checkpoint.resume, self.status[stage] = "auto", "resumed"  # the stage's own resume
         else:
             # new or changed: never resume another config's checkpoints; keep one backup, not a pile of them
             if run_dir.exists():
@@ -237,12 +291,20 @@ class Pipeline:
                 shutil.rmtree(backup, ignore_errors=True)
                 run_dir.rename(backup)
                 log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
-            config.checkpoint.resume, self.status[stage] = "none", "ran"
+            training_section(config).checkpoint.resume, self.status[stage] = "none", "ran"
         write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
         RUNNERS[stage](config)
 
 
-RUNNERS: dict[str, Callable[[Any], Any]] = {"pretrain": run_pretrain, "sft": run_sft, "rm": run_rm, "ppo": run_ppo}
+RUNNERS: dict[str, Callable[[Any], Any]] = {
+    "pretrain": run_pretrain,
+    "sft": run_sft,
+    "rm": run_rm,
+    "ppo": run_ppo,
+    "grpo": run_grpo,
+    "dpo": run_dpo,
+    "rejection_sampling": run_rejection_sampling,
+}
 
 
 def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:

@@ -1,7 +1,10 @@
 """The pipeline's report: ``report.md`` in the pipeline folder, with each stage's headline numbers, its plots
-(copied to ``report/``) and an overview figure, and a table of greedy answers by each trained model to held-out
-demo prompts (cached in ``report/answers.json`` while the models and prompts are unchanged). It only reads what
-the stages left; running them is ``trainer/pipeline.py``'s job.
+(copied to ``report/``) and an overview figure, the comparison of every model on the same held-out prompts
+(accuracy with its standard error, the paired difference from SFT called a gain only beyond 2 SE, pass@k, KL to
+SFT, training time) and a table of their answers to the first few; and ``report.json``, the same numbers for
+other tools: ``{"stages": {name: {"heldout": {"accuracy", "se", "n", "per_task"}, "kl", "seconds", ...}}}``.
+It only reads what the stages left and what ``trainer/pipeline_eval.py`` measures; running the stages is
+``trainer/pipeline.py``'s job.
 """
 
 from __future__ import annotations
@@ -12,42 +15,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from tqdm.auto import tqdm
-
-from alignment.evaluation import answer_prompts
-from data.demo_scoring import score_example
-from data.demo_tasks import load_jsonl
-from data.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint
-from trainer.pipeline_records import RECORD, read_json, sha
+from models.atomic import write_atomically
+from trainer.pipeline_eval import evaluate_models
+from trainer.pipeline_records import RECORD, read_json
 from trainer.plots import read_metrics_csv
-from trainer.storage import latest_checkpoint
 
 if TYPE_CHECKING:  # for annotations only: trainer.pipeline imports this module to write the report
     from trainer.pipeline import Pipeline
 
 Series = dict[str, list[tuple[int, float]]]
-TABLE_MODELS = {"base": "pretrain", "sft": "sft", "ppo": "ppo"}  # column -> the stage whose final/ answers
+RL_STAGES = ("ppo", "grpo")  # stages whose x axis is rollouts and whose eval.csv holds held-out curves
 
 
 def stage_metrics(stage: str, run_dir: Path) -> Series:
-    """Every metric,step,value CSV the stage's plots left (metrics.csv, accuracy.csv, kl.csv, ...), plus PPO's
-    evaluation history, which only its checkpoints keep."""
+    """Every metric,step,value CSV the stage's plots left (metrics.csv, accuracy.csv, kl.csv, eval.csv, ...)."""
     series: Series = {}
     for path in sorted(run_dir.glob("*.csv")):  # a stage killed mid-run may have left a torn last row: dropped
         for name, points in read_metrics_csv(path).items():
             series.setdefault(name, []).extend(points)
-    if stage == "ppo":
-        checkpoint = latest_checkpoint(run_dir / "checkpoints")
-        if checkpoint is not None:
-            state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-            series.update(
-                {
-                    k: [(int(s), float(v)) for s, v in points]
-                    for k, points in state.get("ppo", {}).get("eval_history", {}).items()
-                }
-            )
     return series
 
 
@@ -63,13 +48,18 @@ def headline(stage: str, series: Series) -> str:
         return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/accuracy')} (exact match)"
     if stage == "rm":
         return f"{_first_last(series, 'val/accuracy')} (pairwise, held-out pairs)"
-    kl = series.get("ppo/kl")
-    final_kl = f"final ppo/kl {kl[-1][1]:.3f}" if kl else "ppo/kl n/a"
-    return f"{_first_last(series, 'eval/gt_score')}; {_first_last(series, 'eval/rm_score')}; {final_kl}"
+    if stage in RL_STAGES:
+        kl = series.get(f"{stage}/kl")
+        final_kl = f"final {stage}/kl {kl[-1][1]:.3f}" if kl else f"{stage}/kl n/a"
+        return f"{_first_last(series, 'eval/gt_score')} (ground truth); {_first_last(series, 'eval/reward')} (its reward); {final_kl}"
+    if stage == "dpo":
+        return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/reward_accuracy')} (implicit reward, held-out pairs)"
+    return f"{_first_last(series, 'val/loss')} (SFT on the kept samples)"
 
 
-def overview_png(metrics: dict[str, Series], path: Path) -> Path:
-    """2x2: each stage's held-out measure; quantities of another scale go on a right-hand axis."""
+def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]], path: Path) -> Path:
+    """2x3: each training stage's curves (quantities of another scale on a right-hand axis), and every model's
+    held-out accuracy with error bars of 2 standard errors."""
     import matplotlib  # deferred, with its backend chosen first: only the report's overview draws here
 
     matplotlib.use("Agg")
@@ -79,14 +69,13 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
         ("pretraining", "pretrain", (("train/loss", "val/loss"), "loss"), ((), "")),
         ("SFT", "sft", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
         ("reward model", "rm", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
-        (
-            "PPO: greedy answers to held-out prompts",
-            "ppo",
-            (("eval/gt_score", "eval/rm_score"), "score"),
-            (("ppo/kl",), "KL to the SFT model (nats)"),
+        *(
+            (f"{stage.upper()}: greedy answers to held-out prompts", stage,
+             (("eval/gt_score", "eval/reward"), "score"), ((f"{stage}/kl",), "KL to the SFT model (nats)"))
+            for stage in RL_STAGES
         ),
-    ]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8), dpi=110)
+    ]  # fmt: skip
+    figure, axes = plt.subplots(2, 3, figsize=(16, 8), dpi=110)
     for ax, (title, stage, left, right) in zip(axes.flat, panels):
         lines = []
         for axis, (names, label), style in ((ax, left, "-"), (ax.twinx() if right[0] else None, right, "--")):
@@ -94,22 +83,25 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
                 points = metrics.get(stage, {}).get(name)
                 if points:
                     color = f"C{len(lines)}"
-                    lines += axis.plot(
-                        *zip(*points),
-                        style,
-                        color=color,
-                        label=name,
-                        marker="o" if len(points) < 30 else None,
-                        markersize=3,
-                    )
+                    marker = "o" if len(points) < 30 else None
+                    lines += axis.plot(*zip(*points), style, color=color, label=name, marker=marker, markersize=3)
             if axis is not None:
                 axis.set_ylabel(label)
-        ax.set(title=title, xlabel="rollout" if stage == "ppo" else "optimizer step")
+        ax.set(title=title, xlabel="rollout" if stage in RL_STAGES else "optimizer step")
         ax.grid(alpha=0.3)
         if lines:
             ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
         else:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+    ax = axes.flat[-1]
+    names = list(results)
+    if names:
+        values = [results[n]["heldout"]["accuracy"] for n in names]
+        errors = [2 * results[n]["heldout"]["se"] for n in names]
+        ax.bar(names, values, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(names))])
+        ax.tick_params(axis="x", labelrotation=20)
+    ax.set(title="held-out accuracy (ground truth) ± 2 SE", ylabel="mean score")
+    ax.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png")
@@ -117,66 +109,58 @@ def overview_png(metrics: dict[str, Series], path: Path) -> Path:
     return path
 
 
-def answer_table(pipeline: Pipeline, cache_path: Path) -> tuple[list[str], list[dict[str, Any]]]:
-    """The first report.prompts records of prompts.jsonl (the demo's val split: never trained on by SFT or the
-    RM, and PPO holds out the first val_fraction of them) answered greedily by each model that exists."""
-    records = load_jsonl(pipeline.demo / "prompts.jsonl")[: pipeline.config.report.prompts]
-    spec = next(
-        (pipeline.configs[s].data.tokenizer for s in ("sft", "ppo", "rm", "pretrain") if s in pipeline.configs),
-        "default",
-    )
-    models = {column: pipeline.upstream(stage) for column, stage in TABLE_MODELS.items()}
-    models = {column: path for column, (path, _) in models.items() if path is not None and path.is_dir()}
-    if not models:
-        return [], []
-    # Same models (by stage hash), prompts and settings as last time: reuse the answers, re-runs stay fast.
-    key = sha(
-        json.dumps(
-            [
-                spec,
-                pipeline.demo_hash,
-                str(pipeline.config.report),
-                [(c, pipeline.upstream(TABLE_MODELS[c])[1]) for c in models],
-            ]
-        )
-    )
-    if (cache := read_json(cache_path)) and cache.get("key") == key:
-        return cache["columns"], cache["rows"]
-    tokenizer = Tokenizer.load(spec)
-    prompt_ids = [tokenizer.encode_chat_prompt(r["messages"]) for r in records]
-    rows = [
-        {
-            "task": r["task"],
-            "prompt": r["messages"][-1]["content"],
-            "reference": r.get("answer", ""),
-            "answers": {},
-            "scores": {},
-        }
-        for r in records
-    ]
-    with tqdm(total=len(models) * len(records), desc="report: greedy answers", unit="prompt") as progress:
-        for column, path in models.items():
-            model = load_checkpoint(path).eval()
-            budget = max(
-                1,
-                min(
-                    pipeline.config.report.max_new_tokens,
-                    model.config.max_seq_len - max(map(len, prompt_ids), default=0),
-                ),
-            )
-            for start in range(0, len(records), 8):  # small batches: the bar moves
-                answers = answer_prompts(model, tokenizer, prompt_ids[start : start + 8], max_new_tokens=budget)
-                for row, record, answer in zip(rows[start:], records[start:], answers):
-                    row["answers"][column], row["scores"][column] = answer, score_example(record, answer)
-                progress.update(len(answers))
-    cache_path.write_text(json.dumps({"key": key, "columns": list(models), "rows": rows}, indent=1) + "\n")
-    return list(models), rows
-
-
 def _cell(text: str, limit: int = 120) -> str:
     text = " ⏎ ".join(line for line in text.strip().splitlines() if line.strip())
     text = text if len(text) <= limit else text[: limit - 1] + "…"
     return text.replace("|", "\\|") or "∅"
+
+
+def _pm(value: float | None, se: float | None = None) -> str:
+    if value is None or value != value:  # None or nan
+        return "n/a"
+    return f"{value:.3f}" if se is None else f"{value:.3f} ± {se:.3f}"
+
+
+def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int) -> list[str]:
+    """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE."""
+    lines = [
+        f"| model | held-out accuracy ± SE (n) | vs SFT (paired) ± SE | verdict | pass@{k} ± SE | KL to SFT (nats) | training s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for stage, result in results.items():
+        heldout, versus = result["heldout"], result.get("vs_sft")
+        pass_k = result.get("pass_at_k")
+        lines.append(
+            f"| {'base' if stage == 'pretrain' else stage} | {_pm(heldout['accuracy'], heldout['se'])} ({heldout['n']}) | "
+            f"{_pm(versus['difference'], versus['se']) if versus else '—'} | {versus['verdict'] if versus else '—'} | "
+            f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
+            f"{seconds.get(stage) if seconds.get(stage) is not None else '—'} |"
+        )
+    tasks = sorted({task for result in results.values() for task in result["heldout"]["per_task"]})
+    lines += [
+        "",
+        "Per task (accuracy ± SE):",
+        "",
+        "| model | " + " | ".join(tasks) + " |",
+        "|---" * (len(tasks) + 1) + "|",
+    ]
+    for stage, result in results.items():
+        cells = [result["heldout"]["per_task"].get(t) for t in tasks]
+        lines.append(f"| {stage} | " + " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells) + " |")
+    return lines
+
+
+def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds: dict[str, float | None]) -> dict:
+    stages: dict[str, Any] = {}
+    for stage in (s for s in pipeline.config.stages if s != "prepare"):
+        result = results.get(stage)
+        entry: dict[str, Any] = {"heldout": None, "kl": None, "seconds": seconds.get(stage)}
+        if result is not None:
+            entry.update(heldout=result["heldout"], kl=result.get("kl"))
+            entry.update({key: result[key] for key in ("pass_at_k", "vs_sft") if key in result})
+        stages[stage] = entry
+    report = pipeline.config.report
+    return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
 
 
 def write_report(pipeline: Pipeline) -> Path:
@@ -187,7 +171,7 @@ def write_report(pipeline: Pipeline) -> Path:
     title = (
         f"# Lantern pipeline `{pipeline.config.name}`\n\nFolder `{root}`, written {time.strftime('%Y-%m-%d %H:%M')}."
     )
-    lines, plots, metrics = [title, "", "## Stages", ""], [], {}
+    lines, plots, metrics, seconds = [title, "", "## Stages", ""], [], {}, {}
     if "prepare" in pipeline.config.stages:
         manifest = read_json(pipeline.corpus / "manifest.json") or {"splits": {}}
         tokens = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in manifest["splits"].items())
@@ -198,33 +182,50 @@ def write_report(pipeline: Pipeline) -> Path:
     for stage in (s for s in pipeline.config.stages if s != "prepare"):
         run_dir = pipeline.stage_dir(stage)
         metrics[stage] = stage_metrics(stage, run_dir)
-        seconds = (read_json(run_dir / RECORD) or {}).get("seconds")
+        seconds[stage] = (read_json(run_dir / RECORD) or {}).get("seconds")
         lines.append(
-            f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`"
+            f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds[stage]}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`"
         )
         for png in sorted(run_dir.glob("*.png")):
             shutil.copy2(png, report_dir / f"{stage}-{png.name}")
             plots.append(f"![{stage} {png.stem}](report/{stage}-{png.name})")
-    overview_png(metrics, report_dir / "overview.png")
+    prompts, results = evaluate_models(pipeline)
+    overview_png(metrics, results, report_dir / "overview.png")
+    write_atomically(
+        root / "report.json", json.dumps(report_json(pipeline, results, seconds), indent=2) + "\n", what="report"
+    )
+    if results:
+        k = pipeline.config.report.pass_k
+        lines += [
+            "", f"## Every model on the same {len(prompts)} held-out prompts", "",
+            f"Greedy answers scored by `{pipeline.config.report.checker}` (0 to 1). The difference from SFT is paired over "
+            "the same prompts; it is called a gain or a loss only beyond 2 standard errors. pass@k: k samples at "
+            f"temperature 1 on the first {pipeline.config.report.pass_k_prompts or len(prompts)} prompts. KL: the "
+            "policy's own samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
+            *comparison_lines(results, seconds, k),
+        ]  # fmt: skip
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
-
-    columns, rows = answer_table(pipeline, report_dir / "answers.json")
-    if not columns:
-        path.write_text("\n".join(lines) + "\n")
-        return path
-    lines += [
-        "",
-        f"## Greedy answers to {len(rows)} held-out prompts",
-        "",
-        "Score: the task's ground-truth checker, 0 to 1.",
-        "",
-    ]
-    lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
-    lines.append("|---" * (4 + len(columns)) + "|")
-    for i, row in enumerate(rows, start=1):
-        answers = " | ".join(f"{_cell(row['answers'][c], 80)} ({row['scores'][c]:.2f})" for c in columns)
-        lines.append(f"| {i} | {row['task']} | {_cell(row['prompt'])} | {_cell(row['reference'], 80)} | {answers} |")
-    means = " | ".join(f"**{sum(r['scores'][c] for r in rows) / max(len(rows), 1):.3f}**" for c in columns)
-    lines.append(f"| | **mean score** | | | {means} |")
+    if results:
+        lines += answer_lines(prompts, results, pipeline.config.report.prompts)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def answer_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str, Any]], count: int) -> list[str]:
+    """The first ``count`` held-out prompts with each model's greedy answer and its score."""
+    columns = list(results)
+    lines = ["", f"## Greedy answers to {min(count, len(prompts))} of the held-out prompts", ""]
+    lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
+    lines.append("|---" * (4 + len(columns)) + "|")
+    for i, prompt in enumerate(prompts[:count]):
+        record = prompt["record"]
+        cells = []
+        for c in columns:
+            score = results[c]["scores"][i]
+            cells.append(f"{_cell(results[c]['answers'][i], 80)} ({'n/a' if score is None else f'{score:.2f}'})")
+        question = record["messages"][-1]["content"] if record.get("messages") else str(record.get("prompt", ""))
+        reference = prompt.get("reference") or ""
+        lines.append(
+            f"| {i + 1} | {record.get('task', '')} | {_cell(question)} | {_cell(reference, 80)} | {' | '.join(cells)} |"
+        )
+    return lines

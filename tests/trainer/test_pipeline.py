@@ -1,4 +1,5 @@
-"""The end-to-end pipeline (prepare → pretrain → SFT → RM → PPO → report) on the tiny preset: what it leaves
+"""The end-to-end pipeline (prepare → pretrain → SFT → RM → PPO, GRPO, DPO, rejection sampling → report) on the
+tiny preset: what it leaves
 behind, incremental re-runs (skip, changed config, interrupted stage) and starting from a given checkpoint.
 
 The full run happens once per module (about a minute on 2 cores); the other slow tests build on its folder.
@@ -24,7 +25,8 @@ from trainer.pipeline_records import RECORD
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")
-MODEL_STAGES = ("pretrain", "sft", "rm", "ppo")
+MODEL_STAGES = ("pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling")
+POLICIES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # every stage whose final/ is an LM
 PROMPTS = 4  # report.prompts in tiny.yaml
 
 
@@ -88,18 +90,17 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
     for stage in ("prepare", *MODEL_STAGES):
         assert f"**{stage}**" in report
         assert (out / ("data" if stage == "prepare" else stage) / RECORD).is_file()
-    for number in ("val/loss", "val/accuracy", "eval/gt_score", "eval/rm_score", "ppo/kl"):
+    for number in ("val/loss", "val/accuracy", "eval/gt_score", "eval/reward", "ppo/kl", "grpo/kl", "reward_accuracy"):
         assert number in report
 
     links = re.findall(r"!\[[^\]]*\]\((report/[^)]+\.png)\)", report)
-    assert "report/overview.png" in links and {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval"} <= {
-        Path(p).stem for p in links
-    }
+    expected_plots = {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval", "grpo-eval", "dpo-accuracy"}
+    assert "report/overview.png" in links and expected_plots <= {Path(p).stem for p in links}
     for link in links:
         data = (out / link).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024, link
 
-    for stage in ("pretrain", "sft", "ppo"):
+    for stage in POLICIES:
         assert load_checkpoint(out / stage / "final").config.dim == 128
     _reward_model, metadata = load_scalar_model(out / "rm" / "final")
     assert metadata["stage"] == "rm" and "reward_std" in metadata
@@ -108,13 +109,35 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
     sft, ppo = (out / "sft" / "config.yaml").read_text(), (out / "ppo" / "config.yaml").read_text()
     assert f"checkpoint: {out / 'pretrain' / 'final'}" in sft and "group: tiny" in sft
     assert f"policy: {out / 'sft' / 'final'}" in ppo and f"reward_model: {out / 'rm' / 'final'}" in ppo
+    for stage in ("grpo", "dpo"):  # each alternative starts from the SFT model
+        assert f"policy: {out / 'sft' / 'final'}" in (out / stage / "config.yaml").read_text()
+    # rejection sampling's run folder holds the config of its fine-tuning, which starts from the SFT model too
+    assert f"checkpoint: {out / 'sft' / 'final'}" in (out / "rejection_sampling" / "config.yaml").read_text()
+    assert (out / "rejection_sampling" / "samples.jsonl").is_file()
+    grpo = (out / "grpo" / "config.yaml").read_text()
+    assert (
+        str(out / "data" / "demo" / "train_prompts.jsonl") in grpo
+        and str(out / "data" / "demo" / "prompts.jsonl") in grpo
+    )
 
     rows = _table_rows(report)
-    assert len(rows) == PROMPTS and all(len(row) == 4 + 3 for row in rows)  # #, task, prompt, reference + 3 models
-    assert "| base | sft | ppo |" in report and "**mean score**" in report
-    answers = json.loads((out / "report" / "answers.json").read_text())
-    assert answers["columns"] == ["base", "sft", "ppo"]
-    assert all(0.0 <= row["scores"][c] <= 1.0 for row in answers["rows"] for c in answers["columns"])
+    # #, task, prompt, reference + one answer per model
+    assert len(rows) == PROMPTS and all(len(row) == 4 + len(POLICIES) for row in rows)
+    assert "| model | held-out accuracy ± SE (n) | vs SFT (paired) ± SE | verdict |" in report
+
+    # report.json: the same numbers for other tools, every held-out prompt, one entry per stage
+    results = json.loads((out / "report.json").read_text())["stages"]
+    assert list(results) == list(MODEL_STAGES)
+    for stage in POLICIES:
+        heldout = results[stage]["heldout"]
+        assert set(heldout) == {"accuracy", "se", "n", "per_task"} and heldout["n"] == 16  # demo n_val
+        assert (
+            0.0 <= heldout["accuracy"] <= 1.0 and heldout["se"] >= 0.0 and isinstance(results[stage]["seconds"], float)
+        )
+        assert (results[stage]["kl"] is None) == (stage in ("pretrain", "sft"))
+        assert stage == "sft" or results[stage]["vs_sft"]["verdict"] in ("gain", "loss", "no clear difference")
+    assert results["rm"]["heldout"] is None  # not a policy: its own measure is pairwise accuracy
+    assert results["sft"]["pass_at_k"]["k"] == 2
 
 
 @pytest.mark.slow
@@ -134,9 +157,7 @@ def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, 
     assert _statuses(caplog) == {
         "prepare": "skipped: up to date",
         "pretrain": "skipped: up to date",
-        "sft": "ran",
-        "rm": "ran",
-        "ppo": "ran",
+        **{stage: "ran" for stage in MODEL_STAGES[1:]},  # SFT and everything after it
     }
     assert _mtimes(out / "pretrain") == before["pretrain"]
     assert json.loads((out / "sft" / "final" / "lantern.json").read_text())["metadata"]["step"] == 3
@@ -171,4 +192,4 @@ def test_alignment_stages_from_a_start_checkpoint(tiny_run, tmp_path, caplog, in
     report = (out / "report.md").read_text()
     assert "**sft**" in report and "**pretrain**" not in report
     rows = _table_rows(report)
-    assert len(rows) == PROMPTS and all(len(row) == 7 for row in rows)  # base = the start checkpoint
+    assert len(rows) == PROMPTS and all(len(row) == 4 + 3 for row in rows)  # base (the start checkpoint), SFT, PPO
