@@ -47,7 +47,7 @@ from alignment.rewards import Reward, build_reward
 from alignment.sft import run_sft
 from data.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer import Tokenizer
-from models.atomic import sha256_file, write_atomically
+from models.atomic import folder_fingerprint, sha256_file, write_atomically
 from models.checkpoint import load_checkpoint, load_model_config
 from models.errors import ConfigError, DataError, LanternError
 from models.generation import generate, left_pad
@@ -162,20 +162,13 @@ def load_training_prompts(config: RejectionSamplingConfig) -> list[dict[str, Any
 # ---- resume ----
 
 
-def _files_fingerprint(path: str) -> list[str]:
-    """Names, sizes and mtimes of a folder's files: notices a replaced model without reading gigabytes."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-    return [str(root.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists()]
-
-
 def sampling_digest(config: RejectionSamplingConfig, prompts: list[dict[str, Any]], tokenizer: Tokenizer) -> str:
     """The hash of what decides the samples (see the module docstring)."""
     digest = hashlib.sha256()
     settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling")}
     digest.update(json.dumps([FORMAT, settings, config.run.seed, tokenizer.fingerprint], sort_keys=True).encode())
     for path in [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]:
-        digest.update(json.dumps(_files_fingerprint(path)).encode())
+        digest.update(folder_fingerprint(path).encode())
     for prompt in prompts:
         digest.update(json.dumps([prompt["prompt_ids"], prompt["record"]], sort_keys=True, default=str).encode())
     return digest.hexdigest()

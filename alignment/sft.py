@@ -30,6 +30,7 @@ from trainer.callbacks import LossPlot
 from trainer.checks import check_initial_model
 from trainer.config import SFTConfig, to_dict
 from trainer.lm_module import LanguageModelModule
+from trainer.parallel import unsharded_for_generation
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +117,20 @@ class SFTModule(LanguageModelModule):
         mine = examples[self.global_rank :: self.trainer.world_size]
         answers = [""] * len(mine)
         cut = 0
-        for batch in plan_generations(mine, self.tokenizer, self.config, self.model.config.max_seq_len):
-            cut += batch.cut
-            replies = answer_prompts(
-                self.model,
-                self.tokenizer,
-                [mine[i]["prompt_ids"] for i in batch.indices],
-                max_new_tokens=batch.budgets,
-                batch_size=len(batch.indices),  # one generate call: its budgets were fitted to its longest prompt
-            )
-            for index, reply in zip(batch.indices, replies):
-                answers[index] = reply
+        # Every rank gathers FSDP weights exactly once here, whatever its number of batches (none, even): a
+        # gather per batch would leave a rank with fewer batches out of a collective, and the others waiting.
+        with unsharded_for_generation(self.model):
+            for batch in plan_generations(mine, self.tokenizer, self.config, self.model.config.max_seq_len):
+                cut += batch.cut
+                replies = answer_prompts(
+                    self.model,
+                    self.tokenizer,
+                    [mine[i]["prompt_ids"] for i in batch.indices],
+                    max_new_tokens=batch.budgets,
+                    batch_size=len(batch.indices),  # one generate call: its budgets were fitted to its longest prompt
+                )
+                for index, reply in zip(batch.indices, replies):
+                    answers[index] = reply
         # [correct, total] for short then long examples, then the cut references: one all-reduce
         counts = torch.zeros(2 * len(KINDS) + 1, device=self.device)
         for example, answer in zip(mine, answers):

@@ -241,8 +241,11 @@ def _container_mismatch(raw: Any, schema: type, prefix: str = "") -> str | None:
         kind = hints.get(str(name))
         if kind is None or value is None:
             continue
-        options = (kind, *typing.get_args(kind))
+        # a section is a dataclass (or an optional one); a list of sections (reward.terms) is a list, whose items
+        # are sections
+        options = (kind, *typing.get_args(kind)) if typing.get_origin(kind) is not list else (kind,)
         section = next((option for option in options if is_dataclass(option)), None)
+        lists = [option for option in options if option is list or typing.get_origin(option) is list]
         path = f"{prefix}{name}"
         if section is not None:
             if not isinstance(value, dict):
@@ -250,10 +253,15 @@ def _container_mismatch(raw: Any, schema: type, prefix: str = "") -> str | None:
             found = _container_mismatch(value, section, f"{path}.")
             if found:
                 return found
-        elif any(option is list or typing.get_origin(option) is list for option in options) and not isinstance(
-            value, list
-        ):
+        elif lists and not isinstance(value, list):
             return f"{path} must be a list, got {type(value).__name__} {value!r}"
+        elif lists and (item := next(iter(typing.get_args(lists[0])), None)) is not None and is_dataclass(item):
+            for index, element in enumerate(value):
+                if not isinstance(element, dict):
+                    return f"{path}[{index}] must be a section (a mapping of keys), got {type(element).__name__} {element!r}"
+                found = _container_mismatch(element, item, f"{path}[{index}].")
+                if found:
+                    return found
     return None
 
 

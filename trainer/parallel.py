@@ -160,10 +160,12 @@ def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
     """Gather FSDP2-sharded weights once for a whole generation, instead of an all-gather per layer per token.
 
     While inside, each rank holds the full weights and forward passes run no collectives, so ranks may
-    generate different numbers of tokens. A no-op for models that are not sharded.
+    generate different numbers of tokens. A no-op for models that are not sharded, and inside another such block
+    (reentrant): a caller whose ranks make different numbers of generate calls wraps them all in one block, which
+    every rank enters exactly once.
     """
     sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if not sharded:
+    if not sharded or getattr(model, "_lantern_unsharded", False):  # not sharded, or already gathered by a caller
         yield
         return
     if isinstance(model, FSDPModule):
@@ -177,9 +179,11 @@ def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
     for module in sharded:
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()
+    model._lantern_unsharded = True
     try:
         yield
     finally:
+        model._lantern_unsharded = False
         for module, reshard in zip(sharded, reshards):
             module.reshard()
             module.set_reshard_after_forward(reshard, recurse=False)

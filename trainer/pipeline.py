@@ -39,6 +39,7 @@ from data.demo_tasks import write_demo_dataset
 from data.prepare import prepare
 from data.prompts import PromptDataConfig, load_prompts
 from data.tokenizer import Tokenizer
+from models.atomic import folder_fingerprint
 from models.errors import ConfigError
 from trainer.config import PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
 from trainer.dpo_config import DPOConfig
@@ -46,7 +47,6 @@ from trainer.pipeline_records import (
     PENDING,
     RECORD,
     data_hash,
-    folder_fingerprint,
     read_json,
     sha,
     stage_state,

@@ -4,7 +4,7 @@ A stage that starts writes ``pipeline_stage.pending.json`` (``PENDING``) with th
 one writes ``pipeline_stage.json`` (``RECORD``): the hash of its fully resolved config and of its inputs' hashes.
 ``stage_state`` reads them back for a stage about to run: up to date (skip it), interrupted with the same hash
 (resume it), or neither (train it from scratch). Inputs are identified cheaply: prepared data by its manifest, a
-checkpoint folder from outside the pipeline by its files' names, sizes and mtimes.
+checkpoint folder from outside the pipeline by its files' names, sizes and mtimes (``models.atomic.folder_fingerprint``).
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def data_hash(manifest: dict[str, Any]) -> str:
     return sha(json.dumps(manifest, sort_keys=True))  # the manifest names inputs (sha256), tokenizer, settings
-
-
-def folder_fingerprint(path: Path) -> str:
-    """Names, sizes and mtimes: enough to notice a replaced start checkpoint without hashing gigabytes."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-    return sha(
-        str(path.resolve()), *(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
-    )
 
 
 def write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> None:

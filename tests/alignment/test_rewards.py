@@ -4,10 +4,14 @@ one is a one-line error naming the key, before any compute."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from alignment.rewards import load_checker
+from alignment.rewards import build_reward, load_checker
 from data.demo_scoring import score_example
 from models.errors import ConfigError
+from models.heads import ScalarModel, save_scalar_model
+from models.model import ModelConfig
+from trainer.rl_config import RewardTermConfig
 
 
 def test_an_import_path_names_the_function():
@@ -42,10 +46,6 @@ def test_a_bad_path_is_one_line_naming_the_key(path, message):
 
 
 def test_reward_is_the_weighted_sum_of_checker_and_exact_match_terms():
-    import torch
-
-    from alignment.rewards import build_reward
-    from trainer.rl_config import RewardTermConfig
 
     reward = build_reward(
         [
@@ -65,12 +65,6 @@ def test_reward_is_the_weighted_sum_of_checker_and_exact_match_terms():
 
 
 def test_a_reward_model_term_is_normalised_by_its_exported_statistics(tmp_path):
-    import torch
-
-    from alignment.rewards import build_reward
-    from models.heads import ScalarModel, save_scalar_model
-    from models.model import ModelConfig
-    from trainer.rl_config import RewardTermConfig
 
     torch.manual_seed(0)
     config = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=300, multiple_of=16, max_seq_len=16)
@@ -95,8 +89,6 @@ def test_a_reward_model_term_is_normalised_by_its_exported_statistics(tmp_path):
     ],
 )
 def test_bad_reward_terms_are_one_line_errors_naming_the_term(term, message):
-    from alignment.rewards import build_reward
-    from trainer.rl_config import RewardTermConfig
 
     with pytest.raises(ConfigError, match=message):
         build_reward([RewardTermConfig(**term)])

@@ -331,3 +331,17 @@ def test_sft_with_answers_longer_than_the_context_validates_instead_of_crashing(
         cut = [float(row["val/cut_references"]) for row in csv.DictReader(handle) if row["val/cut_references"]]
     assert cut == [4.0]  # all four references are longer than the room their prompts leave: counted as cut
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("logger.kindx=none", "invalid config key 'logger.kindx'"),  # not blamed on reward.terms (a list of sections)
+        ("reward.terms=[{kind: checker, pathx: a}]", "'pathx'.*Did you mean: 'path'"),
+        ("reward.terms=[3]", r"reward.terms\[0\] must be a section"),
+        ("reward.terms=5", "reward.terms must be a list"),
+    ],
+)
+def test_lists_of_sections_get_errors_that_name_the_right_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOConfig, ROOT / "configs/grpo/tiny.yaml", [override])
