@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import alignment_compare
 from benchmarks.bench_pretrain import recomputed_flops
 from benchmarks.gpu_table import render
 from tests.helpers import subprocess_env
 from trainer.config import PretrainConfig, load_config
+from trainer.pipeline import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/pretrain/tiny.yaml"), "--seq-len", "64", "--micro-batch", "4", "--threads", "1",
@@ -171,3 +173,22 @@ def test_every_benchmark_runs_as_a_module_of_the_installed_project(name):
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_alignment_compare_runs_every_method_from_one_sft_model(tmp_path, monkeypatch):
+    """The benchmark on the tiny pipeline: each method trains from the same SFT model on its budget and is scored
+    on the same held-out prompts, with KL to SFT; the table, JSON and PNG are written."""
+    monkeypatch.chdir(ROOT)
+    config = str(ROOT / "configs/pipeline/tiny.yaml")
+    pipeline = run_pipeline(config, [f"out_dir={tmp_path / 'p'}", "stages=[prepare,pretrain,sft,rm]"])
+    arguments = ["--pipeline", str(pipeline), "--config", config, "--samples", "8", "--out", str(tmp_path / "c")]
+    alignment_compare.main([*arguments, "dpo.loader.micro_batch_size=2"])  # 2 pairs a step: 4 responses
+    summary = json.loads((tmp_path / "c" / "alignment_compare.json").read_text())
+    assert list(summary["methods"]) == ["sft", *alignment_compare.METHODS]
+    assert summary["budgets"] == {"ppo": 8, "grpo": 8, "rloo": 8, "dpo": 8, "rejection_sampling": 8}
+    for name, result in summary["methods"].items():
+        assert result["heldout"]["n"] == 16 and (result["kl"] is None) == (name == "sft")
+        assert name == "sft" or result["vs_sft"]["verdict"] in ("gain", "loss", "no clear difference")
+    assert "rloo" in (tmp_path / "c" / "alignment_compare.md").read_text()
+    assert (tmp_path / "c" / "alignment_compare.png").read_bytes()[:4] == b"\x89PNG"

@@ -307,11 +307,9 @@ RUNNERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
-    """Run the configured stages (skipping the up-to-date ones), write OUT_DIR/report.md, print where
-    everything is and return OUT_DIR."""
-    # STAGE.KEY=VALUE (e.g. sft.trainer.max_steps=50) is appended to that stage's overrides: one stage
-    # setting changes from the command line without restating the preset's list
+def load_pipeline_config(config_path: str | None, overrides: list[str]) -> PipelineConfig:
+    """The pipeline config with its overrides. STAGE.KEY=VALUE (e.g. sft.trainer.max_steps=50) is appended to that
+    stage's overrides: one stage setting changes from the command line without restating the preset's list."""
     staged: dict[str, list[str]] = {}
     plain = []
     for item in overrides:
@@ -323,6 +321,13 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     config = load_config(PipelineConfig, config_path, plain)
     for stage, items in staged.items():
         getattr(config, stage).overrides.extend(items)
+    return config
+
+
+def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
+    """Run the configured stages (skipping the up-to-date ones), write OUT_DIR/report.md, print where
+    everything is and return OUT_DIR."""
+    config = load_pipeline_config(config_path, overrides)
     pipeline = Pipeline(config)
     pipeline.run()
     report = write_report(pipeline)

@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # for annotations only: trainer.pipeline imports the report, 
     from trainer.pipeline import Pipeline, ReportSection
 
 POLICY_STAGES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # stages whose final/ is an LM
-AFTER_SFT = ("ppo", "grpo", "dpo", "rejection_sampling")
 
 
 def heldout_prompts(demo: Path, report: ReportSection, tokenizer: Tokenizer) -> list[dict[str, Any]]:
@@ -74,7 +73,7 @@ def evaluate_stage(
         sample_scores = [[checker(p["record"], a) for a in group] for p, group in zip(subset, samples)]
         result["pass_at_k"] = pass_at_k_summary(subset, sample_scores, report.pass_k)
     result["kl"] = None
-    if stage in AFTER_SFT and sft is not None:
+    if sft is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
         reference = load_checkpoint(sft).eval()
         result["kl"] = sampled_kl(
             model, reference, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator

@@ -1,0 +1,140 @@
+"""PPO, GRPO, RLOO, DPO and rejection sampling from the same SFT model at a comparable sample budget: held-out
+accuracy ± SE, the paired difference from SFT (a gain only beyond 2 SE), pass@k, KL to the SFT model and wall time,
+as a table (printed, and written as markdown), JSON and a PNG.
+
+    lantern pipeline configs/pipeline/default.yaml            # once: the SFT model, reward model and demo data
+    python -m benchmarks.alignment_compare --pipeline runs/pipeline-default [--samples 1024] [--out DIR]
+
+Every method runs its stage exactly as the pipeline would (the same preset, the same overrides, the same wiring
+to the SFT model, reward model and demo data: ``Pipeline.load_stage_config``), and every final model is scored
+exactly as the pipeline's report scores it (``trainer.pipeline_eval.evaluate_stage``), so the methods differ only
+in their algorithm and in the number of steps the budget buys. The budget counts responses the method learns
+from: PPO rollouts × prompts; GRPO/RLOO rollouts × prompts × group size; rejection sampling prompts × K samples;
+DPO optimizer steps × pairs × 2 (its responses come from the preference data, not from the policy). Wall time
+is each stage's own, measured in this run; it varies with the machine and its load, the accuracies do not (the
+same machine, threads and seeds give the same numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from data.tokenizer import Tokenizer
+from models.atomic import write_atomically
+from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
+from trainer.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts
+from trainer.pipeline_report import comparison_lines
+
+# method -> (the pipeline stage that runs it, overrides that make it this method)
+METHODS: dict[str, tuple[str, list[str]]] = {
+    "ppo": ("ppo", []),
+    "grpo": ("grpo", ["grpo.baseline=grpo"]),
+    "rloo": ("grpo", ["grpo.baseline=rloo"]),
+    "dpo": ("dpo", []),
+    "rejection_sampling": ("rejection_sampling", []),
+}
+
+
+def apply_budget(stage: str, config: Any, samples: int) -> int:
+    """Set the steps (or prompts) ``samples`` responses buy; returns the responses actually used."""
+    if stage == "ppo":
+        config.trainer.max_steps = max(1, samples // config.ppo.rollout_batch_size)
+        return config.trainer.max_steps * config.ppo.rollout_batch_size
+    if stage == "grpo":
+        per_rollout = config.grpo.prompts_per_rollout * config.grpo.group_size
+        config.trainer.max_steps = max(1, samples // per_rollout)
+        return config.trainer.max_steps * per_rollout
+    if stage == "rejection_sampling":
+        config.sampling.prompts = max(1, samples // config.sampling.samples_per_prompt)
+        return config.sampling.prompts * config.sampling.samples_per_prompt
+    if stage == "dpo":
+        per_step = 2 * config.loader.micro_batch_size * config.trainer.accumulate_grad_batches
+        config.trainer.max_steps = max(1, samples // per_step)
+        return config.trainer.max_steps * per_step
+    raise ValueError(f"no budget rule for stage {stage!r}")
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Held-out accuracy with 2-SE error bars, and KL to the SFT model, per method."""
+    import matplotlib  # deferred, with its backend chosen first
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    accuracy = [results[n]["heldout"]["accuracy"] for n in names]
+    left.bar(names, accuracy, yerr=[2 * results[n]["heldout"]["se"] for n in names], capsize=4, color="C0")
+    left.set(title="held-out accuracy (ground truth) ± 2 SE", ylabel="mean score")
+    right.bar(names, [results[n].get("kl") or 0.0 for n in names], color="C1")
+    right.set(title="KL to the SFT model (nats per response)", ylabel="KL")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.alignment_compare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--pipeline", required=True, help="a finished pipeline folder (its sft/, rm/, data/demo/)")
+    parser.add_argument("--config", default="configs/pipeline/default.yaml", help="the pipeline config it ran with")
+    parser.add_argument("--samples", type=int, default=1024, help="responses each method learns from")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", default=None, help="default: PIPELINE/alignment-compare")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="pipeline config overrides (STAGE.KEY=V)")
+    args = parser.parse_args(argv)
+
+    root = Path(args.pipeline)
+    out = Path(args.out) if args.out else root / "alignment-compare"
+    config = load_pipeline_config(args.config, [*args.overrides, f"out_dir={root}", "logger.kind=csv"])
+    pipeline = Pipeline(config)
+    pipeline.write_demo()  # idempotent: the same files the pipeline wrote, checked disjoint again
+    sft = pipeline.upstream("sft")[0]
+    if sft is None:
+        raise SystemExit(f"{root} has no finished SFT stage: run `lantern pipeline {args.config}` first")
+    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
+    prompts = heldout_prompts(pipeline.demo, config.report, tokenizer)
+    results = {"sft": evaluate_stage(config.report, "sft", sft, prompts, tokenizer, None)}
+    seconds: dict[str, float | None] = {"sft": None}
+    budgets: dict[str, int] = {}
+    for method in args.methods:
+        stage, extra = METHODS[method]
+        getattr(config, stage).overrides.extend(extra)
+        stage_config, _ = pipeline.load_stage_config(stage)
+        for item in extra:  # load_stage_config has the overrides; leave the pipeline's section as it was
+            getattr(config, stage).overrides.remove(item)
+        stage_config.run.out_dir, stage_config.run.name = str(out), method
+        training_section(stage_config).checkpoint.resume = "none"
+        budgets[method] = apply_budget(stage, stage_config, args.samples)
+        print(f"\n=== {method}: {budgets[method]} responses ===", flush=True)
+        start = time.perf_counter()
+        RUNNERS[stage](stage_config)
+        seconds[method] = round(time.perf_counter() - start, 1)
+        results[method] = evaluate_stage(config.report, method, out / method / "final", prompts, tokenizer, sft)
+    compare_with_sft(results)
+
+    k = config.report.pass_k
+    table = "\n".join(comparison_lines(results, seconds, k))
+    print(f"\n{len(prompts)} held-out prompts; budget {args.samples} responses per method ({budgets})\n\n{table}")
+    summary = {
+        "samples": args.samples, "budgets": budgets, "heldout_prompts": len(prompts), "seconds": seconds,
+        "methods": {name: {key: value for key, value in result.items() if key not in ("answers", "scores")}
+                    for name, result in results.items()},
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / "alignment_compare.json", json.dumps(summary, indent=2) + "\n", what="results")
+    write_atomically(out / "alignment_compare.md", table + "\n", what="results table")
+    plot(results, out / "alignment_compare.png")
+    print(f"\nwrote {out / 'alignment_compare.json'}, {out / 'alignment_compare.md'}, {out / 'alignment_compare.png'}")
+
+
+if __name__ == "__main__":
+    main()
