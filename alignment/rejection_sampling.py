@@ -41,16 +41,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
-from alignment.rewards import Reward, build_reward
+from alignment.rewards import build_reward
+from alignment.sampling import sample_and_score
 from alignment.sft import run_sft
 from data.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer import Tokenizer
 from models.atomic import folder_fingerprint, sha256_file, write_atomically
 from models.checkpoint import load_checkpoint, load_model_config
 from models.errors import ConfigError, DataError, LanternError
-from models.generation import generate, left_pad
 from models.model import ModelConfig
 from trainer.build import check_trainer_config, run_directory
 from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
@@ -197,51 +196,6 @@ def wait_for_rank_zero(run_dir: Path, digest: str) -> None:
 
 
 @torch.no_grad()
-def sample_and_score(
-    config: RejectionSamplingConfig,
-    policy: torch.nn.Module,
-    tokenizer: Tokenizer,
-    reward: Reward,
-    prompts: list[dict[str, Any]],
-    *,
-    rank: int = 0,
-) -> list[dict[str, Any]]:
-    """K samples of each prompt, in prompt order: per sample its answer, score, term scores, length and
-    whether it ended with an end of turn. Batches of ``sampling.batch_size`` prompts of similar length."""
-    sampling = config.sampling
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device).manual_seed(config.run.seed + rank)
-    samples: list[dict[str, Any]] = [{} for _ in range(len(prompts) * sampling.samples_per_prompt)]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))
-    stops = sorted(tokenizer.stop_ids)
-    with tqdm(total=len(prompts), desc="sampling", unit="prompt", disable=rank != 0) as progress:
-        for start in range(0, len(order), sampling.batch_size):
-            chunk = order[start : start + sampling.batch_size]
-            rows = [i for i in chunk for _ in range(sampling.samples_per_prompt)]
-            ids = [prompts[i]["prompt_ids"] for i in rows]
-            out = generate(
-                policy, ids, max_new_tokens=sampling.response_max_tokens, temperature=sampling.temperature,
-                top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=stops, pad_id=tokenizer.pad_id,
-                generator=generator, compile=config.sft.trainer.compile and device.type == "cuda",
-            )  # fmt: skip
-            prompt_ids, prompt_real = left_pad(ids, tokenizer.pad_id, device)
-            input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)
-            real = torch.cat([prompt_real, out.mask.to(device)], dim=1)
-            tokens = [out.tokens[row][out.mask[row]].tolist() for row in range(len(rows))]
-            answers = [tokenizer.decode([t for t in row if t not in tokenizer.stop_ids]) for row in tokens]
-            total, parts = reward.score([prompts[i] for i in rows], answers, input_ids, real)
-            for row, (index, answer) in enumerate(zip(rows, answers)):
-                samples[index * sampling.samples_per_prompt + row % sampling.samples_per_prompt] = {
-                    "answer": answer,
-                    "score": float(total[row]),
-                    "scores": {name: float(values[row]) for name, values in parts.items()},
-                    "tokens": len(tokens[row]),
-                    "ended": bool(tokens[row]) and tokens[row][-1] in tokenizer.stop_ids,
-                }
-            progress.update(len(chunk))
-    return samples
-
-
 def keep_best(
     config: RejectionSamplingConfig, prompts: list[dict[str, Any]], samples: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -305,7 +259,13 @@ def run_sampling(
     sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     mine = list(range(rank, len(prompts), world))
-    samples = sample_and_score(config, policy, tokenizer, reward, [prompts[i] for i in mine], rank=rank)
+    sampling = config.sampling
+    samples = sample_and_score(
+        policy, tokenizer, reward, [prompts[i] for i in mine], samples_per_prompt=sampling.samples_per_prompt,
+        response_max_tokens=sampling.response_max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, batch_size=sampling.batch_size, seed=config.run.seed,
+        compile=config.sft.trainer.compile, rank=rank,
+    )  # fmt: skip
     unjudged = reward.unjudged  # samples a checker could not judge (scored 0)
     del policy, reward
     if on_gpu:

@@ -6,7 +6,10 @@ side is the head's output at its last real token, the reply's <|eot_id|>. The lo
 the whole optimizer step (alignment/losses.py's convention), so 1 x 8 accumulation equals 8 x 1.
 
 At the end, the reward's mean and std over (up to ``loss.normalization_pairs``) training pairs go into the
-exported model's metadata: PPO computes ``(reward - reward_mean) / reward_std`` (``normalize_reward``).
+exported model's metadata: PPO computes ``(reward - reward_mean) / reward_std`` (``alignment.rewards.normalize_reward``).
+
+``policy_samples`` trains (or refreshes) the model on the policy's own samples labelled by a checker, and
+measures its agreement with the checker on the policy's samples of held-out prompts (alignment/policy_pairs.py).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from alignment.policy_pairs import measure_agreement, write_policy_pairs
 from alignment.sft import load_initial_model
 from data.preference_datamodule import PreferenceDataModule
 from data.tokenizer import Tokenizer
 from models.errors import ConfigError
 from models.heads import ScalarModel
-from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.build import check_trainer_config, fit_stage, run_directory, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.checks import check_initial_model
 from trainer.config import RMConfig, to_dict
@@ -54,13 +58,6 @@ def normalization_from_moments(moments: Tensor) -> dict[str, float]:
         raise ValueError("no rewards to compute the normalisation from")
     mean = total / count
     return {"reward_mean": mean, "reward_std": max(squares / count - mean * mean, 0.0) ** 0.5}
-
-
-def normalize_reward(reward: Tensor, metadata: dict[str, Any], eps: float = 1e-6) -> Tensor:
-    """(reward - mean) / std with a reward model's exported statistics; unchanged when it has none."""
-    if "reward_mean" not in metadata:
-        return reward
-    return (reward - metadata["reward_mean"]) / max(float(metadata["reward_std"]), eps)
 
 
 class RewardModule(LanguageModelModule):
@@ -187,6 +184,13 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
+    samples = config.policy_samples
+    if samples.policy and samples.train != "none":
+        # every process of a launch samples the same pairs (seeded) and writes the same file atomically
+        folder = run_directory(config.run.out_dir, config.run.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        pairs = str(write_policy_pairs(config, folder, tokenizer))
+        config.data.train = [pairs] if samples.train == "replace" else [*config.data.train, pairs]
     datamodule = PreferenceDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
@@ -218,4 +222,9 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         ),
         *(extra_callbacks or []),
     ]
-    return fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)
+    run_dir = fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)
+    if run_dir is not None and samples.policy and samples.heldout:  # rank 0, after the export
+        result = measure_agreement(config, run_dir, tokenizer)
+        log.info("reward model vs %s on the policy's own samples: %.3f agreement over %d pairs",
+                 samples.checker, result["agreement"], result["pairs"])  # fmt: skip
+    return run_dir

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from alignment.reward import normalize_reward
 from models.errors import ConfigError
 from models.generation import ids_and_positions
 from models.heads import ScalarModel, gather_last, load_scalar_model
@@ -48,6 +47,13 @@ def load_checker(path: str, key: str) -> Checker | None:
     if not callable(checker):
         raise ConfigError(f"{key}: {module_name!r} has no function {function_name!r}")
     return checker
+
+
+def normalize_reward(reward: Tensor, metadata: dict[str, Any], eps: float = 1e-6) -> Tensor:
+    """(reward - mean) / std with a reward model's exported statistics; unchanged when it has none."""
+    if "reward_mean" not in metadata:
+        return reward
+    return (reward - metadata["reward_mean"]) / max(float(metadata["reward_std"]), eps)
 
 
 def exact_match_score(prompt: dict[str, Any], answer: str) -> float | None:

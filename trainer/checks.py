@@ -95,6 +95,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "samples_per_prompt": AT_LEAST_1,
     "keep_per_prompt": AT_LEAST_1,
     "min_score": ANY_FINITE,
+    "max_prompts": AT_LEAST_0,
     # data
     "val_fraction": UNIT_HALF_OPEN,
     "shard_tokens": AT_LEAST_1,

@@ -174,6 +174,23 @@ class RMLossConfig:
 
 
 @dataclass
+class PolicySamplesConfig:
+    # The policy's own samples labelled by a checker (alignment/policy_pairs.py): pairs to train the reward model on
+    # (the best of samples_per_prompt answers preferred over the worst), and the trained model's agreement with the
+    # checker on the policy's samples of held-out prompts. policy None: off.
+    policy: str | None = None  # the model to sample from: the SFT policy the reward model will guide
+    checker: str = ""  # "package.module:function" (alignment/rewards.py), e.g. data.demo_scoring:score_example
+    prompts: list[str] = field(default_factory=list)  # training prompts the pairs are sampled from
+    heldout: list[str] = field(default_factory=list)  # prompts the agreement is measured on; empty: not measured
+    train: Literal["add", "replace", "none"] = "add"  # the pairs join data.train, replace it, or only measure
+    samples_per_prompt: int = 4
+    max_prompts: int = 0  # prompts sampled from each list; 0: all of them
+    temperature: float = 1.0
+    response_max_tokens: int = 48
+    batch_size: int = 16
+
+
+@dataclass
 class RMConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="rm"))
     init: InitConfig = field(default_factory=InitConfig)  # checkpoint: the SFT model folder
@@ -181,6 +198,7 @@ class RMConfig:
     data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
     loss: RMLossConfig = field(default_factory=RMLossConfig)
+    policy_samples: PolicySamplesConfig = field(default_factory=PolicySamplesConfig)
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=20, weight_decay=0.0)
     )

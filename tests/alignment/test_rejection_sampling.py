@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment import rejection_sampling
+from alignment import rejection_sampling, sampling
 from alignment.rejection_sampling import SAMPLES, STATS, keep_best, pass_at_k, run_rejection_sampling, select_best
 from data.demo_tasks import write_demo_dataset
 from data.sft import build_sft_data
@@ -149,7 +149,7 @@ def test_run_writes_samples_and_final_and_resume_does_not_sample_again(setup, tm
     ],
 )
 def test_bad_config_is_one_line_before_compute(setup, tmp_path, monkeypatch, override, message):
-    monkeypatch.setattr(rejection_sampling, "generate", None)  # any sampling would fail with another error
+    monkeypatch.setattr(sampling, "generate", None)  # any sampling would fail with another error
     with pytest.raises(ConfigError, match=message) as caught:
         run_rejection_sampling(rs_config(setup, tmp_path, override))
     assert "\n" not in str(caught.value)

@@ -16,10 +16,10 @@ from alignment.reward import (
     bradley_terry_loss,
     load_initial_reward_model,
     normalization_from_moments,
-    normalize_reward,
     reward_moments,
     run_rm,
 )
+from alignment.rewards import normalize_reward
 from data.demo_tasks import write_demo_dataset
 from data.preference import build_preference_data
 from data.tokenizer import Tokenizer
