@@ -185,7 +185,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
     samples = config.policy_samples
-    if samples.policy and samples.train != "none":
+    if samples.policy and samples.checker and samples.train != "none":
         # every process of a launch samples the same pairs (seeded) and writes the same file atomically
         folder = run_directory(config.run.out_dir, config.run.name)
         folder.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         *(extra_callbacks or []),
     ]
     run_dir = fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)
-    if run_dir is not None and samples.policy and samples.heldout:  # rank 0, after the export
+    if run_dir is not None and samples.policy and samples.checker and samples.heldout:  # rank 0, after the export
         result = measure_agreement(config, run_dir, tokenizer)
         log.info("reward model vs %s on the policy's own samples: %.3f agreement over %d pairs",
                  samples.checker, result["agreement"], result["pairs"])  # fmt: skip

@@ -66,8 +66,8 @@ def make_mentions_word(pool: Pool, rng: random.Random, i: int) -> TaskOutput:
                 return prompt, answer, {**_passage_meta(p, answer), "word": word}
 
 
-def make_line_count(pool: Pool, rng: random.Random, i: int) -> TaskOutput:
-    n = rng.randint(1, MAX_PASSAGE_LINES)
+def make_line_count(pool: Pool, rng: random.Random, i: int, max_lines: int = MAX_PASSAGE_LINES) -> TaskOutput:
+    n = rng.randint(1, max_lines)
     p = pool.passage(rng, n)
     # "lines of speech": the "NAME:" headers and blank lines are not counted, which the
     # prompt says so the question has one reading.
@@ -107,7 +107,8 @@ def reject_yes_no(pool: Pool, rng: random.Random, meta: dict[str, Any]) -> str:
 
 
 def reject_digit(pool: Pool, rng: random.Random, meta: dict[str, Any]) -> str:
-    return rng.choice([str(d) for d in range(1, MAX_PASSAGE_LINES + 1) if str(d) != meta["answer"]])
+    top = max(MAX_PASSAGE_LINES, int(meta["answer"]))  # passages of up to 4 lines, or longer for line_count_max > 4
+    return rng.choice([str(d) for d in range(1, top + 1) if str(d) != meta["answer"]])
 
 
 def reject_repeat(pool: Pool, rng: random.Random, meta: dict[str, Any]) -> str:
@@ -197,12 +198,17 @@ def _record(task: Task, prompt: str, answer: str, meta: dict[str, Any]) -> dict[
     }
 
 
-def _build(pool: Pool, n: int, rng: random.Random, short_share: float) -> list[dict[str, Any]]:
+def _build(
+    pool: Pool, n: int, rng: random.Random, short_share: float, line_count_max: int = MAX_PASSAGE_LINES
+) -> list[dict[str, Any]]:
+    if not 1 <= line_count_max <= 9:  # one digit, as the prompt asks
+        raise ValueError(f"line_count_max must be in [1, 9], got {line_count_max}")
+    options = {"line_count": {"max_lines": line_count_max}}
     records = []
     for name, count in _task_counts(n, short_share):
         task = TASKS[name]
         for i in range(count):
-            prompt, answer, meta = task.make(pool, rng, i)
+            prompt, answer, meta = task.make(pool, rng, i, **options.get(name, {}))
             if score(name, meta, answer) != 1.0:  # the reference must be perfect by its own checker
                 raise AssertionError(f"{name}: reference answer does not score 1.0: {answer!r}")
             records.append(_record(task, prompt, answer, meta))
@@ -217,11 +223,13 @@ def build_examples(
     corpus_path: str | Path = DEFAULT_CORPUS,
     short_share: float = 0.3,
     split: str = "all",
+    line_count_max: int = MAX_PASSAGE_LINES,
 ) -> list[dict[str, Any]]:
     """n chat records ({"messages", "task", "kind", "answer", "meta"}), deterministic in
-    (n, seed, corpus, short_share, split). split: "all", or "train"/"val" (disjoint speeches)."""
+    (n, seed, corpus, short_share, split, line_count_max). split: "all", or "train"/"val" (disjoint speeches).
+    line_count_max: the longest passage line_count asks about (4 by default, like every task's passages)."""
     pool = load_corpus(corpus_path).pool(split)
-    return _build(pool, n, random.Random(f"demo-examples:{split}:{seed}"), short_share)
+    return _build(pool, n, random.Random(f"demo-examples:{split}:{seed}"), short_share, line_count_max)
 
 
 def build_pairs(
@@ -231,6 +239,7 @@ def build_pairs(
     corpus_path: str | Path = DEFAULT_CORPUS,
     short_share: float = 0.3,
     split: str = "train",
+    line_count_max: int = MAX_PASSAGE_LINES,
 ) -> list[dict[str, Any]]:
     """n preference pairs {"prompt": [user turn], "chosen", "rejected", "task", "kind", "meta"}.
     chosen is the reference answer, rejected a rule-made wrong answer with a strictly lower
@@ -238,7 +247,7 @@ def build_pairs(
     pool = load_corpus(corpus_path).pool(split)
     rng = random.Random(f"demo-pairs:{split}:{seed}")  # own stream: pair prompts differ from SFT's
     pairs = []
-    for record in _build(pool, n, rng, short_share):
+    for record in _build(pool, n, rng, short_share, line_count_max):
         chosen, task = record["answer"], TASKS[record["task"]]
         for _ in range(100):
             rejected = task.reject(pool, rng, record["meta"])

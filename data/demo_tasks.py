@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from data.demo_corpus import DEFAULT_CORPUS, default_tokenizer
-from data.demo_examples import TASKS, build_examples, build_pairs, prompt_records
+from data.demo_examples import MAX_PASSAGE_LINES, TASKS, build_examples, build_pairs, prompt_records
 from data.sources import check_utf8
 from models.atomic import write_atomically
 from models.errors import DataError
@@ -110,6 +110,8 @@ def write_demo_dataset(
     n_pairs: int = 2000,
     seed: int = 0,
     corpus_path: str | Path = DEFAULT_CORPUS,
+    short_share: float = 0.3,
+    line_count_max: int = MAX_PASSAGE_LINES,
 ) -> dict[str, Path]:
     """Write train/val/prompts/train_prompts/pairs.jsonl + demo_manifest.json under out_dir and return
     their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
@@ -126,6 +128,8 @@ def write_demo_dataset(
         "n_val": n_val,
         "n_pairs": n_pairs,
         "seed": seed,
+        "short_share": short_share,
+        "line_count_max": line_count_max,
         "corpus_sha256": hashlib.sha256(corpus_file.read_bytes()).hexdigest(),
         # first_speaker's name pool depends on the default tokenizer
         "tokenizer": default_tokenizer().fingerprint,
@@ -137,9 +141,10 @@ def write_demo_dataset(
         except (OSError, ValueError):
             pass  # unreadable manifest: rebuild
 
-    train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train")
-    val = build_examples(n_val, seed=seed, corpus_path=corpus_file, split="val")
-    pairs = build_pairs(n_pairs, seed=seed, corpus_path=corpus_file, split="train")
+    shape = {"short_share": short_share, "line_count_max": line_count_max}
+    train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train", **shape)
+    val = build_examples(n_val, seed=seed, corpus_path=corpus_file, split="val", **shape)
+    pairs = build_pairs(n_pairs, seed=seed, corpus_path=corpus_file, split="train", **shape)
     # Manifest goes first and comes back last: an interrupted rewrite leaves no manifest,
     # so the next call rebuilds instead of trusting a mix of old and new files.
     paths["manifest"].unlink(missing_ok=True)
@@ -181,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n-pairs", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS))
+    parser.add_argument("--short-share", type=float, default=0.3, help="share of short-answer examples")
+    parser.add_argument("--line-count-max", type=int, default=MAX_PASSAGE_LINES, help="longest line_count passage")
     args = parser.parse_args(argv)
 
     paths = write_demo_dataset(
@@ -190,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         n_pairs=args.n_pairs,
         seed=args.seed,
         corpus_path=args.corpus,
+        short_share=args.short_share,
+        line_count_max=args.line_count_max,
     )
     train = load_jsonl(paths["train"])
     for key in DATA_FILES:

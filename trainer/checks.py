@@ -108,6 +108,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "n_train": AT_LEAST_1,
     "n_val": AT_LEAST_1,
     "n_pairs": AT_LEAST_1,
+    "short_share": UNIT,
+    "line_count_max": (1, 9, False, False),
     "prompts": AT_LEAST_0,
 }
 # Numeric fields whose own dataclass checks them (ModelConfig.__post_init__ names model.KEY).

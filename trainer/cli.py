@@ -149,7 +149,6 @@ def _ppo(args: argparse.Namespace) -> None:
 
 def _grpo(args: argparse.Namespace) -> None:
     from alignment.grpo import run_grpo
-
     from trainer.rl_config import GRPOConfig
 
     _run_stage(args, GRPOConfig, run_grpo)
@@ -157,7 +156,6 @@ def _grpo(args: argparse.Namespace) -> None:
 
 def _dpo(args: argparse.Namespace) -> None:
     from alignment.dpo import run_dpo
-
     from trainer.dpo_config import DPOConfig
 
     _run_stage(args, DPOConfig, run_dpo)
@@ -165,7 +163,6 @@ def _dpo(args: argparse.Namespace) -> None:
 
 def _rejection_sampling(args: argparse.Namespace) -> None:
     from alignment.rejection_sampling import run_rejection_sampling
-
     from trainer.rs_config import RejectionSamplingConfig
 
     _run_stage(args, RejectionSamplingConfig, run_rejection_sampling)
@@ -190,7 +187,10 @@ def _demo_data(args: argparse.Namespace) -> None:
     from data.demo_tasks import check_demo_arguments, write_demo_dataset
 
     check_demo_arguments(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs)
-    paths = write_demo_dataset(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed)
+    paths = write_demo_dataset(
+        args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed,
+        short_share=args.short_share, line_count_max=args.line_count_max,
+    )  # fmt: skip
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
 
@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--n-val", type=int, default=400)
     demo.add_argument("--n-pairs", type=int, default=2000)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--short-share", type=float, default=0.3, help="share of short-answer examples")
+    demo.add_argument("--line-count-max", type=int, default=4, help="longest passage line_count asks about (1-9)")
     demo.set_defaults(handler=_demo_data)
 
     export = commands.add_parser(

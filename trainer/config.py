@@ -177,7 +177,7 @@ class RMLossConfig:
 class PolicySamplesConfig:
     # The policy's own samples labelled by a checker (alignment/policy_pairs.py): pairs to train the reward model on
     # (the best of samples_per_prompt answers preferred over the worst), and the trained model's agreement with the
-    # checker on the policy's samples of held-out prompts. policy None: off.
+    # checker on the policy's samples of held-out prompts. Off unless both policy and checker are set.
     policy: str | None = None  # the model to sample from: the SFT policy the reward model will guide
     checker: str = ""  # "package.module:function" (alignment/rewards.py), e.g. data.demo_scoring:score_example
     prompts: list[str] = field(default_factory=list)  # training prompts the pairs are sampled from

@@ -72,9 +72,11 @@ class StageSection:
 @dataclass
 class DemoDataSection:
     n_train: int = 4000
-    n_val: int = 400
+    n_val: int = 400  # the held-out prompts every model is scored on
     n_pairs: int = 2000
     seed: int = 0
+    short_share: float = 0.3  # share of short-answer examples (data/demo_examples.py)
+    line_count_max: int = 4  # the longest passage line_count asks about (1-9)
 
 
 @dataclass
@@ -122,7 +124,8 @@ class PipelineConfig:
 MODEL_STAGES: dict[str, tuple[type, dict[str, str]]] = {
     "pretrain": (PretrainConfig, {}),
     "sft": (SFTConfig, {"init.checkpoint": "pretrain"}),
-    "rm": (RMConfig, {"init.checkpoint": "sft"}),
+    # the reward model's policy_samples (when its preset names a checker) sample the SFT model
+    "rm": (RMConfig, {"init.checkpoint": "sft", "policy_samples.policy": "sft"}),
     "ppo": (PPOConfig, {"init.policy": "sft", "init.reward_model": "rm"}),
     "grpo": (GRPOConfig, {"init.policy": "sft"}),
     "dpo": (DPOConfig, {"init.policy": "sft"}),
@@ -131,7 +134,7 @@ MODEL_STAGES: dict[str, tuple[type, dict[str, str]]] = {
 # RL stages train on the training pool's prompts and evaluate on the val split's (never trained on by any stage)
 DEMO_FILES = {
     "sft": {"data.train": "train", "data.val": "val"},
-    "rm": {"data.train": "pairs"},
+    "rm": {"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
     "ppo": {"data.train": "train_prompts", "data.val": "prompts"},
     "grpo": {"data.train": "train_prompts", "data.val": "prompts"},
     "dpo": {"data.train": "pairs"},
@@ -224,7 +227,10 @@ class Pipeline:
         """The demo data is cheap and idempotent, and every stage after pretraining reads it: always made, and its
         held-out prompts checked against the training prompts before any compute."""
         demo = self.config.demo
-        write_demo_dataset(self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed)
+        write_demo_dataset(
+            self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed,
+            short_share=demo.short_share, line_count_max=demo.line_count_max,
+        )  # fmt: skip
         self.demo_hash = sha((self.demo / "demo_manifest.json").read_text())
         self.check_heldout_disjoint()
 

@@ -78,7 +78,7 @@ def test_cli_matches_api_under_another_hash_seed(tmp_path, dataset):
 def test_write_is_idempotent_and_rebuilds_on_change(tmp_path):
     out = tmp_path / "demo"
     paths = dt.write_demo_dataset(out, seed=3, n_train=50, n_val=20, n_pairs=30)
-    assert set(paths) == {"train", "val", "prompts", "pairs", "manifest"}
+    assert set(paths) == {"train", "val", "prompts", "train_prompts", "pairs", "manifest"}
     mtimes = {k: p.stat().st_mtime_ns for k, p in paths.items()}
     dt.write_demo_dataset(out, seed=3, n_train=50, n_val=20, n_pairs=30)
     assert {k: p.stat().st_mtime_ns for k, p in paths.items()} == mtimes  # skipped
@@ -305,3 +305,24 @@ def test_build_examples_is_deterministic():
         examples.build_examples(10, seed=0, short_share=1.5)
     with pytest.raises(ValueError):
         examples.build_examples(10, seed=0, split="test")
+
+
+def test_train_prompts_and_the_demo_shape_for_rl(tmp_path):
+    """train_prompts.jsonl is train without the assistant turn; short_share and line_count_max shape the tasks
+    (the default demo RL learns on), and the defaults leave every file as it was."""
+    paths = dt.write_demo_dataset(
+        tmp_path / "rl", n_train=200, n_val=100, n_pairs=20, short_share=0.6, line_count_max=8
+    )
+    train, prompts = dt.load_jsonl(paths["train"]), dt.load_jsonl(paths["train_prompts"])
+    assert [r["messages"][:-1] for r in train] == [r["messages"] for r in prompts]
+    val = dt.load_jsonl(paths["val"])
+    assert sum(r["kind"] == "short" for r in val) == 60
+    counts = {int(r["answer"]) for r in train + val if r["task"] == "line_count"}
+    assert max(counts) > 4 and counts <= set(range(1, 9))
+    for pair in dt.load_jsonl(paths["pairs"]):
+        if pair["task"] == "line_count":
+            assert pair["rejected"] != pair["chosen"] and 1 <= int(pair["rejected"]) <= 8
+    default = dt.write_demo_dataset(tmp_path / "default", n_train=50, n_val=20, n_pairs=30)
+    assert all(int(r["answer"]) <= 4 for r in dt.load_jsonl(default["train"]) if r["task"] == "line_count")
+    with pytest.raises(ValueError, match="line_count_max must be in"):
+        dt.write_demo_dataset(tmp_path / "bad", n_train=5, n_val=5, n_pairs=5, line_count_max=10)
