@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from alignment.dpo_module import DPOModule, reference_dtype
+from alignment.reward import preference_data, preference_stage_callbacks
 from data.preference import PreferenceEvalBatches, PreferencePairs, PreferenceTrainBatches
 from data.preference_datamodule import PreferenceDataModule
 from data.tokenizer import Tokenizer
@@ -38,7 +39,7 @@ from models.checkpoint import load_checkpoint
 from models.errors import ConfigError, DataError
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
-from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.build import check_trainer_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
 from trainer.dpo_config import DPOConfig
@@ -251,29 +252,15 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     check_dpo_config(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
     policy, reference = load_dpo_models(config, tokenizer)
-    datamodule = DPODataModule(
-        config.data,
-        micro_batch_size=config.loader.micro_batch_size,
-        accumulate_grad_batches=config.trainer.accumulate_grad_batches,
-        num_workers=config.loader.num_workers,
-    )
-    datamodule.setup("fit")  # loading and encoding errors surface before any process is launched
-    datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
+    datamodule = preference_data(config, DPODataModule)
     precompute = reference is not None and config.loss.reference_logprobs == "precompute"
     cache_key = reference_cache_key(config, reference, datamodule) if precompute else None
 
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
     name, kind = config.run.name, config.loss.kind.upper()
     callbacks = [
         # throughput counts both sides' real tokens and the policy's FLOPs (an on-the-fly reference adds a third)
-        *stage_callbacks(
-            config,
-            run_dir,
-            tokenizer,
-            metadata=lambda module: module.export_metadata(),
-            throughput=(datamodule.tokens_per_micro_batch, policy.config.flops_per_token(max(mean_side, 1))),
-        ),
+        *preference_stage_callbacks(config, run_dir, tokenizer, datamodule, policy.config),
         LossPlot(run_dir, metrics=("train/loss", "val/loss"), title=f"{kind}: {name}"),
         LossPlot(
             run_dir,

@@ -176,6 +176,33 @@ def load_initial_reward_model(config: RMConfig) -> ScalarModel:
     return model
 
 
+def preference_data(config: Any, datamodule_class: type = PreferenceDataModule) -> PreferenceDataModule:
+    """The stage's preference datamodule (the reward model's, or DPO's subclass), set up before any process is
+    launched so loading and encoding errors surface first, and checked to fill one optimizer step on every rank."""
+    datamodule = datamodule_class(
+        config.data,
+        micro_batch_size=config.loader.micro_batch_size,
+        accumulate_grad_batches=config.trainer.accumulate_grad_batches,
+        num_workers=config.loader.num_workers,
+    )
+    datamodule.setup("fit")
+    datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
+    return datamodule
+
+
+def preference_stage_callbacks(config: Any, run_dir: Path, tokenizer: Any, datamodule: Any, model_config: Any) -> list:
+    """``stage_callbacks`` for a stage that trains on pairs: real tokens of both sides of every pair (not padding)
+    and FLOPs per token at the average side length; the export metadata comes from the module at the end."""
+    mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
+    return stage_callbacks(
+        config,
+        run_dir,
+        tokenizer,
+        metadata=lambda module: module.export_metadata(),
+        throughput=(datamodule.tokens_per_micro_batch, model_config.flops_per_token(max(mean_side, 1))),
+    )
+
+
 def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
     check_trainer_config(config.trainer)
@@ -191,27 +218,11 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         folder.mkdir(parents=True, exist_ok=True)
         pairs = str(write_policy_pairs(config, folder, tokenizer))
         config.data.train = [pairs] if samples.train == "replace" else [*config.data.train, pairs]
-    datamodule = PreferenceDataModule(
-        config.data,
-        micro_batch_size=config.loader.micro_batch_size,
-        accumulate_grad_batches=config.trainer.accumulate_grad_batches,
-        num_workers=config.loader.num_workers,
-    )
-    datamodule.setup("fit")  # loading and encoding errors surface before any process is launched
-    datamodule.check_step_fits(config.trainer.devices * config.trainer.num_nodes)
-
+    datamodule = preference_data(config)
     run_dir = start_run_directory(config, data_stats=datamodule.stats)
-    mean_side = round(datamodule.stats["train"]["mean_side_tokens"])
     callbacks = [
-        # real tokens (both sides of every pair), not padding; FLOPs per token at the average side length; the
-        # metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
-        *stage_callbacks(
-            config,
-            run_dir,
-            tokenizer,
-            metadata=lambda module: module.export_metadata(),
-            throughput=(datamodule.tokens_per_micro_batch, model.config.flops_per_token(max(mean_side, 1))),
-        ),
+        # the metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
+        *preference_stage_callbacks(config, run_dir, tokenizer, datamodule, model.config),
         LossPlot(run_dir, metrics=("train/loss", "val/loss"), title=f"Reward model: {config.run.name}"),
         LossPlot(
             run_dir,
