@@ -108,6 +108,18 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None: JSON has no NaN (Python writes a bare ``NaN``
+    that strict parsers refuse), and "not measured" is what it means here."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def task_of(prompt: dict[str, Any]) -> str:
     return str(prompt.get("record", {}).get("task", "all"))
 

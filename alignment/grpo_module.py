@@ -118,7 +118,8 @@ class GRPOModule(RLModule):
                     policy_loss, stats = ppo_policy_loss(
                         logp, old_logp[micro], token_advantages[micro], micro_mask, grpo.clip_ratio, token_count
                     )
-                    kl = (kl_penalty(logp, ref_logp[micro], grpo.kl_estimator) * micro_mask).sum()
+                    # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
+                    kl = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0).sum()
                     entropy_sum = (entropy * micro_mask).sum()
                     loss = policy_loss + (grpo.kl_coef * kl - grpo.entropy_coef * entropy_sum) / token_count
                     # DDP/FSDP average gradients over ranks; the token_count above is already global

@@ -61,9 +61,9 @@ def ppo_reward(config: PPOConfig, reward_fn: RewardFunction | None) -> Reward:
 
 
 def normalised_critic(reward_model: ScalarModel, stats: dict[str, float]) -> ScalarModel:
-    """A critic copied from the reward model, its head rescaled so that it outputs (reward - mean) / std: the
-    normalised units PPO's scores, and so its returns, are in (a copy in raw units starts far off: explained
-    variance was -6 in the demo)."""
+    """A trainable critic copied from the reward model, its head rescaled by the model's exported ``stats`` so that
+    it outputs (reward - mean) / std: the normalised units PPO's scores, and so its returns, are in (a copy in raw
+    units starts far off: explained variance was -6 in the demo). Without stats, a plain copy."""
     critic = copy.deepcopy(reward_model).requires_grad_(True).train()
     if "reward_mean" in stats:
         std = max(float(stats["reward_std"]), 1e-6)
@@ -93,12 +93,10 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[s
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
     models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy)}
     if config.init.critic == "reward_model" and (reward.models or config.init.reward_model):
-        scorer = (
-            reward.models[0]
-            if reward.models
-            else load_reward_model_score(config.init.reward_model, "init.reward_model")
-        )
-        critic = normalised_critic(scorer.model, scorer.stats)
+        if reward.models:  # the reward is (partly) this model, in its normalised units: so are the critic's values
+            critic = normalised_critic(reward.models[0].model, reward.models[0].stats)
+        else:  # another reward (a checker, a function): the model's statistics say nothing of its scale
+            critic = normalised_critic(load_reward_model_score(config.init.reward_model, "init.reward_model").model, {})
     else:
         critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
     if not critic.config.tie_embeddings:

@@ -115,7 +115,9 @@ class PPOModule(RLModule):
         scores, raw_scores, reward_stats = self.score(prompts, responses)
         if ppo.reward_clip is not None:
             scores = scores.clamp(-ppo.reward_clip, ppo.reward_clip)
-        kl = kl_penalty(old_logp, ref_logp, ppo.kl_estimator) * mask
+        kl = torch.where(
+            mask, kl_penalty(old_logp, ref_logp, ppo.kl_estimator), 0.0
+        )  # k3's exp could overflow on padding
         rewards = token_rewards(scores, kl, mask, self.kl_controller.value)
         if ppo.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=True, reduce_sum=self.sum_over_ranks)

@@ -30,6 +30,7 @@ from alignment.evaluation import heldout_summary, pass_at_k_summary, sample_answ
 from alignment.responses import response_logprobs
 from alignment.rewards import Checker, Reward
 from models.atomic import write_atomically
+from models.errors import CheckpointError
 from models.generation import generate, left_pad
 from models.model import Transformer
 from trainer.callbacks import write_curves
@@ -78,7 +79,7 @@ class RLModule(LanguageModelModule):
         # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
         # on another device), which is only known once Lightning has placed the module: see on_fit_start.
         self.sampler: torch.Generator | None = None
-        self._pending_sampler_state: tuple[str, Tensor] | None = None  # from a checkpoint, applied in on_fit_start
+        self._pending_sampler_state: tuple[str, Tensor, int] | None = None  # from a checkpoint: _apply_sampler_state
 
     # ---- setup ----
 
@@ -88,17 +89,23 @@ class RLModule(LanguageModelModule):
         self.frozen = {name: model.to(device=device, dtype=dtype) for name, model in self.frozen.items()}
         self.reward.place(device, dtype)
         self.sampler = torch.Generator(self.device).manual_seed(self.config.run.seed)
-        if self._pending_sampler_state is not None:
-            device_type, state = self._pending_sampler_state
-            if device_type == self.device.type:
-                self.sampler.set_state(state)
-            else:  # CPU and CUDA generator states are different things: resume reproducibly, not identically
-                log.warning(
-                    "the checkpoint's sampler state is for %s, this run samples on %s: reseeding with run.seed + step",
-                    device_type, self.device.type,
-                )  # fmt: skip
-                self.sampler.manual_seed(self.config.run.seed + self.global_step)
-            self._pending_sampler_state = None
+        self._apply_sampler_state()
+
+    def _apply_sampler_state(self) -> None:
+        """Restore the checkpoint's sampler state once both the sampler and the state exist: single-process and DDP
+        runs restore the checkpoint before on_fit_start, FSDP (ModelParallelStrategy) after it."""
+        if self.sampler is None or self._pending_sampler_state is None:
+            return
+        device_type, state, step = self._pending_sampler_state
+        if device_type == self.sampler.device.type:
+            self.sampler.set_state(state)
+        else:  # CPU and CUDA generator states are different things: resume reproducibly, not identically
+            log.warning(
+                "the checkpoint's sampler state is for %s, this run samples on %s: reseeding with run.seed + step",
+                device_type, self.sampler.device.type,
+            )  # fmt: skip
+            self.sampler.manual_seed(self.config.run.seed + step)
+        self._pending_sampler_state = None
 
     def sum_over_ranks(self, tensor: Tensor) -> Tensor:
         return self.trainer.strategy.reduce(tensor, reduce_op="sum") if self.trainer.world_size > 1 else tensor
@@ -108,7 +115,7 @@ class RLModule(LanguageModelModule):
         pair = self.sum_over_ranks(
             torch.stack([values.float().sum(), torch.tensor(float(values.numel()), device=self.device)])
         )
-        return float(pair[0] / pair[1].clamp(min=1))
+        return float(pair[0] / pair[1]) if pair[1] > 0 else float("nan")
 
     def micro_batches(self, rows: Tensor) -> list[Tensor]:
         size = self.hp.micro_batch_size
@@ -257,7 +264,8 @@ class RLModule(LanguageModelModule):
             self.log(name, value, on_step=True, rank_zero_only=True)
 
     def _mean_over_ranks(self, values: list[float]) -> float:
-        return self.global_mean(torch.tensor(values, device=self.device)) if values else float("nan")
+        # every rank joins the reduction, one with no held-out prompts too (skipping it would hang the others)
+        return self.global_mean(torch.tensor(values, device=self.device, dtype=torch.float32))
 
     def _pass_at_k(self, prompts: list[dict]) -> dict[str, Any]:
         k, limit = self.config.eval.pass_k, self.config.eval.pass_k_prompts
@@ -296,8 +304,14 @@ class RLModule(LanguageModelModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
+        if "rl" not in checkpoint:
+            raise CheckpointError(
+                "the checkpoint has no RL state (written by an older Lantern, or by another stage): start the run "
+                "afresh with checkpoint.resume=none or a new run.name"
+            )
         state = checkpoint["rl"]
-        # Lightning restores before on_fit_start, where the sampler is created on the module's device
-        self._pending_sampler_state = (state.get("sampler_device", "cpu"), state["sampler"])
+        step = int(checkpoint.get("global_step", 0))
+        self._pending_sampler_state = (state.get("sampler_device", "cpu"), state["sampler"], step)
+        self._apply_sampler_state()
         self.eval_history = {k: [tuple(p) for p in v] for k, v in state["eval_history"].items()}
         self.heldout = state.get("heldout", {})

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from alignment.evaluation import json_safe
 from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                     for name, result in results.items()},
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    write_atomically(out / "alignment_compare.json", json.dumps(summary, indent=2) + "\n", what="results")
+    write_atomically(out / "alignment_compare.json", json.dumps(json_safe(summary), indent=2) + "\n", what="results")
     write_atomically(out / "alignment_compare.md", table + "\n", what="results table")
     plot(results, out / "alignment_compare.png")
     print(f"\nwrote {out / 'alignment_compare.json'}, {out / 'alignment_compare.md'}, {out / 'alignment_compare.png'}")

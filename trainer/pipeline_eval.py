@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from alignment.evaluation import (
     heldout_summary,
+    json_safe,
     paired_difference,
     pass_at_k_summary,
     sample_answers,
@@ -104,7 +105,9 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
             continue
         results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, sft)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(cache, json.dumps({"key": key, "result": results[stage]}) + "\n", what="report evaluation")
+        write_atomically(
+            cache, json.dumps({"key": key, "result": json_safe(results[stage])}) + "\n", what="report evaluation"
+        )
     compare_with_sft(results)
     return prompts, results
 

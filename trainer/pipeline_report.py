@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from alignment.evaluation import json_safe
 from models.atomic import write_atomically
 from trainer.pipeline_eval import evaluate_models
 from trainer.pipeline_records import RECORD, read_json
@@ -96,8 +97,8 @@ def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]],
     ax = axes.flat[-1]
     names = list(results)
     if names:
-        values = [results[n]["heldout"]["accuracy"] for n in names]
-        errors = [2 * results[n]["heldout"]["se"] for n in names]
+        values = [results[n]["heldout"]["accuracy"] or 0.0 for n in names]  # None: nothing judged
+        errors = [2 * (results[n]["heldout"]["se"] or 0.0) for n in names]
         ax.bar(names, values, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(names))])
         ax.tick_params(axis="x", labelrotation=20)
     ax.set(title="held-out accuracy (ground truth) ± 2 SE", ylabel="mean score")
@@ -192,7 +193,9 @@ def write_report(pipeline: Pipeline) -> Path:
     prompts, results = evaluate_models(pipeline)
     overview_png(metrics, results, report_dir / "overview.png")
     write_atomically(
-        root / "report.json", json.dumps(report_json(pipeline, results, seconds), indent=2) + "\n", what="report"
+        root / "report.json",
+        json.dumps(json_safe(report_json(pipeline, results, seconds)), indent=2) + "\n",
+        what="report",
     )
     if results:
         k = pipeline.config.report.pass_k

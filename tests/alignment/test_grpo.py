@@ -157,3 +157,33 @@ def test_fsdp_grpo_on_two_processes(setup, tmp_path):
         results[name] = series(run_dir)["grpo/score"][0], series(run_dir, "eval.csv")["eval/gt_score"][0]
         assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "heldout.json").is_file()
     assert results["fsdp"] == pytest.approx(results["single"], abs=1e-5)
+
+
+def test_sampler_state_is_restored_whichever_comes_first_the_sampler_or_the_checkpoint(setup, tmp_path):
+    """Single-process runs restore the checkpoint before on_fit_start creates the sampler; FSDP
+    (ModelParallelStrategy) restores it after. Both orders must continue the saved random stream."""
+    from alignment.grpo_module import GRPOModule
+    from alignment.rewards import build_reward
+    from data.tokenizer import Tokenizer
+    from models.checkpoint import load_checkpoint
+
+    config = grpo_config(setup, tmp_path)
+    policy = load_checkpoint(setup["policy"])
+    saved = torch.Generator().manual_seed(99)
+    torch.rand(7, generator=saved)  # somewhere in the middle of its stream
+    checkpoint = {"rl": {"eval_history": {}, "heldout": {}, "sampler": saved.get_state(), "sampler_device": "cpu"}}
+    expected = torch.randint(0, 1000, (5,), generator=torch.Generator().manual_seed(0).set_state(saved.get_state()))
+
+    def module() -> GRPOModule:
+        reward = build_reward(config.reward.terms)
+        return GRPOModule(config, policy, policy, reward, Tokenizer.load("default"))
+
+    before = module()  # single process: the checkpoint first, then the sampler
+    before.on_load_checkpoint(checkpoint)
+    before.sampler = torch.Generator().manual_seed(config.run.seed)
+    before._apply_sampler_state()
+    after = module()  # FSDP: the sampler first, then the checkpoint
+    after.sampler = torch.Generator().manual_seed(config.run.seed)
+    after.on_load_checkpoint(checkpoint)
+    for restored in (before, after):
+        assert torch.equal(torch.randint(0, 1000, (5,), generator=restored.sampler), expected)

@@ -280,14 +280,14 @@ def test_toy_reward_rises_while_kl_stays_finite(setup, tmp_path):
 def first_update(setup, tmp_path, monkeypatch, micro_batch: int) -> tuple[dict, dict]:
     """Gradients of the first PPO update and the first rollout's logged statistics."""
     captured: dict = {}
-    original = PPOModule._step
+    original = PPOModule.step_optimizer
 
     def capture(self, optimizer, schedule, module, max_norm, name):
         if name == "policy" and not captured:
             captured.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
         return original(self, optimizer, schedule, module, max_norm, name)
 
-    monkeypatch.setattr(PPOModule, "_step", capture)
+    monkeypatch.setattr(PPOModule, "step_optimizer", capture)
     config = ppo_config(
         setup,
         tmp_path,
@@ -446,7 +446,7 @@ def run_with_device_checks(setup, tmp_path, monkeypatch, *overrides) -> dict:
     import lightning as L
 
     seen: dict = {"reference_logp": [], "scores": []}
-    original_reference, original_scores = PPOModule._reference_logprobs, PPOModule._scores
+    original_reference, original_scores = PPOModule.reference_logprobs, PPOModule.score
 
     def reference_logp(self, *args):
         out = original_reference(self, *args)
@@ -455,18 +455,21 @@ def run_with_device_checks(setup, tmp_path, monkeypatch, *overrides) -> dict:
 
     def scores(self, *args):
         out = original_scores(self, *args)
-        seen["scores"].append((out.device, self.device))
+        seen["scores"].append((out[0].device, self.device))
         return out
 
-    monkeypatch.setattr(PPOModule, "_reference_logprobs", reference_logp)
-    monkeypatch.setattr(PPOModule, "_scores", scores)
+    monkeypatch.setattr(PPOModule, "reference_logprobs", reference_logp)
+    monkeypatch.setattr(PPOModule, "score", scores)
 
     class Wrap(L.Callback):
         def on_train_start(self, trainer, module):  # after the module's on_fit_start placed the frozen models
-            seen["frozen_devices"] = {name: next(m.parameters()).device for name, m in module.frozen.items()}
+            scorer = module.reward.models[0]  # the frozen reward model lives in the stage's reward
+            frozen = {**module.frozen, "reward": scorer.model}
+            seen["frozen_devices"] = {name: next(m.parameters()).device for name, m in frozen.items()}
             seen["sampler_device"] = module.sampler.device
             module.frozen = {name: DeviceChecked(m) for name, m in module.frozen.items()}
-            seen["wrapped"] = module.frozen
+            scorer.model = DeviceChecked(scorer.model)
+            seen["wrapped"] = {**module.frozen, "reward": scorer.model}
 
     config = ppo_config(
         setup,
