@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.pipeline)
     out = Path(args.out) if args.out else root / "alignment-compare"
     config = load_pipeline_config(args.config, [*args.overrides, f"out_dir={root}", "logger.kind=csv"])
+    # every method starts from the pipeline's own SFT model: a start_checkpoint would stand in for it (upstream)
+    config.start_checkpoint = None
     pipeline = Pipeline(config)
     pipeline.write_demo()  # idempotent: the same files the pipeline wrote, checked disjoint again
     sft = pipeline.upstream("sft")[0]
-    if sft is None:
+    if sft is None or sft != pipeline.stage_dir("sft") / "final":
         raise SystemExit(f"{root} has no finished SFT stage: run `lantern pipeline {args.config}` first")
     tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
     prompts = heldout_prompts(pipeline.demo, config.report, tokenizer)
