@@ -99,6 +99,12 @@ def mean_and_se(scores: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
+def mean_score(scores: Sequence[float | None]) -> float | None:
+    """The mean of the judged scores (None: not judged, left out); None when none was judged."""
+    judged = [s for s in scores if s is not None]
+    return sum(judged) / len(judged) if judged else None
+
+
 def pass_at_k(n: int, correct: int, k: int) -> float:
     """Unbiased pass@k from n samples of which ``correct`` are correct: 1 - C(n - c, k) / C(n, k)."""
     if not 0 < k <= n or not 0 <= correct <= n:

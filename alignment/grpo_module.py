@@ -99,7 +99,12 @@ class GRPOModule(RLModule):
         grpo = self.config.grpo
         optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
         token_advantages = advantages[:, None].expand_as(mask).float()
-        totals = torch.zeros(7, device=self.device)  # policy loss, kl, entropy, approx-kl, clip, ratio, tokens
+        # what each token's loss is multiplied by before the minibatch's sum is divided by the weights' total
+        if grpo.loss_aggregation == "sequence":
+            token_weights = mask / mask.sum(1, keepdim=True).clamp(min=1)  # each response's tokens sum to 1
+        else:
+            token_weights = mask.float()
+        totals = torch.zeros(8, device=self.device)  # policy loss, kl, entropy, approx-kl, clip, ratio, tokens, weights
         first_log_ratio = torch.zeros((), device=self.device)
         batch = mask.shape[0]
         for epoch in range(grpo.epochs):
@@ -111,31 +116,34 @@ class GRPOModule(RLModule):
             )
             for start in range(0, batch, grpo.minibatch_size):
                 rows = order[start : start + grpo.minibatch_size]
-                token_count = self.sum_over_ranks(mask[rows].sum().float()).clamp(min=1)
+                weight_total = self.sum_over_ranks(token_weights[rows].sum()).clamp(min=1e-8)
                 for micro in self.micro_batches(rows):
-                    micro_mask = mask[micro]
+                    micro_mask, weights = mask[micro], token_weights[micro]
                     logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], P)
                     policy_loss, stats = ppo_policy_loss(
-                        logp, old_logp[micro], token_advantages[micro], micro_mask, grpo.clip_ratio, token_count
-                    )
+                        logp, old_logp[micro], token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total,
+                        weights,
+                    )  # fmt: skip
                     # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
-                    kl = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0).sum()
-                    entropy_sum = (entropy * micro_mask).sum()
-                    loss = policy_loss + (grpo.kl_coef * kl - grpo.entropy_coef * entropy_sum) / token_count
-                    # DDP/FSDP average gradients over ranks; the token_count above is already global
+                    kl_tokens = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0)
+                    kl, entropy_sum = kl_tokens.sum(), (entropy * micro_mask).sum()
+                    penalty = ((grpo.kl_coef * kl_tokens - grpo.entropy_coef * entropy) * weights).sum()
+                    loss = policy_loss + penalty / weight_total
+                    # DDP/FSDP average gradients over ranks; weight_total above is already global
                     self.manual_backward(loss * self.trainer.world_size)
                     if epoch == 0 and start == 0:
                         deviation = ((logp - old_logp[micro]).abs() * micro_mask).max().detach()
                         first_log_ratio = torch.maximum(first_log_ratio, deviation)
                     totals += torch.stack([
-                        policy_loss.detach() * token_count, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
-                        stats["clip_fraction"], stats["ratio"], micro_mask.sum().float(),
+                        policy_loss.detach() * weight_total, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
+                        stats["clip_fraction"], stats["ratio"], micro_mask.sum().float(), weights.sum(),
                     ])  # fmt: skip
                 self.step_optimizer(optimizer, schedule, self.model, self.config.optim.grad_clip, "policy")
         totals = self.sum_over_ranks(totals)
         tokens = totals[6].clamp(min=1)
-        names = ("policy_loss", "kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")
-        stats = {name: float(totals[i] / tokens) for i, name in enumerate(names)}
+        names = ("kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")
+        stats = {name: float(totals[i] / tokens) for i, name in enumerate(names, start=1)}
+        stats["policy_loss"] = float(totals[0] / totals[7].clamp(min=1e-8))  # weighted as the loss is
         stats["kl"] = self.global_mean((kl_penalty(old_logp, ref_logp, "k1") * mask).sum(1))  # per sequence, k1
         stats["first_minibatch_max_log_ratio"] = float(first_log_ratio)
         stats.update({f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()})

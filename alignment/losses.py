@@ -135,15 +135,23 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
 
 
 def ppo_policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_ratio: float, token_count: Tensor
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_ratio: float,
+    token_count: Tensor,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate, summed over valid tokens and divided by ``token_count`` (the accumulated
-    minibatch's valid tokens over all ranks); also approx-KL and clip fraction sums for logging."""
+    minibatch's valid tokens over all ranks); also approx-KL and clip fraction sums for logging. ``weights``
+    (zero outside the mask) replaces the mask in the sum: e.g. 1 / response length per token, with the
+    minibatch's response count as ``token_count``, for a per-sequence mean."""
     log_ratio = (logp - old_logp) * mask
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
-    loss = (torch.maximum(unclipped, clipped) * mask).sum() / token_count
+    loss = (torch.maximum(unclipped, clipped) * (mask if weights is None else weights)).sum() / token_count
     stats = {
         "approx_kl": (0.5 * log_ratio.square() * mask).sum().detach(),
         "clip_fraction": (((ratio - 1).abs() > clip_ratio) & mask).sum().float().detach(),

@@ -1,6 +1,7 @@
 """PPO, GRPO, RLOO, DPO and rejection sampling from the same SFT model at a comparable sample budget: held-out
-accuracy ± SE, the paired difference from SFT (a gain only beyond 2 SE), pass@k, KL to the SFT model and wall time,
-as a table (printed, and written as markdown), JSON and a PNG.
+accuracy ± SE (greedy, and the mean of k samples at temperature 1), the paired difference from SFT (a gain only
+beyond 2 SE), pass@k, KL to the SFT model and wall time, as a table (printed, and written as markdown), JSON and
+a PNG.
 
     lantern pipeline configs/pipeline/default.yaml            # once: the SFT model, reward model and demo data
     python -m benchmarks.alignment_compare --pipeline runs/pipeline-default [--samples 1024] [--out DIR]
@@ -27,7 +28,7 @@ from alignment.evaluation import json_safe
 from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts
+from trainer.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts, without_per_prompt
 from trainer.pipeline_report import comparison_lines
 
 # method -> (the pipeline stage that runs it, overrides that make it this method)
@@ -68,9 +69,14 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     names = list(results)
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
-    accuracy = [results[n]["heldout"]["accuracy"] for n in names]
-    left.bar(names, accuracy, yerr=[2 * results[n]["heldout"]["se"] for n in names], capsize=4, color="C0")
+    positions, width = range(len(names)), 0.4
+    for offset, key, label, color in ((-0.2, "heldout", "greedy", "C0"), (0.2, "sampled", "sampled (T=1)", "C2")):
+        summaries = [results[n].get(key) or {"accuracy": 0.0, "se": 0.0} for n in names]
+        left.bar([p + offset for p in positions], [s["accuracy"] for s in summaries], width,
+                 yerr=[2 * s["se"] for s in summaries], capsize=3, color=color, label=label)  # fmt: skip
+    left.set_xticks(list(positions), names)
     left.set(title="held-out accuracy (ground truth) ± 2 SE", ylabel="mean score")
+    left.legend()
     right.bar(names, [results[n].get("kl") or 0.0 for n in names], color="C1")
     right.set(title="KL to the SFT model (nats per response)", ylabel="KL")
     for ax in (left, right):
@@ -129,8 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(prompts)} held-out prompts; budget {args.samples} responses per method ({budgets})\n\n{table}")
     summary = {
         "samples": args.samples, "budgets": budgets, "heldout_prompts": len(prompts), "seconds": seconds,
-        "methods": {name: {key: value for key, value in result.items() if key not in ("answers", "scores")}
-                    for name, result in results.items()},
+        "methods": {name: without_per_prompt(result) for name, result in results.items()},
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / "alignment_compare.json", json.dumps(json_safe(summary), indent=2) + "\n", what="results")

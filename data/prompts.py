@@ -10,6 +10,7 @@ key style, role/content or ShareGPT's from/value) are SFT's (data/chat_records.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ class PromptDataConfig:
     too_long: str = "truncate"  # truncate (keep <|begin_of_text|> and the last tokens: the question) | drop
     on_bad_row: str = "error"  # error | skip (counted)
     seed: int = 1234
+    # train only on rows whose task_field is one of these (empty: every row), e.g. the tasks where the policy's
+    # samples disagree (room for RL); held-out prompts are never filtered
+    train_tasks: list[str] = field(default_factory=list)
+    task_field: str = "task"
 
 
 def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[list[dict[str, str]], str | None]:
@@ -62,17 +67,26 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
 
 
 def load_prompts(
-    config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer
+    config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer, tasks: Sequence[str] = ()
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Encoded prompts ``{"prompt_ids", "reference", "record", "where"}`` and counts of what was changed."""
+    """Encoded prompts ``{"prompt_ids", "reference", "record", "where"}`` and counts of what was changed;
+    with ``tasks``, only rows whose ``config.task_field`` is one of them (the others counted as not selected)."""
     fmt, files = resolve_sources(config, sources)
     prompts: list[dict[str, Any]] = []
     stats: dict[str, Any] = {"rows_read": 0, "skipped": {}, "truncated": 0, "dropped_too_long": 0}
+    if tasks:
+        stats["not_selected"] = 0
     for source in files:
         records, _ = read_records(fmt, source)
         for row, record in enumerate(records, start=1):
             stats["rows_read"] += 1
             where = f"{source}, row {row}"
+            if tasks:
+                if not isinstance(record, dict) or record.get(config.task_field) is None:  # datasets fills None
+                    raise ValueError(f"{where}: no '{config.task_field}' field to select data.train_tasks by")
+                if record[config.task_field] not in tasks:
+                    stats["not_selected"] += 1
+                    continue
             try:
                 messages, reference = record_to_prompt(record, config)
             except BadRow as bad:
@@ -90,7 +104,10 @@ def load_prompts(
                 stats["truncated"] += 1
             prompts.append({"prompt_ids": ids, "reference": reference, "record": record, "where": where})
     if not prompts:
-        raise ValueError(f"no usable prompts in {sources} (read {stats['rows_read']} rows; skipped {stats['skipped']})")
+        selection = f"; {stats['not_selected']} not in data.train_tasks {list(tasks)}" if tasks else ""
+        raise ValueError(
+            f"no usable prompts in {sources} (read {stats['rows_read']} rows; skipped {stats['skipped']}{selection})"
+        )
     return prompts, stats
 
 
@@ -116,7 +133,9 @@ class PromptDataModule(StreamDataModule):
         if self.train_prompts is not None:
             return
         tokenizer = Tokenizer.load(self.config.tokenizer)
-        prompts, self.stats["train"] = load_prompts(self.config, list(self.config.train), tokenizer)
+        prompts, self.stats["train"] = load_prompts(
+            self.config, list(self.config.train), tokenizer, tasks=list(self.config.train_tasks)
+        )
         if self.config.val:
             self.val_prompts, self.stats["val"] = load_prompts(self.config, list(self.config.val), tokenizer)
         elif self.config.val_fraction > 0:

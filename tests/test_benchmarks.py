@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import alignment_compare
+from benchmarks import alignment_compare, score_models
 from benchmarks.bench_pretrain import recomputed_flops
 from benchmarks.gpu_table import render
 from tests.helpers import subprocess_env
@@ -192,3 +192,20 @@ def test_alignment_compare_runs_every_method_from_one_sft_model(tmp_path, monkey
         assert name == "sft" or result["vs_sft"]["verdict"] in ("gain", "loss", "no clear difference")
     assert "rloo" in (tmp_path / "c" / "alignment_compare.md").read_text()
     assert (tmp_path / "c" / "alignment_compare.png").read_bytes()[:4] == b"\x89PNG"
+
+    # a model made outside the pipeline, scored exactly as the report scores the pipeline's own
+    grpo = tmp_path / "c" / "grpo" / "final"
+    score_models.main(["--pipeline", str(pipeline), "--config", config, "--out", str(tmp_path / "s"), f"g={grpo}"])
+    scored = json.loads((tmp_path / "s" / "score_models.json").read_text())["results"]
+    assert scored["g"]["heldout"] == summary["methods"]["grpo"]["heldout"]  # the same prompts, checker and seeds
+    assert scored["g"]["vs_sft_sampled"]["n"] == scored["sft"]["sampled"]["n"] == 4  # tiny: pass_k_prompts 4
+    assert "scores" not in scored["g"] and "sampled accuracy" in (tmp_path / "s" / "score_models.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [(["g"], "expected NAME=PATH"), (["sft=x"], "used twice"), (["g=/nonexistent"], "not a model folder")],
+)
+def test_score_models_refuses_bad_model_arguments(pairs, message):
+    with pytest.raises(SystemExit, match=message):
+        score_models.named_models(pairs)

@@ -95,7 +95,7 @@ class ReportSection:
     max_prompt_tokens: int = 192
     batch_size: int = 64
     pass_k: int = 8  # pass@k of k samples (temperature 1) per prompt, for SFT and the stages after it; 0: off
-    pass_k_prompts: int = 200  # held-out prompts pass@k is measured on; 0: all
+    pass_k_prompts: int = 0  # held-out prompts the samples (sampled accuracy, pass@k) are drawn on; 0: all
     seed: int = 0  # of the samples behind pass@k and the KL estimates
 
 

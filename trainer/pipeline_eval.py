@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from alignment.evaluation import (
     heldout_summary,
     json_safe,
+    mean_score,
     paired_difference,
     pass_at_k_summary,
     sample_answers,
@@ -73,6 +74,12 @@ def evaluate_stage(
         )  # fmt: skip
         sample_scores = [[checker(p["record"], a) for a in group] for p, group in zip(subset, samples)]
         result["pass_at_k"] = pass_at_k_summary(subset, sample_scores, report.pass_k)
+        # the mean score of a prompt's k samples: pass@1 of the sampling policy (what RL optimises), per prompt so
+        # that stages pair over the same prompts, with k times fewer coin flips in it than one greedy answer
+        result["sampled_scores"] = [mean_score(scores) for scores in sample_scores]
+        result["sampled"] = {
+            **heldout_summary(subset, result["sampled_scores"]), "samples": report.pass_k, "temperature": 1.0
+        }  # fmt: skip
     result["kl"] = None
     if sft is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
         reference = load_checkpoint(sft).eval()
@@ -112,11 +119,23 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     return prompts, results
 
 
+PER_PROMPT = ("answers", "scores", "sampled_scores")  # lists over the prompts, kept out of summaries
+
+
+def without_per_prompt(result: dict[str, Any]) -> dict[str, Any]:
+    """A stage's results without its per-prompt lists: what a summary JSON holds."""
+    return {key: value for key, value in result.items() if key not in PER_PROMPT}
+
+
 def compare_with_sft(results: dict[str, dict[str, Any]]) -> None:
-    """Each model's ``vs_sft``: its paired difference from the SFT model over the same prompts, with a verdict."""
+    """Each model's ``vs_sft`` (greedy) and ``vs_sft_sampled`` (mean of k samples): its paired difference from the
+    SFT model over the same prompts, with a verdict."""
     if "sft" not in results:
         return
     for stage, result in results.items():
-        if stage != "sft":
-            difference, se, n = paired_difference(result["scores"], results["sft"]["scores"])
-            result["vs_sft"] = {"difference": difference, "se": se, "n": n, "verdict": verdict(difference, se)}
+        if stage == "sft":
+            continue
+        for scores, key in (("scores", "vs_sft"), ("sampled_scores", "vs_sft_sampled")):
+            if scores in result and scores in results["sft"]:
+                difference, se, n = paired_difference(result[scores], results["sft"][scores])
+                result[key] = {"difference": difference, "se": se, "n": n, "verdict": verdict(difference, se)}

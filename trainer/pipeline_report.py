@@ -122,32 +122,42 @@ def _pm(value: float | None, se: float | None = None) -> str:
     return f"{value:.3f}" if se is None else f"{value:.3f} ± {se:.3f}"
 
 
+def _summary(summary: dict[str, Any] | None) -> str:
+    return f"{_pm(summary['accuracy'], summary['se'])} ({summary['n']})" if summary else "—"
+
+
+def _versus(versus: dict[str, Any] | None) -> str:
+    return f"{_pm(versus['difference'], versus['se'])} ({versus['verdict']})" if versus else "—"
+
+
+def _task_table(title: str, results: dict[str, dict[str, Any]], key: str) -> list[str]:
+    tasks = sorted({task for result in results.values() if result.get(key) for task in result[key]["per_task"]})
+    lines = ["", title, "", "| model | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for stage, result in results.items():
+        if result.get(key):
+            cells = [result[key]["per_task"].get(t) for t in tasks]
+            lines.append(f"| {stage} | " + " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells) + " |")
+    return lines
+
+
 def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int) -> list[str]:
     """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE."""
     lines = [
-        f"| model | held-out accuracy ± SE (n) | vs SFT (paired) ± SE | verdict | pass@{k} ± SE | KL to SFT (nats) | training s |",
-        "|---|---|---|---|---|---|---|",
+        f"| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) | vs SFT, paired ± SE "
+        f"| pass@{k} ± SE | KL to SFT (nats) | training s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for stage, result in results.items():
-        heldout, versus = result["heldout"], result.get("vs_sft")
         pass_k = result.get("pass_at_k")
         lines.append(
-            f"| {'base' if stage == 'pretrain' else stage} | {_pm(heldout['accuracy'], heldout['se'])} ({heldout['n']}) | "
-            f"{_pm(versus['difference'], versus['se']) if versus else '—'} | {versus['verdict'] if versus else '—'} | "
+            f"| {'base' if stage == 'pretrain' else stage} | {_summary(result['heldout'])} | "
+            f"{_versus(result.get('vs_sft'))} | {_summary(result.get('sampled'))} | "
+            f"{_versus(result.get('vs_sft_sampled'))} | "
             f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
             f"{seconds.get(stage) if seconds.get(stage) is not None else '—'} |"
         )
-    tasks = sorted({task for result in results.values() for task in result["heldout"]["per_task"]})
-    lines += [
-        "",
-        "Per task (accuracy ± SE):",
-        "",
-        "| model | " + " | ".join(tasks) + " |",
-        "|---" * (len(tasks) + 1) + "|",
-    ]
-    for stage, result in results.items():
-        cells = [result["heldout"]["per_task"].get(t) for t in tasks]
-        lines.append(f"| {stage} | " + " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells) + " |")
+    lines += _task_table("Per task, greedy (accuracy ± SE):", results, "heldout")
+    lines += _task_table(f"Per task, sampled (mean score of {k} samples at temperature 1 ± SE):", results, "sampled")
     return lines
 
 
@@ -158,7 +168,9 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
         entry: dict[str, Any] = {"heldout": None, "kl": None, "seconds": seconds.get(stage)}
         if result is not None:
             entry.update(heldout=result["heldout"], kl=result.get("kl"))
-            entry.update({key: result[key] for key in ("pass_at_k", "vs_sft") if key in result})
+            entry.update(
+                {key: result[key] for key in ("sampled", "pass_at_k", "vs_sft", "vs_sft_sampled") if key in result}
+            )
         stages[stage] = entry
     report = pipeline.config.report
     return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
@@ -201,10 +213,12 @@ def write_report(pipeline: Pipeline) -> Path:
         k = pipeline.config.report.pass_k
         lines += [
             "", f"## Every model on the same {len(prompts)} held-out prompts", "",
-            f"Greedy answers scored by `{pipeline.config.report.checker}` (0 to 1). The difference from SFT is paired over "
-            "the same prompts; it is called a gain or a loss only beyond 2 standard errors. pass@k: k samples at "
-            f"temperature 1 on the first {pipeline.config.report.pass_k_prompts or len(prompts)} prompts. KL: the "
-            "policy's own samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
+            f"Answers scored by `{pipeline.config.report.checker}` (0 to 1). Greedy: one answer per prompt at "
+            f"temperature 0. Sampled: the mean score of {k} samples per prompt at temperature 1 (pass@1 of the "
+            "sampling policy, which RL optimises), and pass@k from the same samples, on the first "
+            f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
+            "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
+            "samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
             *comparison_lines(results, seconds, k),
         ]  # fmt: skip
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]

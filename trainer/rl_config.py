@@ -127,6 +127,9 @@ class GRPOHyperparameters(RolloutHyperparameters):
     # grpo: (score - group mean) / group std; rloo: score - mean of the other G - 1 (leave-one-out)
     baseline: Literal["grpo", "rloo"] = "grpo"
     scale_advantages: bool = True  # grpo only: divide by the group std (False: Dr. GRPO's plain difference)
+    # token: every response token weighs the same (DAPO / Dr. GRPO); sequence: every response weighs the same
+    # (GRPO's paper), so a one-token answer is not outvoted by long ones in a mixed-length batch
+    loss_aggregation: Literal["token", "sequence"] = "token"
     minibatch_size: int = 32
     micro_batch_size: int = 16
     epochs: int = 1

@@ -11,6 +11,7 @@ from alignment.evaluation import (
     check_disjoint,
     heldout_summary,
     mean_and_se,
+    mean_score,
     paired_difference,
     pass_at_k,
     pass_at_k_summary,
@@ -51,6 +52,10 @@ def test_pass_at_k_summary_needs_k_judged_samples():
     prompts = [prompt("a"), prompt("a")]
     summary = pass_at_k_summary(prompts, [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], k=2)
     assert summary["pass_at_k"] == pytest.approx((0.5 + 0.0) / 2) and summary["n"] == 2 and summary["k"] == 2
+
+
+def test_mean_score_of_a_prompts_samples_leaves_unjudged_ones_out():
+    assert mean_score([1.0, 0.0, None, 0.5]) == pytest.approx(0.5) and mean_score([None]) is None
 
 
 def test_paired_difference_and_verdict():

@@ -55,10 +55,11 @@ def series(run_dir: Path, name: str = "reward.csv") -> dict[str, list[float]]:
 TOY = "reward.terms=[{kind: checker, path: 'tests.alignment.test_grpo:vowel_rich'}]"
 
 
-@pytest.mark.parametrize("baseline", ["grpo", "rloo"])
-def test_a_verifiable_toy_reward_rises(setup, tmp_path, baseline):
+@pytest.mark.parametrize(("baseline", "aggregation"), [("grpo", "token"), ("rloo", "token"), ("grpo", "sequence")])
+def test_a_verifiable_toy_reward_rises(setup, tmp_path, baseline, aggregation):
     config = grpo_config(
-        setup, tmp_path, TOY, f"grpo.baseline={baseline}", "trainer.max_steps=8", "grpo.prompts_per_rollout=4",
+        setup, tmp_path, TOY, f"grpo.baseline={baseline}", f"grpo.loss_aggregation={aggregation}",
+        "trainer.max_steps=8", "grpo.prompts_per_rollout=4",
         "grpo.group_size=8", "grpo.minibatch_size=16", "grpo.micro_batch_size=16", "optim.lr=3e-3",
         "grpo.kl_coef=0.0", "checkpoint.every_n_steps=100", "eval.every_n_rollouts=100", "eval.pass_k=0",
     )  # fmt: skip

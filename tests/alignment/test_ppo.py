@@ -68,6 +68,19 @@ def test_policy_loss_on_fixed_tensors():
     assert stats["approx_kl"].item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2))
 
 
+def test_policy_loss_weights_give_each_sequence_the_same_weight():
+    """At ratio 1 the surrogate is -advantage per token: a token mean lets the 3-token response outvote the
+    1-token one; weights of 1 / length with the sequence count as the divisor give the per-sequence mean."""
+    logp = torch.zeros(2, 3)
+    advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    token_mean, _ = ppo_policy_loss(logp, logp, advantages, mask, clip_ratio=0.2, token_count=torch.tensor(4.0))
+    assert token_mean.item() == pytest.approx((-1 + 3) / 4)
+    weights = mask / mask.sum(1, keepdim=True)
+    sequence_mean, _ = ppo_policy_loss(logp, logp, advantages, mask, 0.2, torch.tensor(2.0), weights)
+    assert sequence_mean.item() == pytest.approx(0.0, abs=1e-6)
+
+
 def test_value_loss_on_fixed_tensors():
     values = torch.tensor([[1.0, 0.0]])
     old = torch.tensor([[0.5, 0.5]])

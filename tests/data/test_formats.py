@@ -366,6 +366,18 @@ def test_prompts_from_sharegpt_and_trl_files(tmp_path, tok):
     ]
 
 
+def test_train_tasks_keep_only_the_named_tasks_and_a_row_without_a_task_is_named(tmp_path, tok):
+    rows = [{"prompt": [user(f"q{i}")], "task": task} for i, task in enumerate(["count", "copy", "count"])]
+    source = write_jsonl(tmp_path / "tasks.jsonl", rows)
+    prompts, stats = load_prompts(PromptDataConfig(), [str(source)], tok, tasks=["count"])
+    assert [p["record"]["prompt"][0]["content"] for p in prompts] == ["q0", "q2"] and stats["not_selected"] == 1
+    with pytest.raises(ValueError, match=r"no usable prompts .* 3 not in data.train_tasks \['sort'\]"):
+        load_prompts(PromptDataConfig(), [str(source)], tok, tasks=["sort"])
+    untagged = write_jsonl(tmp_path / "untagged.jsonl", [*rows, {"prompt": [user("q3")]}])
+    with pytest.raises(ValueError, match=r"untagged.jsonl, row 4: no 'task' field to select data.train_tasks by"):
+        load_prompts(PromptDataConfig(), [str(untagged)], tok, tasks=["count"])
+
+
 def test_a_prompt_row_with_no_prompt_field_names_every_accepted_one():
     with pytest.raises(BadRow, match="no 'messages', 'conversations' or 'prompt' field"):
         record_to_prompt({"question": "q"}, PromptDataConfig())

@@ -123,7 +123,8 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
     rows = _table_rows(report)
     # #, task, prompt, reference + one answer per model
     assert len(rows) == PROMPTS and all(len(row) == 4 + len(POLICIES) for row in rows)
-    assert "| model | held-out accuracy ± SE (n) | vs SFT (paired) ± SE | verdict |" in report
+    assert "| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) |" in report
+    assert "Per task, sampled (mean score of 2 samples at temperature 1 ± SE):" in report
 
     # report.json: the same numbers for other tools, every held-out prompt, one entry per stage
     results = json.loads((out / "report.json").read_text())["stages"]
@@ -136,6 +137,11 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
         )
         assert (results[stage]["kl"] is None) == (stage in ("pretrain", "sft"))
         assert stage == "sft" or results[stage]["vs_sft"]["verdict"] in ("gain", "loss", "no clear difference")
+        if stage != "pretrain":  # sampled: the mean score of the pass@k samples, paired with SFT's like greedy
+            sampled = results[stage]["sampled"]
+            assert sampled["samples"] == 2 and sampled["n"] == results[stage]["pass_at_k"]["n"]
+            assert 0.0 <= sampled["accuracy"] <= 1.0 and sampled["se"] >= 0.0
+            assert stage == "sft" or results[stage]["vs_sft_sampled"]["n"] == sampled["n"]
     assert results["rm"]["heldout"] is None  # not a policy: its own measure is pairwise accuracy
     assert results["sft"]["pass_at_k"]["k"] == 2
 
