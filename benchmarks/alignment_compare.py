@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from alignment.evaluation import json_safe
-from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
+from models.errors import ConfigError
 from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts, without_per_prompt
+from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
 from trainer.pipeline_report import comparison_lines
 
 # method -> (the pipeline stage that runs it, overrides that make it this method)
@@ -105,13 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     # every method starts from the pipeline's own SFT model: a start_checkpoint would stand in for it (upstream)
     config.start_checkpoint = None
     pipeline = Pipeline(config)
-    pipeline.write_demo()  # idempotent: the same files the pipeline wrote, checked disjoint again
-    sft = pipeline.upstream("sft")[0]
-    if sft is None or sft != pipeline.stage_dir("sft") / "final":
-        raise SystemExit(f"{root} has no finished SFT stage: run `lantern pipeline {args.config}` first")
-    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
-    prompts = heldout_prompts(pipeline.demo, config.report, tokenizer)
-    results = {"sft": evaluate_stage(config.report, "sft", sft, prompts, tokenizer, None)}
+    try:  # the demo files are written again (the same files, checked disjoint again)
+        sft, tokenizer, prompts, sft_results = score_sft(pipeline)
+    except ConfigError as error:
+        raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
+    results = {"sft": sft_results}
     seconds: dict[str, float | None] = {"sft": None}
     budgets: dict[str, int] = {}
     for method in args.methods:

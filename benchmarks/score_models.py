@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 
 from alignment.evaluation import json_safe
-from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
+from models.errors import ConfigError
 from trainer.pipeline import Pipeline, load_pipeline_config
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts, without_per_prompt
+from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
 from trainer.pipeline_report import comparison_lines
 
 
@@ -54,20 +54,17 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.pipeline)
     config = load_pipeline_config(args.config, [f"out_dir={root}", "logger.kind=csv"])
     config.start_checkpoint = None
-    pipeline = Pipeline(config)
-    pipeline.write_demo()  # idempotent: the files the pipeline wrote (their hash keys the evaluation)
-    sft = pipeline.upstream("sft")[0]
-    if sft is None or sft != pipeline.stage_dir("sft") / "final":
-        raise SystemExit(f"{root} has no finished SFT stage: run `lantern pipeline {args.config}` first")
-    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
-    prompts = heldout_prompts(pipeline.demo, config.report, tokenizer)
-    results = {"sft": evaluate_stage(config.report, "sft", sft, prompts, tokenizer, None)}
+    try:
+        sft, tokenizer, prompts, sft_results = score_sft(Pipeline(config))
+    except ConfigError as error:
+        raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
+    results = {"sft": sft_results}
     for name, path in models.items():
         results[name] = evaluate_stage(config.report, name, path, prompts, tokenizer, sft)
     compare_with_sft(results)
 
     table = "\n".join(comparison_lines(results, {}, config.report.pass_k))
-    print(f"\n{len(prompts)} held-out prompts of {pipeline.demo / 'prompts.jsonl'}\n\n{table}")
+    print(f"\n{len(prompts)} held-out prompts\n\n{table}")
     summary = {
         "heldout_prompts": len(prompts),
         "models": {name: str(path) for name, path in {"sft": sft, **models}.items()},

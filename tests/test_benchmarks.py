@@ -209,3 +209,13 @@ def test_alignment_compare_runs_every_method_from_one_sft_model(tmp_path, monkey
 def test_score_models_refuses_bad_model_arguments(pairs, message):
     with pytest.raises(SystemExit, match=message):
         score_models.named_models(pairs)
+
+
+def test_score_models_needs_a_finished_sft_stage(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "lantern.json").write_text("{}")
+    arguments = ["--pipeline", str(tmp_path / "p"), "--config", "configs/pipeline/tiny.yaml", f"m={model}"]
+    with pytest.raises(SystemExit, match="has no finished SFT stage"):
+        score_models.main(arguments)

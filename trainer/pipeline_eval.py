@@ -33,6 +33,7 @@ from data.prompts import PromptDataConfig, load_prompts
 from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from models.checkpoint import load_checkpoint
+from models.errors import ConfigError
 from trainer.pipeline_records import read_json, sha
 
 if TYPE_CHECKING:  # for annotations only: trainer.pipeline imports the report, which imports this module
@@ -87,6 +88,19 @@ def evaluate_stage(
             model, reference, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator
         )
     return result
+
+
+def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
+    """What scoring other models beside a finished pipeline's SFT model needs: (the SFT model's folder, the
+    tokenizer, the held-out prompts, the SFT model's results), scored as the report scores it. The demo files are
+    written first (a no-op when they are there: their hash is part of the evaluation's key)."""
+    pipeline.write_demo()
+    sft = pipeline.upstream("sft")[0]
+    if sft is None or sft != pipeline.stage_dir("sft") / "final":
+        raise ConfigError(f"{pipeline.root} has no finished SFT stage of this pipeline config: run the pipeline first")
+    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
+    prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+    return sft, tokenizer, prompts, evaluate_stage(pipeline.config.report, "sft", sft, prompts, tokenizer, None)
 
 
 def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
