@@ -12,6 +12,7 @@ import math
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -206,6 +207,16 @@ def test_wandb_offline_run_holds_the_logged_metrics(data_dir, tmp_path, monkeypa
     assert len(offline) == 1, f"expected one offline W&B run in {run_dir / 'wandb'}, found {offline}"
     logs = list(offline[0].glob("run-*.wandb"))
     assert len(logs) == 1
+    # wandb.finish() has returned; W&B's service process writes the log's last blocks on its own, a moment later
+    # on a loaded machine (CI saw an unflushed log once), so the exit record is awaited, not raced
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if "exit" in wandb_history(logs[0])[1]:
+                break
+        except AssertionError:  # a chunk still being written: its CRC does not match yet
+            pass
+        time.sleep(0.5)
     rows, kinds = wandb_history(logs[0])
     assert "exit" in kinds, "the W&B run was not finished (no exit record): `wandb sync` would see a crashed run"
     assert "config" in kinds
