@@ -71,7 +71,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
     positions, width = range(len(names)), 0.4
     for offset, key, label, color in ((-0.2, "heldout", "greedy", "C0"), (0.2, "sampled", "sampled (T=1)", "C2")):
-        summaries = [results[n].get(key) or {"accuracy": 0.0, "se": 0.0} for n in names]
+        summaries = [results[n].get(key) for n in names]
+        if None in summaries:  # not measured (report.pass_k 0): no bars, rather than bars of zero
+            continue
         left.bar([p + offset for p in positions], [s["accuracy"] for s in summaries], width,
                  yerr=[2 * s["se"] for s in summaries], capsize=3, color=color, label=label)  # fmt: skip
     left.set_xticks(list(positions), names)

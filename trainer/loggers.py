@@ -94,7 +94,9 @@ class SafeWandbLogger(WandbLogger):
     def finish_run(self) -> None:
         import wandb  # deferred like every wandb import here: only runs that log to W&B pay for it
 
-        # Close the run so the offline folder is complete when the process carries on (tests, pipelines).
+        # Close the run so the offline folder is complete when the process carries on (tests, pipelines). W&B's
+        # service process writes the log's last records itself: on a loaded machine they were seen to land a
+        # moment after finish() returned (tests/alignment/test_pretrain_run.py waits for them).
         if self._experiment is not None and wandb.run is not None:
             wandb.finish()
 
