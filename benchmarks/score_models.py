@@ -46,13 +46,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.score_models", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipeline", required=True, help="a pipeline folder with a finished SFT stage")
     parser.add_argument("--config", default="configs/pipeline/default.yaml", help="the pipeline config it ran with")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override the pipeline ran with (repeatable)"
+    )
     parser.add_argument("--out", default=None, help="default: PIPELINE/score-models")
     parser.add_argument("models", nargs="+", metavar="NAME=PATH", help="models to score beside the SFT model")
     args = parser.parse_args(argv)
 
     models = named_models(args.models)
     root = Path(args.pipeline)
-    config = load_pipeline_config(args.config, [f"out_dir={root}", "logger.kind=csv"])
+    config = load_pipeline_config(args.config, [*args.set, f"out_dir={root}", "logger.kind=csv"])
     config.start_checkpoint = None
     try:
         sft, tokenizer, prompts, sft_results = score_sft(Pipeline(config))

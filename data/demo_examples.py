@@ -4,11 +4,13 @@ wrong-answer rules, and the record builders.
 
 Owns: one small generator per task (make_*), one wrong-answer rule per task for preference pairs (reject_*),
 the task table (TASKS, SHORT_TASKS, LONG_TASKS), and building records: build_examples (chat records),
-build_pairs (chosen / rejected pairs) and prompt_records (the PPO prompts).
+build_pairs (chosen / rejected pairs), prompt_records (the PPO prompts) and miscount_line_counts (imperfect
+SFT demonstrations, an option).
 Does not own: the corpus, split and passages (data/demo_corpus.py), the checkers (data/demo_scoring.py's
 CHECKS: a task without one fails its first build), the files on disk and the CLI (data/demo_tasks.py).
 Choices: every reference answer must score 1.0 by its own checker, and every rejected answer strictly less
-than the chosen one (checked while building, so a reward model trains on true labels). Task counts are exact
+than the chosen one (checked while building, so a reward model trains on true labels). Only the SFT
+demonstrations may be made wrong on purpose (miscount_line_counts), never a reference, pair or prompt. Task counts are exact
 (round(n * short_share) short examples, spread evenly), and each builder draws from its own seeded stream.
 """
 
@@ -267,6 +269,26 @@ def build_pairs(
             }
         )
     return pairs
+
+
+def miscount_line_counts(records: list[dict[str, Any]], share: float, *, seed: int) -> list[dict[str, Any]]:
+    """Imperfect demonstrations: round(share * line_count records) of them, drawn with their own seeded stream,
+    answer one line too many, as an annotator who counts the speaker's "NAME:" header as a line would. Only the
+    assistant turn changes (and "miscounted": true marks the record): the reference ("answer", meta), hence the
+    checker, the preference pairs and the RL prompts, stays right. That is the gap RL with a verifiable reward
+    exists for: the reward knows better than the demonstrations SFT imitated."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"line_count_miscount must be in [0, 1], got {share}")
+    line_count = [k for k, r in enumerate(records) if r["task"] == "line_count"]
+    chosen = set(random.Random(f"demo-miscount:{seed}").sample(line_count, round(share * len(line_count))))
+    out = []
+    for k, record in enumerate(records):
+        if k in chosen:
+            wrong = str(int(record["answer"]) + 1)
+            messages = [m if m["role"] != "assistant" else {**m, "content": wrong} for m in record["messages"]]
+            record = {**record, "messages": messages, "miscounted": True}
+        out.append(record)
+    return out
 
 
 def prompt_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

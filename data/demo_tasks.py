@@ -18,14 +18,16 @@ Passages are 1-4 consecutive speech lines (<= 63 chars each in this corpus), so 
 answer stays well under 256 tokens with the default tokenizer.
 
 Layout of a dataset written by write_demo_dataset(out_dir):
-    train.jsonl    {"messages": [user, assistant], "task", "kind", "answer", "meta"}
+    train.jsonl    {"messages": [user, assistant], "task", "kind", "answer", "meta"}; with line_count_miscount
+                   > 0, that share of line_count demonstrations answers one too many ("miscounted": true;
+                   "answer" and meta keep the reference)
     val.jsonl      same, from speeches that never appear in train
     prompts.jsonl  val records without the assistant turn: the RL stages' held-out prompts
     train_prompts.jsonl  train records without the assistant turn: the RL stages' training prompts
     pairs.jsonl    {"prompt": [user], "chosen", "rejected", "task", "kind", "meta"} (train pool)
     demo_manifest.json   parameters; a matching manifest makes the call a no-op
 
-    python -m data.demo_tasks OUT_DIR [--n-train N --n-val N --n-pairs N --seed S]
+    python -m data.demo_tasks OUT_DIR [--n-train N --n-val N --n-pairs N --seed S --line-count-miscount F]
 
 Owns: the dataset on disk (write_demo_dataset: atomic files, a manifest that makes a repeated call a no-op,
 FORMAT_VERSION), reading its files back (load_jsonl), argument checks, answer-token statistics and the CLI.
@@ -46,7 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from data.demo_corpus import DEFAULT_CORPUS, default_tokenizer
-from data.demo_examples import MAX_PASSAGE_LINES, TASKS, build_examples, build_pairs, prompt_records
+from data.demo_examples import (
+    MAX_PASSAGE_LINES,
+    TASKS,
+    build_examples,
+    build_pairs,
+    miscount_line_counts,
+    prompt_records,
+)
 from data.sources import check_utf8
 from models.atomic import write_atomically
 from models.errors import DataError
@@ -112,6 +121,7 @@ def write_demo_dataset(
     corpus_path: str | Path = DEFAULT_CORPUS,
     short_share: float = 0.3,
     line_count_max: int = MAX_PASSAGE_LINES,
+    line_count_miscount: float = 0.0,
 ) -> dict[str, Path]:
     """Write train/val/prompts/train_prompts/pairs.jsonl + demo_manifest.json under out_dir and return
     their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
@@ -130,6 +140,7 @@ def write_demo_dataset(
         "seed": seed,
         "short_share": short_share,
         "line_count_max": line_count_max,
+        "line_count_miscount": line_count_miscount,
         "corpus_sha256": hashlib.sha256(corpus_file.read_bytes()).hexdigest(),
         # first_speaker's name pool depends on the default tokenizer
         "tokenizer": default_tokenizer().fingerprint,
@@ -149,7 +160,7 @@ def write_demo_dataset(
     # so the next call rebuilds instead of trusting a mix of old and new files.
     paths["manifest"].unlink(missing_ok=True)
     files = {
-        "train": train,
+        "train": miscount_line_counts(train, line_count_miscount, seed=seed),  # SFT's demonstrations only
         "val": val,
         "prompts": prompt_records(val),
         "train_prompts": prompt_records(train),
@@ -188,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     parser.add_argument("--short-share", type=float, default=0.3, help="share of short-answer examples")
     parser.add_argument("--line-count-max", type=int, default=MAX_PASSAGE_LINES, help="longest line_count passage")
+    parser.add_argument(
+        "--line-count-miscount", type=float, default=0.0,
+        help="share of line_count training demonstrations that answer one line too many",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     paths = write_demo_dataset(
@@ -199,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         corpus_path=args.corpus,
         short_share=args.short_share,
         line_count_max=args.line_count_max,
+        line_count_miscount=args.line_count_miscount,
     )
     train = load_jsonl(paths["train"])
     for key in DATA_FILES:

@@ -200,6 +200,13 @@ def test_alignment_compare_runs_every_method_from_one_sft_model(tmp_path, monkey
     assert scored["g"]["heldout"] == summary["methods"]["grpo"]["heldout"]  # the same prompts, checker and seeds
     assert scored["g"]["vs_sft_sampled"]["n"] == scored["sft"]["sampled"]["n"] == 4  # tiny: pass_k_prompts 4
     assert "scores" not in scored["g"] and "sampled accuracy" in (tmp_path / "s" / "score_models.md").read_text()
+    # an override the pipeline ran with reaches the scoring's config
+    score_models.main([
+        "--pipeline", str(pipeline), "--config", config, "--set", "report.pass_k_prompts=2", "--out", str(tmp_path / "s2"),
+        f"g={grpo}",
+    ])  # fmt: skip
+    scored = json.loads((tmp_path / "s2" / "score_models.json").read_text())["results"]
+    assert scored["g"]["vs_sft_sampled"]["n"] == scored["sft"]["sampled"]["n"] == 2
 
 
 @pytest.mark.parametrize(

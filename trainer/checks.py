@@ -110,6 +110,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "n_pairs": AT_LEAST_1,
     "short_share": UNIT,
     "line_count_max": (1, 9, False, False),
+    "line_count_miscount": UNIT,
     "prompts": AT_LEAST_0,
 }
 # Numeric fields whose own dataclass checks them (ModelConfig.__post_init__ names model.KEY).

@@ -190,6 +190,7 @@ def _demo_data(args: argparse.Namespace) -> None:
     paths = write_demo_dataset(
         args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed,
         short_share=args.short_share, line_count_max=args.line_count_max,
+        line_count_miscount=args.line_count_miscount,
     )  # fmt: skip
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
@@ -286,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--short-share", type=float, default=0.3, help="share of short-answer examples")
     demo.add_argument("--line-count-max", type=int, default=4, help="longest passage line_count asks about (1-9)")
+    demo.add_argument(
+        "--line-count-miscount", type=float, default=0.0,
+        help="share of line_count training demonstrations that answer one line too many (0-1)",
+    )  # fmt: skip
     demo.set_defaults(handler=_demo_data)
 
     export = commands.add_parser(

@@ -77,6 +77,7 @@ class DemoDataSection:
     seed: int = 0
     short_share: float = 0.3  # share of short-answer examples (data/demo_examples.py)
     line_count_max: int = 4  # the longest passage line_count asks about (1-9)
+    line_count_miscount: float = 0.0  # share of line_count SFT demonstrations one too high (imperfect demonstrations)
 
 
 @dataclass
@@ -230,6 +231,7 @@ class Pipeline:
         write_demo_dataset(
             self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed,
             short_share=demo.short_share, line_count_max=demo.line_count_max,
+            line_count_miscount=demo.line_count_miscount,
         )  # fmt: skip
         self.demo_hash = sha((self.demo / "demo_manifest.json").read_text())
         self.check_heldout_disjoint()

@@ -326,3 +326,28 @@ def test_train_prompts_and_the_demo_shape_for_rl(tmp_path):
     assert all(int(r["answer"]) <= 4 for r in dt.load_jsonl(default["train"]) if r["task"] == "line_count")
     with pytest.raises(ValueError, match="line_count_max must be in"):
         dt.write_demo_dataset(tmp_path / "bad", n_train=5, n_val=5, n_pairs=5, line_count_max=10)
+
+
+def test_line_count_miscount_changes_only_the_demonstrations(tmp_path):
+    """line_count_miscount: that share of the line_count SFT demonstrations answers one line too many; the references,
+    the held-out set, the pairs and the RL prompts stay as they were, and 0 leaves every file byte-identical."""
+    shape = dict(n_train=300, n_val=60, n_pairs=40, short_share=0.6, line_count_max=8)
+    clean = dt.write_demo_dataset(tmp_path / "clean", **shape)
+    noisy = dt.write_demo_dataset(tmp_path / "noisy", line_count_miscount=0.6, **shape)
+    zero = dt.write_demo_dataset(tmp_path / "zero", line_count_miscount=0.0, **shape)
+    assert digests(zero) == digests(clean)
+    for key in ("val", "prompts", "pairs"):
+        assert noisy[key].read_bytes() == clean[key].read_bytes()
+    clean_train, noisy_train = dt.load_jsonl(clean["train"]), dt.load_jsonl(noisy["train"])
+    assert dt.load_jsonl(noisy["train_prompts"]) == dt.load_jsonl(clean["train_prompts"])
+    line_count = [(c, n) for c, n in zip(clean_train, noisy_train, strict=True) if c["task"] == "line_count"]
+    wrong = [(c, n) for c, n in line_count if n.get("miscounted")]
+    assert len(wrong) == round(0.6 * len(line_count)) > 0
+    for c, n in wrong:
+        said = n["messages"][-1]["content"]
+        assert said == str(int(c["answer"]) + 1) and scoring.score_example(n, said) == 0.0
+        assert n["answer"] == c["answer"] and n["meta"] == c["meta"] and n["messages"][:-1] == c["messages"][:-1]
+    untouched = [(c, n) for c, n in zip(clean_train, noisy_train, strict=True) if not n.get("miscounted")]
+    assert all(c == n for c, n in untouched)
+    with pytest.raises(ValueError, match="line_count_miscount must be in"):
+        dt.write_demo_dataset(tmp_path / "bad", n_train=5, n_val=5, n_pairs=5, line_count_miscount=1.5)

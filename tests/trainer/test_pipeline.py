@@ -20,7 +20,7 @@ import pytest
 from models import load_checkpoint
 from models.errors import ConfigError
 from models.heads import load_scalar_model
-from trainer.pipeline import run_pipeline
+from trainer.pipeline import Pipeline, load_pipeline_config, run_pipeline
 from trainer.pipeline_records import RECORD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +80,24 @@ def test_stage_list_is_checked_before_anything_runs(tmp_path, in_repo):
     with pytest.raises(ConfigError, match="report"):
         run_pipeline(TINY, [f"out_dir={tmp_path}", "report.prompt=3"])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs" / "pipeline").glob("*.yaml")))
+def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_repo):
+    """Every stage of every shipped pipeline loads with its overrides (a mistyped key or YAML quoting fails here, not
+    minutes into a run); the default demo's RL stages are rewarded by the checker on the miscounted task alone."""
+    pipeline = Pipeline(
+        load_pipeline_config(str(ROOT / "configs" / "pipeline" / f"{preset}.yaml"), [f"out_dir={tmp_path}"])
+    )
+    pipeline.write_demo()
+    configs = {stage: pipeline.load_stage_config(stage)[0] for stage in pipeline.config.stages if stage != "prepare"}
+    if preset == "default":
+        assert pipeline.config.demo.line_count_miscount > 0.5  # most demonstrations wrong: SFT's greedy answer too
+        for stage in ("ppo", "grpo"):
+            assert configs[stage].data.train_tasks == ["line_count"]
+            assert [(t.kind, t.path) for t in configs[stage].reward.terms] == [
+                ("checker", "data.demo_scoring:score_example")
+            ]
 
 
 @pytest.mark.slow
