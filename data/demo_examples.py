@@ -271,14 +271,23 @@ def build_pairs(
     return pairs
 
 
+def check_line_count_miscount(share: float, line_count_max: int = MAX_PASSAGE_LINES) -> None:
+    """A share in [0, 1], and room for one more line: a miscounted 9 would be "10", not the digit the prompt asks."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"line_count_miscount must be in [0, 1], got {share}")
+    if share and line_count_max > 8:
+        raise ValueError(
+            f"line_count_miscount needs line_count_max <= 8 (one more is still a digit), got {line_count_max}"
+        )
+
+
 def miscount_line_counts(records: list[dict[str, Any]], share: float, *, seed: int) -> list[dict[str, Any]]:
     """Imperfect demonstrations: round(share * line_count records) of them, drawn with their own seeded stream,
-    answer one line too many, as an annotator who counts the speaker's "NAME:" header as a line would. Only the
+    answer one line too many, as an annotator who counts the first speaker's "NAME:" header as a line would. Only the
     assistant turn changes (and "miscounted": true marks the record): the reference ("answer", meta), hence the
     checker, the preference pairs and the RL prompts, stays right. That is the gap RL with a verifiable reward
     exists for: the reward knows better than the demonstrations SFT imitated."""
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"line_count_miscount must be in [0, 1], got {share}")
+    check_line_count_miscount(share)
     line_count = [k for k, r in enumerate(records) if r["task"] == "line_count"]
     chosen = set(random.Random(f"demo-miscount:{seed}").sample(line_count, round(share * len(line_count))))
     out = []

@@ -53,6 +53,7 @@ from data.demo_examples import (
     TASKS,
     build_examples,
     build_pairs,
+    check_line_count_miscount,
     miscount_line_counts,
     prompt_records,
 )
@@ -111,6 +112,35 @@ DATA_FILES = {
 MANIFEST = "demo_manifest.json"
 
 
+def demo_parameters(
+    *,
+    n_train: int = 4000,
+    n_val: int = 400,
+    n_pairs: int = 2000,
+    seed: int = 0,
+    corpus_path: str | Path = DEFAULT_CORPUS,
+    short_share: float = 0.3,
+    line_count_max: int = MAX_PASSAGE_LINES,
+    line_count_miscount: float = 0.0,
+) -> dict[str, Any]:
+    """What a dataset's manifest records: a folder whose manifest equals this holds exactly these files."""
+    params = {
+        "format": FORMAT_VERSION,
+        "n_train": n_train,
+        "n_val": n_val,
+        "n_pairs": n_pairs,
+        "seed": seed,
+        "short_share": short_share,
+        "line_count_max": line_count_max,
+        "corpus_sha256": hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest(),
+        # first_speaker's name pool depends on the default tokenizer
+        "tokenizer": default_tokenizer().fingerprint,
+    }
+    if line_count_miscount:  # recorded only when used: folders written before the option stay current
+        params["line_count_miscount"] = line_count_miscount
+    return params
+
+
 def write_demo_dataset(
     out_dir: str | Path,
     *,
@@ -127,24 +157,16 @@ def write_demo_dataset(
     their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
     exist and the manifest records the same parameters."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
+    check_line_count_miscount(line_count_miscount, line_count_max)  # before any file is touched
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {key: out / name for key, name in DATA_FILES.items()}
     paths["manifest"] = out / MANIFEST
     corpus_file = Path(corpus_path)
-    params = {
-        "format": FORMAT_VERSION,
-        "n_train": n_train,
-        "n_val": n_val,
-        "n_pairs": n_pairs,
-        "seed": seed,
-        "short_share": short_share,
-        "line_count_max": line_count_max,
-        "line_count_miscount": line_count_miscount,
-        "corpus_sha256": hashlib.sha256(corpus_file.read_bytes()).hexdigest(),
-        # first_speaker's name pool depends on the default tokenizer
-        "tokenizer": default_tokenizer().fingerprint,
-    }
+    params = demo_parameters(
+        n_train=n_train, n_val=n_val, n_pairs=n_pairs, seed=seed, corpus_path=corpus_file, short_share=short_share,
+        line_count_max=line_count_max, line_count_miscount=line_count_miscount,
+    )  # fmt: skip
     if all(p.exists() for p in paths.values()):
         try:
             if json.loads(paths["manifest"].read_text(encoding="utf-8")) == params:

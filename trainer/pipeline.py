@@ -23,7 +23,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +35,8 @@ from alignment.pretrain import run_pretrain
 from alignment.rejection_sampling import run_rejection_sampling
 from alignment.reward import run_rm
 from alignment.sft import run_sft
-from data.demo_tasks import write_demo_dataset
+from data.demo_tasks import MANIFEST as DEMO_MANIFEST
+from data.demo_tasks import demo_parameters, write_demo_dataset
 from data.prepare import prepare
 from data.prompts import PromptDataConfig, load_prompts
 from data.tokenizer import Tokenizer
@@ -224,16 +225,22 @@ class Pipeline:
         final = self.stage_dir(stage) / "final"
         return (final, record["hash"]) if record and final.is_dir() else (None, "none")
 
-    def write_demo(self) -> None:
+    def write_demo(self, *, only_if_current: bool = False) -> None:
         """The demo data is cheap and idempotent, and every stage after pretraining reads it: always made, and its
-        held-out prompts checked against the training prompts before any compute."""
-        demo = self.config.demo
-        write_demo_dataset(
-            self.demo, n_train=demo.n_train, n_val=demo.n_val, n_pairs=demo.n_pairs, seed=demo.seed,
-            short_share=demo.short_share, line_count_max=demo.line_count_max,
-            line_count_miscount=demo.line_count_miscount,
-        )  # fmt: skip
-        self.demo_hash = sha((self.demo / "demo_manifest.json").read_text())
+        held-out prompts checked against the training prompts before any compute. only_if_current (the scoring
+        tools): a folder written with other demo settings is refused, not rewritten under the pipeline's models."""
+        arguments = {f.name: getattr(self.config.demo, f.name) for f in fields(DemoDataSection)}
+        manifest = self.demo / DEMO_MANIFEST
+        if only_if_current and manifest.is_file():
+            written, expected = read_json(manifest) or {}, demo_parameters(**arguments)
+            changed = sorted(k for k in {*written, *expected} if written.get(k) != expected.get(k))
+            if changed:
+                raise ConfigError(
+                    f"{manifest}: the demo data was written with other settings ({', '.join(changed)}): "
+                    "pass the demo.* overrides the pipeline ran with"
+                )
+        write_demo_dataset(self.demo, **arguments)
+        self.demo_hash = sha(manifest.read_text())
         self.check_heldout_disjoint()
 
     def run(self) -> None:

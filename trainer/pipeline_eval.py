@@ -93,8 +93,9 @@ def evaluate_stage(
 def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
     """What scoring other models beside a finished pipeline's SFT model needs: (the SFT model's folder, the
     tokenizer, the held-out prompts, the SFT model's results), scored as the report scores it. The demo files are
-    written first (a no-op when they are there: their hash is part of the evaluation's key)."""
-    pipeline.write_demo()
+    written first where missing (their hash is part of the evaluation's key); ones written with other demo settings
+    than the config's are refused."""
+    pipeline.write_demo(only_if_current=True)
     sft = pipeline.upstream("sft")[0]
     if sft is None or sft != pipeline.stage_dir("sft") / "final":
         raise ConfigError(f"{pipeline.root} has no finished SFT stage of this pipeline config: run the pipeline first")

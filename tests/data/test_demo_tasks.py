@@ -334,8 +334,10 @@ def test_line_count_miscount_changes_only_the_demonstrations(tmp_path):
     shape = dict(n_train=300, n_val=60, n_pairs=40, short_share=0.6, line_count_max=8)
     clean = dt.write_demo_dataset(tmp_path / "clean", **shape)
     noisy = dt.write_demo_dataset(tmp_path / "noisy", line_count_miscount=0.6, **shape)
-    zero = dt.write_demo_dataset(tmp_path / "zero", line_count_miscount=0.0, **shape)
-    assert digests(zero) == digests(clean)
+    # 0 changes nothing, and is not even recorded: folders written before the option stay current (no re-runs)
+    assert examples.miscount_line_counts(dt.load_jsonl(clean["train"]), 0.0, seed=0) == dt.load_jsonl(clean["train"])
+    assert "line_count_miscount" not in json.loads(clean["manifest"].read_text())
+    assert json.loads(noisy["manifest"].read_text())["line_count_miscount"] == 0.6
     for key in ("val", "prompts", "pairs"):
         assert noisy[key].read_bytes() == clean[key].read_bytes()
     clean_train, noisy_train = dt.load_jsonl(clean["train"]), dt.load_jsonl(noisy["train"])
@@ -351,3 +353,8 @@ def test_line_count_miscount_changes_only_the_demonstrations(tmp_path):
     assert all(c == n for c, n in untouched)
     with pytest.raises(ValueError, match="line_count_miscount must be in"):
         dt.write_demo_dataset(tmp_path / "bad", n_train=5, n_val=5, n_pairs=5, line_count_miscount=1.5)
+    with pytest.raises(ValueError, match="needs line_count_max <= 8"):  # a miscounted 9 is not a digit
+        dt.write_demo_dataset(
+            tmp_path / "bad", n_train=5, n_val=5, n_pairs=5, line_count_max=9, line_count_miscount=0.5
+        )
+    assert not (tmp_path / "bad").exists()

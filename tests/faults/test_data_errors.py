@@ -166,3 +166,21 @@ def test_demo_data_refuses_a_file_as_out(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "is a file" in err and "Traceback" not in err
     with pytest.raises(DataError):
         write_demo_dataset(tmp_path / "demo.jsonl", n_train=1, n_val=1, n_pairs=1)
+
+
+def test_demo_data_line_count_miscount_through_the_cli_and_a_bad_share_touches_nothing(tmp_path, capsys):
+    """--line-count-miscount reaches the files; an out-of-range share is one line, and an existing folder keeps its
+    files and manifest (the check runs before anything is removed)."""
+    out = tmp_path / "demo"
+    common = ["demo-data", "--out", str(out), "--n-train", "60", "--n-val", "10", "--n-pairs", "10"]
+    assert main([*common, "--short-share", "1", "--line-count-miscount", "1"]) == 0
+    train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    line_count = [r for r in train if r["task"] == "line_count"]
+    assert line_count and all(r.get("miscounted") for r in line_count)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    for share in ("1.5", "-0.1"):
+        assert main([*common, "--line-count-miscount", share]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "line_count_miscount must be in [0, 1]" in err and "Traceback" not in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -93,11 +93,28 @@ def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_
     configs = {stage: pipeline.load_stage_config(stage)[0] for stage in pipeline.config.stages if stage != "prepare"}
     if preset == "default":
         assert pipeline.config.demo.line_count_miscount > 0.5  # most demonstrations wrong: SFT's greedy answer too
+        train = [json.loads(line) for line in (pipeline.demo / "train.jsonl").read_text().splitlines()]
+        miscounted = [r for r in train if r.get("miscounted")]
+        line_count = [r for r in train if r["task"] == "line_count"]
+        assert len(miscounted) == round(pipeline.config.demo.line_count_miscount * len(line_count))
         for stage in ("ppo", "grpo"):
             assert configs[stage].data.train_tasks == ["line_count"]
             assert [(t.kind, t.path) for t in configs[stage].reward.terms] == [
                 ("checker", "data.demo_scoring:score_example")
             ]
+
+
+def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
+    """The scoring tools (score_sft) never rewrite a pipeline's demo data under its models: written with other
+    demo.* settings than the config's, it is refused in one line naming the keys, and left as it was."""
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo()
+    demo = tmp_path / "data" / "demo"
+    before = {p.name: p.read_bytes() for p in demo.iterdir()}
+    other = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", "demo.seed=7", "demo.line_count_miscount=0.5"]))
+    with pytest.raises(ConfigError, match=r"other settings \(line_count_miscount, seed\)"):
+        other.write_demo(only_if_current=True)
+    assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)  # the same: fine
 
 
 @pytest.mark.slow
