@@ -102,6 +102,7 @@ def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_
             assert [(t.kind, t.path) for t in configs[stage].reward.terms] == [
                 ("checker", "data.demo_scoring:score_example")
             ]
+        assert configs["ppo"].init.critic == "zeros"  # not a copy of the reward model, whose units the checker's aren't
 
 
 def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
