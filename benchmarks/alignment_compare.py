@@ -26,7 +26,7 @@ from typing import Any
 
 from alignment.evaluation import json_safe
 from models.atomic import write_atomically
-from models.errors import ConfigError
+from models.errors import ConfigError, DataError
 from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
 from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
 from trainer.pipeline_report import comparison_lines
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline = Pipeline(config)
     try:  # the demo files are written again (the same files, checked disjoint again)
         sft, tokenizer, prompts, sft_results = score_sft(pipeline)
-    except ConfigError as error:
+    except (ConfigError, DataError) as error:
         raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
     results = {"sft": sft_results}
     seconds: dict[str, float | None] = {"sft": None}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from alignment.evaluation import json_safe
 from models.atomic import write_atomically
-from models.errors import ConfigError
+from models.errors import ConfigError, DataError
 from trainer.pipeline import Pipeline, load_pipeline_config
 from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
 from trainer.pipeline_report import comparison_lines
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     config.start_checkpoint = None
     try:
         sft, tokenizer, prompts, sft_results = score_sft(Pipeline(config))
-    except ConfigError as error:
+    except (ConfigError, DataError) as error:
         raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
     results = {"sft": sft_results}
     for name, path in models.items():

@@ -112,35 +112,6 @@ DATA_FILES = {
 MANIFEST = "demo_manifest.json"
 
 
-def demo_parameters(
-    *,
-    n_train: int = 4000,
-    n_val: int = 400,
-    n_pairs: int = 2000,
-    seed: int = 0,
-    corpus_path: str | Path = DEFAULT_CORPUS,
-    short_share: float = 0.3,
-    line_count_max: int = MAX_PASSAGE_LINES,
-    line_count_miscount: float = 0.0,
-) -> dict[str, Any]:
-    """What a dataset's manifest records: a folder whose manifest equals this holds exactly these files."""
-    params = {
-        "format": FORMAT_VERSION,
-        "n_train": n_train,
-        "n_val": n_val,
-        "n_pairs": n_pairs,
-        "seed": seed,
-        "short_share": short_share,
-        "line_count_max": line_count_max,
-        "corpus_sha256": hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest(),
-        # first_speaker's name pool depends on the default tokenizer
-        "tokenizer": default_tokenizer().fingerprint,
-    }
-    if line_count_miscount:  # recorded only when used: folders written before the option stay current
-        params["line_count_miscount"] = line_count_miscount
-    return params
-
-
 def write_demo_dataset(
     out_dir: str | Path,
     *,
@@ -152,10 +123,12 @@ def write_demo_dataset(
     short_share: float = 0.3,
     line_count_max: int = MAX_PASSAGE_LINES,
     line_count_miscount: float = 0.0,
+    refuse_other_settings: bool = False,
 ) -> dict[str, Path]:
     """Write train/val/prompts/train_prompts/pairs.jsonl + demo_manifest.json under out_dir and return
     their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
-    exist and the manifest records the same parameters."""
+    exist and the manifest records the same parameters. refuse_other_settings: a folder written with other
+    parameters is refused (DataError naming them) instead of rewritten."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     check_line_count_miscount(line_count_miscount, line_count_max)  # before any file is touched
     out = Path(out_dir)
@@ -163,16 +136,36 @@ def write_demo_dataset(
     paths = {key: out / name for key, name in DATA_FILES.items()}
     paths["manifest"] = out / MANIFEST
     corpus_file = Path(corpus_path)
-    params = demo_parameters(
-        n_train=n_train, n_val=n_val, n_pairs=n_pairs, seed=seed, corpus_path=corpus_file, short_share=short_share,
-        line_count_max=line_count_max, line_count_miscount=line_count_miscount,
-    )  # fmt: skip
+    params = {
+        "format": FORMAT_VERSION,
+        "n_train": n_train,
+        "n_val": n_val,
+        "n_pairs": n_pairs,
+        "seed": seed,
+        "short_share": short_share,
+        "line_count_max": line_count_max,
+        "corpus_sha256": hashlib.sha256(corpus_file.read_bytes()).hexdigest(),
+        # first_speaker's name pool depends on the default tokenizer
+        "tokenizer": default_tokenizer().fingerprint,
+    }
+    if line_count_miscount:  # recorded only when used: folders written before the option stay current
+        params["line_count_miscount"] = line_count_miscount
     if all(p.exists() for p in paths.values()):
         try:
             if json.loads(paths["manifest"].read_text(encoding="utf-8")) == params:
                 return paths
         except (OSError, ValueError):
             pass  # unreadable manifest: rebuild
+    if refuse_other_settings and paths["manifest"].is_file():
+        try:
+            written = json.loads(paths["manifest"].read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            written = {}
+        changed = sorted(k for k in {*written, *params} if written.get(k) != params.get(k))
+        raise DataError(
+            f"{paths['manifest']}: the demo data was written with other settings ({', '.join(changed)}); "
+            "give the ones it was written with (a pipeline's demo.* overrides)"
+        )
 
     shape = {"short_share": short_share, "line_count_max": line_count_max}
     train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train", **shape)

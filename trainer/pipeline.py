@@ -35,8 +35,7 @@ from alignment.pretrain import run_pretrain
 from alignment.rejection_sampling import run_rejection_sampling
 from alignment.reward import run_rm
 from alignment.sft import run_sft
-from data.demo_tasks import MANIFEST as DEMO_MANIFEST
-from data.demo_tasks import demo_parameters, write_demo_dataset
+from data.demo_tasks import write_demo_dataset
 from data.prepare import prepare
 from data.prompts import PromptDataConfig, load_prompts
 from data.tokenizer import Tokenizer
@@ -230,17 +229,8 @@ class Pipeline:
         held-out prompts checked against the training prompts before any compute. only_if_current (the scoring
         tools): a folder written with other demo settings is refused, not rewritten under the pipeline's models."""
         arguments = {f.name: getattr(self.config.demo, f.name) for f in fields(DemoDataSection)}
-        manifest = self.demo / DEMO_MANIFEST
-        if only_if_current and manifest.is_file():
-            written, expected = read_json(manifest) or {}, demo_parameters(**arguments)
-            changed = sorted(k for k in {*written, *expected} if written.get(k) != expected.get(k))
-            if changed:
-                raise ConfigError(
-                    f"{manifest}: the demo data was written with other settings ({', '.join(changed)}): "
-                    "pass the demo.* overrides the pipeline ran with"
-                )
-        write_demo_dataset(self.demo, **arguments)
-        self.demo_hash = sha(manifest.read_text())
+        paths = write_demo_dataset(self.demo, refuse_other_settings=only_if_current, **arguments)
+        self.demo_hash = sha(paths["manifest"].read_text())
         self.check_heldout_disjoint()
 
     def run(self) -> None:

@@ -94,7 +94,7 @@ def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]]
     """What scoring other models beside a finished pipeline's SFT model needs: (the SFT model's folder, the
     tokenizer, the held-out prompts, the SFT model's results), scored as the report scores it. The demo files are
     written first where missing (their hash is part of the evaluation's key); ones written with other demo settings
-    than the config's are refused."""
+    than the config's are refused (DataError)."""
     pipeline.write_demo(only_if_current=True)
     sft = pipeline.upstream("sft")[0]
     if sft is None or sft != pipeline.stage_dir("sft") / "final":

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from models import load_checkpoint
-from models.errors import ConfigError
+from models.errors import ConfigError, DataError
 from models.heads import load_scalar_model
 from trainer.pipeline import Pipeline, load_pipeline_config, run_pipeline
 from trainer.pipeline_records import RECORD
@@ -112,7 +112,7 @@ def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo
     demo = tmp_path / "data" / "demo"
     before = {p.name: p.read_bytes() for p in demo.iterdir()}
     other = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", "demo.seed=7", "demo.line_count_miscount=0.5"]))
-    with pytest.raises(ConfigError, match=r"other settings \(line_count_miscount, seed\)"):
+    with pytest.raises(DataError, match=r"other settings \(line_count_miscount, seed\)"):
         other.write_demo(only_if_current=True)
     assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
     Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)  # the same: fine
