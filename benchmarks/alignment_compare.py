@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from alignment.evaluation import json_safe
+from benchmarks.score_models import open_pipeline
 from models.atomic import write_atomically
-from models.errors import ConfigError, DataError
-from trainer.pipeline import RUNNERS, Pipeline, load_pipeline_config, training_section
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
+from trainer.pipeline import RUNNERS, training_section
+from trainer.pipeline_eval import compare_with_sft, evaluate_stage, without_per_prompt
 from trainer.pipeline_report import comparison_lines
 
 # method -> (the pipeline stage that runs it, overrides that make it this method)
@@ -103,14 +103,9 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(args.pipeline)
     out = Path(args.out) if args.out else root / "alignment-compare"
-    config = load_pipeline_config(args.config, [*args.overrides, f"out_dir={root}", "logger.kind=csv"])
-    # every method starts from the pipeline's own SFT model: a start_checkpoint would stand in for it (upstream)
-    config.start_checkpoint = None
-    pipeline = Pipeline(config)
-    try:  # the demo files are written again (the same files, checked disjoint again)
-        sft, tokenizer, prompts, sft_results = score_sft(pipeline)
-    except (ConfigError, DataError) as error:
-        raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
+    # every method starts from the pipeline's own SFT model, with the pipeline's presets, overrides and wiring
+    pipeline, sft, tokenizer, prompts, sft_results = open_pipeline(args.config, root, args.overrides)
+    config = pipeline.config
     results = {"sft": sft_results}
     seconds: dict[str, float | None] = {"sft": None}
     budgets: dict[str, int] = {}

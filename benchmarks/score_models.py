@@ -18,13 +18,31 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from alignment.evaluation import json_safe
+from data.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from models.errors import ConfigError, DataError
 from trainer.pipeline import Pipeline, load_pipeline_config
 from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
 from trainer.pipeline_report import comparison_lines
+
+
+def open_pipeline(
+    config_path: str, root: Path, overrides: list[str]
+) -> tuple[Pipeline, Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
+    """The finished pipeline in ``root`` (run with ``config_path`` and ``overrides``) and its SFT model scored as
+    its report scores it: (pipeline, SFT folder, tokenizer, held-out prompts, SFT results). Every model is compared
+    with the pipeline's own SFT model, so a start_checkpoint, which would stand in for it, is dropped. No finished
+    SFT stage, or demo data written with other settings, exits with one line."""
+    config = load_pipeline_config(config_path, [*overrides, f"out_dir={root}", "logger.kind=csv"])
+    config.start_checkpoint = None
+    pipeline = Pipeline(config)
+    try:
+        return pipeline, *score_sft(pipeline)
+    except (ConfigError, DataError) as error:
+        raise SystemExit(f"{error} (`lantern pipeline {config_path}`)") from None
 
 
 def named_models(pairs: list[str]) -> dict[str, Path]:
@@ -55,12 +73,8 @@ def main(argv: list[str] | None = None) -> None:
 
     models = named_models(args.models)
     root = Path(args.pipeline)
-    config = load_pipeline_config(args.config, [*args.set, f"out_dir={root}", "logger.kind=csv"])
-    config.start_checkpoint = None
-    try:
-        sft, tokenizer, prompts, sft_results = score_sft(Pipeline(config))
-    except (ConfigError, DataError) as error:
-        raise SystemExit(f"{error} (`lantern pipeline {args.config}`)") from None
+    pipeline, sft, tokenizer, prompts, sft_results = open_pipeline(args.config, root, args.set)
+    config = pipeline.config
     results = {"sft": sft_results}
     for name, path in models.items():
         results[name] = evaluate_stage(config.report, name, path, prompts, tokenizer, sft)

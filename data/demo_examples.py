@@ -10,8 +10,9 @@ Does not own: the corpus, split and passages (data/demo_corpus.py), the checkers
 CHECKS: a task without one fails its first build), the files on disk and the CLI (data/demo_tasks.py).
 Choices: every reference answer must score 1.0 by its own checker, and every rejected answer strictly less
 than the chosen one (checked while building, so a reward model trains on true labels). Only the SFT
-demonstrations may be made wrong on purpose (miscount_line_counts), never a reference, pair or prompt. Task counts are exact
-(round(n * short_share) short examples, spread evenly), and each builder draws from its own seeded stream.
+demonstrations may be made wrong on purpose (miscount_line_counts), never a reference, pair or prompt. Task
+counts are exact (round(n * short_share) short examples, spread evenly), and each builder draws from its own
+seeded stream.
 """
 
 from __future__ import annotations
@@ -283,10 +284,10 @@ def check_line_count_miscount(share: float, line_count_max: int = MAX_PASSAGE_LI
 
 def miscount_line_counts(records: list[dict[str, Any]], share: float, *, seed: int) -> list[dict[str, Any]]:
     """Imperfect demonstrations: round(share * line_count records) of them, drawn with their own seeded stream,
-    answer one line too many, as an annotator who counts the first speaker's "NAME:" header as a line would. Only the
-    assistant turn changes (and "miscounted": true marks the record): the reference ("answer", meta), hence the
-    checker, the preference pairs and the RL prompts, stays right. That is the gap RL with a verifiable reward
-    exists for: the reward knows better than the demonstrations SFT imitated."""
+    answer one line too many, as an annotator who counts the first speaker's "NAME:" header as a line would.
+    Only the assistant turn changes (and "miscounted": true marks the record): the reference ("answer", meta),
+    hence the checker, the preference pairs and the RL prompts, stays right. That is the gap RL with a verifiable
+    reward exists for: the reward knows better than the demonstrations SFT imitated."""
     check_line_count_miscount(share)
     line_count = [k for k, r in enumerate(records) if r["task"] == "line_count"]
     chosen = set(random.Random(f"demo-miscount:{seed}").sample(line_count, round(share * len(line_count))))

@@ -150,22 +150,20 @@ def write_demo_dataset(
     }
     if line_count_miscount:  # recorded only when used: folders written before the option stay current
         params["line_count_miscount"] = line_count_miscount
-    if all(p.exists() for p in paths.values()):
-        try:
-            if json.loads(paths["manifest"].read_text(encoding="utf-8")) == params:
-                return paths
-        except (OSError, ValueError):
-            pass  # unreadable manifest: rebuild
-    if refuse_other_settings and paths["manifest"].is_file():
-        try:
-            written = json.loads(paths["manifest"].read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            written = {}
-        changed = sorted(k for k in {*written, *params} if written.get(k) != params.get(k))
-        raise DataError(
-            f"{paths['manifest']}: the demo data was written with other settings ({', '.join(changed)}); "
-            "give the ones it was written with (a pipeline's demo.* overrides)"
-        )
+    try:
+        written = json.loads(paths["manifest"].read_text(encoding="utf-8")) if paths["manifest"].is_file() else None
+    except (OSError, ValueError):
+        written = {}  # unreadable: rebuilt, or refused below
+    if written == params and all(p.exists() for p in paths.values()):
+        return paths
+    if refuse_other_settings and written is not None:
+        recorded = written if isinstance(written, dict) else {}
+        changed = sorted(k for k in {*recorded, *params} if recorded.get(k) != params.get(k))
+        if changed:  # the same settings with a file missing is rebuilt, not refused
+            raise DataError(
+                f"{paths['manifest']}: the demo data was written with other settings ({', '.join(changed)}); "
+                "give the ones it was written with (a pipeline's demo.* overrides)"
+            )
 
     shape = {"short_share": short_share, "line_count_max": line_count_max}
     train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train", **shape)

@@ -116,6 +116,9 @@ def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo
         other.write_demo(only_if_current=True)
     assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
     Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)  # the same: fine
+    (demo / "pairs.jsonl").unlink()  # the same settings with a file missing: rebuilt, not refused
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)
+    assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
 
 
 @pytest.mark.slow
