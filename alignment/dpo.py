@@ -141,6 +141,7 @@ class DPODataModule(PreferenceDataModule):
     """The reward model's preference data with the DPO fields in every batch (train, val, the reference pass)."""
 
     row_batches = DPOTrainBatches
+    stage = "DPO"  # its data statistics and skipped-row warnings are DPO's, not the reward model's
 
     def build_data(self, tokenizer: Tokenizer) -> Any:
         data = super().build_data(tokenizer)
@@ -256,7 +257,7 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     precompute = reference is not None and config.loss.reference_logprobs == "precompute"
     cache_key = reference_cache_key(config, reference, datamodule) if precompute else None
 
-    run_dir = start_run_directory(config, data_stats=datamodule.stats)
+    run_dir = start_run_directory(config, "dpo", data_stats=datamodule.stats)
     name, kind = config.run.name, config.loss.kind.upper()
     callbacks = [
         # throughput counts both sides' real tokens and the policy's FLOPs (an on-the-fly reference adds a third)

@@ -64,7 +64,7 @@ def run_grpo(config: GRPOConfig, extra_callbacks: list | None = None) -> Path | 
     datamodule.setup("fit")
     check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
 
-    run_dir = start_run_directory(config)
+    run_dir = start_run_directory(config, "grpo")
     name = config.grpo.baseline.upper()
     callbacks = [
         *stage_callbacks(config, run_dir, tokenizer, metadata={"stage": "grpo", "tokenizer": str(tokenizer.path)}),

@@ -123,7 +123,7 @@ def run_ppo(
     datamodule.setup("fit")
     check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
 
-    run_dir = start_run_directory(config)
+    run_dir = start_run_directory(config, "ppo")
     callbacks = [
         *stage_callbacks(config, run_dir, tokenizer, metadata={"stage": "ppo", "tokenizer": str(tokenizer.path)}),
         LossPlot(

@@ -101,7 +101,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
 
-    run_dir = start_run_directory(config)
+    run_dir = start_run_directory(config, "pretrain")
     callbacks = [
         *stage_callbacks(
             config,

@@ -55,7 +55,13 @@ from trainer.build import check_trainer_config, run_directory
 from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
 from trainer.config import RunConfig, SFTConfig, to_dict
 from trainer.rs_config import RejectionSamplingConfig
-from trainer.storage import is_global_rank_zero, latest_checkpoint, lock_run_directory, release_run_directory
+from trainer.storage import (
+    claim_run_directory,
+    is_global_rank_zero,
+    latest_checkpoint,
+    lock_run_directory,
+    release_run_directory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +326,8 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     run_dir = run_directory(config.run.out_dir, config.run.name)
     sharded = dist.is_available() and dist.is_initialized()
     leader = dist.get_rank() == 0 if sharded else is_global_rank_zero()
+    claim_run_directory(run_dir, "rejection_sampling")  # before anything is written into it
     if leader:
-        run_dir.mkdir(parents=True, exist_ok=True)
         lock_run_directory(run_dir)  # held on through run_sft (same process), released by its fit_stage
     try:
         if sampling_done(run_dir, digest):
@@ -339,4 +345,4 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     except BaseException:
         release_run_directory(run_dir)
         raise
-    return run_sft(sft_config(config, run_dir / SAMPLES, model))
+    return run_sft(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")

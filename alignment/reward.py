@@ -34,6 +34,7 @@ from trainer.callbacks import LossPlot
 from trainer.checks import check_initial_model
 from trainer.config import RMConfig, to_dict
 from trainer.lm_module import LanguageModelModule
+from trainer.storage import claim_run_directory
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +216,11 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     if samples.policy and samples.checker and samples.train != "none":
         # every process of a launch samples the same pairs (seeded) and writes the same file atomically
         folder = run_directory(config.run.out_dir, config.run.name)
-        folder.mkdir(parents=True, exist_ok=True)
+        claim_run_directory(folder, "rm")  # before the pairs are written into it
         pairs = str(write_policy_pairs(config, folder, tokenizer))
         config.data.train = [pairs] if samples.train == "replace" else [*config.data.train, pairs]
     datamodule = preference_data(config)
-    run_dir = start_run_directory(config, data_stats=datamodule.stats)
+    run_dir = start_run_directory(config, "rm", data_stats=datamodule.stats)
     callbacks = [
         # the metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them
         *preference_stage_callbacks(config, run_dir, tokenizer, datamodule, model.config),

@@ -229,8 +229,9 @@ def load_initial_model(config: SFTConfig) -> Transformer:
     return Transformer(config.model)
 
 
-def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
-    """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None."""
+def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
+    """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``
+    is what the run folder records (rejection sampling fine-tunes in its own folder)."""
     check_trainer_config(config.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
@@ -244,7 +245,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None) 
     datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
     check_generation_budgets(config, datamodule.val_examples, tokenizer, model.config.max_seq_len)
 
-    run_dir = start_run_directory(config, data_stats=datamodule.stats)
+    run_dir = start_run_directory(config, stage, data_stats=datamodule.stats)
     callbacks = [
         *stage_callbacks(
             config,

@@ -125,11 +125,27 @@ def _train_ranks(files: list[Path], n_ranks: int, pattern: str, total_bytes: int
     raise RuntimeError(f"could not reach {n_ranks} unique BPE tokens")
 
 
+def trained_here(path: Path) -> bool:
+    """Whether ``path`` is a rank file this module wrote: its first 256 ranks are the single bytes in byte order
+    (rustbpe's start, checked before writing). Meta's and OpenAI's files, like any other file, are not."""
+    try:
+        with open(path, "rb") as handle:
+            lines = [handle.readline() for _ in range(256)]
+        return all(line.split() == [base64.b64encode(bytes([rank])), b"%d" % rank] for rank, line in enumerate(lines))
+    except OSError:
+        return False
+
+
 def check_output_file(out: str | os.PathLike, *, flag: str = "out") -> Path:
     """``out`` must name a file that can be written: not an existing folder, not under a file."""
     path = Path(out).expanduser()
     if path.is_dir():
         raise DataError(f"{flag} {path} is a folder; pass a file path such as {path / 'tokenizer.tiktoken'}")
+    if path.exists() and not trained_here(path):
+        raise DataError(
+            f"{flag} {path} exists and is not a tokenizer trained by `lantern tokenizer train`: refusing to replace "
+            "it; pass a new file path"
+        )
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():

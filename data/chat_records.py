@@ -1,16 +1,18 @@
 """
 Chat records: files -> rows -> validated conversations, for SFT (and the preference and prompt loaders).
 
-Owns: resolving and loading SFT-style inputs one file at a time (resolve_sources, read_records), mapping a row
+Owns: resolving SFT-style inputs (resolve_sources; each file is read by data/record_files.py), mapping a row
 to chat messages by schema (detect_schema, record_to_messages), reading message lists in either key style
 (check_messages; ShareGPT's roles: SHAREGPT_ROLES) and prompts / replies given as a string or a list
 (field_turns), the row checks and their reasons (BadRow, BAD_ROW_REASONS, required_field,
 string_field), the error-or-skip loop over rows (load_rows), and the seeded val hold-out (hold_out).
-Does not own: file formats, UTF-8 and JSON diagnosis (data/sources.py), tokenizing and the chat template
+Does not own: file formats, UTF-8 and JSON diagnosis (data/sources.py), reading one file into rows and their
+locations ("FILE, line N") and the rows as written (data/record_files.py), tokenizing and the chat template
 (data/sft_examples.py, data/tokenizer.py), rows and batches (data/sft_rows.py, data/sft_batches.py).
-Choices: nothing is repaired silently: a bad row raises a ValueError naming file, row, reason and schema, or
-with on_bad_row=skip is skipped and counted per reason. An optional system prompt is prepended only to rows
-without a system turn; a conversation must end with a non-empty assistant turn.
+Choices: nothing is repaired silently: a bad row raises a DataError naming file, line, reason and schema, or
+with on_bad_row=skip is skipped and counted per reason; a bad row of a JSON file is judged again as written, so
+the message tells a null field from an absent one (`datasets` makes both null). An optional system prompt is
+prepended only to rows without a system turn; a conversation must end with a non-empty assistant turn.
 
 SFT schemas, auto-detected from a file's columns, the first that fits in this order (or set with `schema`):
 
@@ -28,7 +30,6 @@ Any message list, in any schema (and in the preference and prompt data), may use
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ from typing import Any, TypeVar
 
 from data.prepare import choose_val
 from data.prepare_config import PrepareConfig
+from data.record_files import RecordFile, read_records
 from data.sft_config import SFTDataConfig
-from data.sources import json_rows, load_source, resolve_inputs
+from data.sources import resolve_inputs
 from data.tokenizer import CHAT_ROLES
 from models.errors import DataError
 
@@ -66,7 +68,7 @@ class BadRow(ValueError):
 class Conversation:
     messages: list[dict[str, str]]  # validated {role, content} turns, ending with the assistant
     record: dict[str, Any]  # the row as loaded
-    where: str  # "<file>, row N" (1-based)
+    where: str  # "<file>, line N" (JSON lines; "record N" in a JSON array, "row N" in Parquet / a hub dataset)
 
 
 def resolve_sources(config: SFTDataConfig, sources: Sequence[str]) -> tuple[str, list[str]]:
@@ -76,25 +78,6 @@ def resolve_sources(config: SFTDataConfig, sources: Sequence[str]) -> tuple[str,
     if fmt not in ("json", "parquet", "hub"):
         raise ValueError(f"SFT data must be JSON / JSON lines, Parquet or a hub dataset; {files[0]} is {fmt}")
     return fmt, files
-
-
-def read_records(fmt: str, source: str, num_proc: int = 1) -> tuple[list[dict[str, Any]], list[str]]:
-    """(rows, column names) of one file (or hub dataset), loaded with `datasets` into a throwaway cache."""
-    settings = PrepareConfig(source=[source], format=fmt, num_proc=num_proc)
-    with tempfile.TemporaryDirectory(prefix="lantern-sft-") as cache_dir:
-        try:
-            ds = load_source(fmt, [source], settings, cache_dir=cache_dir)
-        except DataError:  # already names the file and line
-            raise
-        except ValueError as error:
-            if fmt == "json":  # name the broken line ourselves: prepare's diagnosis looks for a text field
-                for where, record in json_rows(source):
-                    if isinstance(record, Exception):
-                        raise ValueError(f"cannot read {where}: invalid JSON ({record.msg})") from error
-            raise
-        records, columns = ds.to_list(), list(ds.column_names)
-        del ds  # release the memory-mapped cache before it is deleted
-    return records, columns
 
 
 def detect_schema(columns: Sequence[str], config: SFTDataConfig, where: str) -> str:
@@ -124,9 +107,17 @@ def type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A value for a message: its type and (the start of) its repr, e.g. "int 5"."""
+    text = repr(value)
+    return f"{type_name(value)} {text if len(text) <= limit else text[: limit - 3] + '...'}"
+
+
 def required_field(record: Mapping[str, Any], name: str) -> Any:
     value = record.get(name)
-    if value is None:  # absent, or null (datasets fills absent columns with null)
+    if value is None:
+        if name in record:  # null (in a row from `datasets` maybe absent: load_rows asks the row as written)
+            raise BadRow("missing_field", f"{name!r} is null")
         present = sorted(key for key, item in record.items() if item is not None)
         raise BadRow("missing_field", f"no {name!r} field (the row has {present})")  # shows a row of another format
     return value
@@ -135,7 +126,7 @@ def required_field(record: Mapping[str, Any], name: str) -> Any:
 def string_field(record: Mapping[str, Any], name: str) -> str:
     value = required_field(record, name)
     if not isinstance(value, str):
-        raise BadRow("non_string_content", f"{name!r} must be a string, got {type_name(value)}")
+        raise BadRow("non_string_content", f"{name!r} must be a string, got {shown(value)}")
     return value
 
 
@@ -174,7 +165,10 @@ def check_messages(messages: Any, name: str) -> list[dict[str, str]]:
             )
         role, content = message.get(role_key), message.get(content_key)
         if role is None:
-            raise BadRow("missing_field", f"{where} has no {role_key!r}")
+            raise BadRow(
+                "missing_field",
+                f"{where} {role_key!r} is null" if role_key in message else f"{where} has no {role_key!r}",
+            )
         if sharegpt:
             if not isinstance(role, str) or role not in SHAREGPT_ROLES:
                 allowed = ", ".join(SHAREGPT_ROLES)
@@ -183,9 +177,10 @@ def check_messages(messages: Any, name: str) -> list[dict[str, str]]:
         elif role not in CHAT_ROLES:
             raise BadRow("unknown_role", f"{where} has unknown role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
         if content is None:
-            raise BadRow("missing_field", f"{where} ({role}) has no {content_key!r}")
+            missing = f"{content_key!r} is null" if content_key in message else f"has no {content_key!r}"
+            raise BadRow("missing_field", f"{where} ({role}) {missing}")
         if not isinstance(content, str):
-            raise BadRow("non_string_content", f"{where} ({role}) content must be a string, got {type_name(content)}")
+            raise BadRow("non_string_content", f"{where} ({role}) content must be a string, got {shown(content)}")
         checked.append({"role": role, "content": content})
     return checked
 
@@ -196,7 +191,7 @@ def field_turns(value: Any, name: str, role: str) -> list[dict[str, str]]:
         return [{"role": role, "content": value}]
     if isinstance(value, list):
         return check_messages(value, name)
-    raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {type_name(value)}")
+    raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {shown(value)}")
 
 
 def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataConfig) -> list[dict[str, str]]:
@@ -214,7 +209,7 @@ def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataCo
         instruction = string_field(record, config.instruction_field)
         extra = record.get(config.input_field)
         if extra is not None and not isinstance(extra, str):
-            raise BadRow("non_string_content", f"{config.input_field!r} must be a string, got {type_name(extra)}")
+            raise BadRow("non_string_content", f"{config.input_field!r} must be a string, got {shown(extra)}")
         user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
         output = string_field(record, config.output_field)
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
@@ -232,6 +227,18 @@ def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataCo
     return messages
 
 
+def as_written(bad: BadRow, file: RecordFile, index: int, judge: Callable[[Any], Any]) -> BadRow:
+    """`bad`, row `index`'s problem, told again from the row as written in a JSON file: `datasets` fills absent
+    fields with null, so only the file says whether a missing field is null or absent."""
+    if bad.reason != "missing_field" or file.written is None:
+        return bad
+    try:
+        judge(file.written(index))
+    except BadRow as exact:
+        return exact
+    return bad  # not expected: the row as written holds the same values
+
+
 def load_rows(
     config: Any,
     sources: Sequence[str],
@@ -243,7 +250,7 @@ def load_rows(
     """`convert(record, schema, where)` of every good row of `sources`, plus {rows_read, skipped: {reason: count}}.
 
     The loop SFT and preference data share: config.format selects the files, config.num_proc the processes
-    that load them, config.on_bad_row what a BadRow does (raise a ValueError naming file, row, reason and
+    that load them, config.on_bad_row what a BadRow does (raise a DataError naming file, line, reason and
     schema, or skip and count, warning through `logger`); `detect(columns, config, label)` gives each file's
     schema."""
     fmt, files = resolve_sources(config, sources)
@@ -251,22 +258,21 @@ def load_rows(
     skipped: Counter[str] = Counter()
     rows = 0
     for source in files:
-        label = f"hub dataset {source}" if fmt == "hub" else source
-        records, columns = read_records(fmt, source, config.num_proc)
-        schema = detect(columns, config, label)
-        for index, record in enumerate(records):
-            where = f"{label}, row {index + 1}"
+        file = read_records(fmt, source, config.num_proc)
+        schema = detect(file.columns, config, file.label)
+        for index, (record, where) in enumerate(zip(file.rows, file.where)):
             try:
                 items.append(convert(record, schema, where))
-            except BadRow as bad:
+            except BadRow as error:
+                bad = as_written(error, file, index, lambda row, s=schema, w=where: convert(row, s, w))
                 if config.on_bad_row == "error":
-                    raise ValueError(
+                    raise DataError(
                         f"{where}: {bad.problem} ({bad.reason}; schema {schema}); fix the row or set on_bad_row: skip"
                     ) from None
                 if not skipped[bad.reason]:
                     logger.warning("%s: skipping bad rows; first %s: %s: %s", split, bad.reason, where, bad.problem)
                 skipped[bad.reason] += 1
-        rows += len(records)
+        rows += len(file.rows)
     if skipped:
         logger.warning(
             "%s: skipped %d of %d rows: %s", split, sum(skipped.values()), rows, dict(sorted(skipped.items()))

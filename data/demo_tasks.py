@@ -60,6 +60,7 @@ from data.demo_examples import (
 from data.sources import check_utf8
 from models.atomic import write_atomically
 from models.errors import DataError
+from models.folders import claim_folder
 
 # Bump when task formats, sampling or file layout change: it is part of the manifest, so
 # an old dataset directory is rebuilt instead of silently reused.
@@ -124,15 +125,18 @@ def write_demo_dataset(
     line_count_max: int = MAX_PASSAGE_LINES,
     line_count_miscount: float = 0.0,
     refuse_other_settings: bool = False,
+    key: str = "--out",
 ) -> dict[str, Path]:
     """Write train/val/prompts/train_prompts/pairs.jsonl + demo_manifest.json under out_dir and return
     their paths ({"train", "val", "prompts", "train_prompts", "pairs", "manifest"}). A no-op when all files
     exist and the manifest records the same parameters. refuse_other_settings: a folder written with other
-    parameters is refused (DataError naming them) instead of rewritten."""
+    parameters is refused (DataError naming them) instead of rewritten. A folder holding files Lantern did not write
+    is refused in one line naming ``key``, the setting that chose it."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     check_line_count_miscount(line_count_miscount, line_count_max)  # before any file is touched
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # its files are replaced on a rewrite: only in a folder Lantern made for the demo data (or an older one's)
+    claim_folder(out, "demo data", key=key, adopt=lambda folder: (folder / MANIFEST).is_file())
     paths = {key: out / name for key, name in DATA_FILES.items()}
     paths["manifest"] = out / MANIFEST
     corpus_file = Path(corpus_path)

@@ -47,8 +47,6 @@ from data.preference_records import Messages, PreferenceChat, load_chats
 from data.sft_examples import encode_chats
 from data.tokenizer import Tokenizer
 
-log = logging.getLogger("lantern.rm")
-
 PAD_MULTIPLE = 8  # batches are padded to a multiple of this: fewer distinct shapes, friendlier kernels
 
 
@@ -199,17 +197,23 @@ def _prepare(
     return pairs, stats
 
 
+def stage_logger(stage: str) -> logging.Logger:
+    """The logger of the stage training on the pairs ("RM" -> lantern.rm, "DPO" -> lantern.dpo)."""
+    return logging.getLogger(f"lantern.{stage.lower()}")
+
+
 def build_preference_data(
-    config: PreferenceDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None
+    config: PreferenceDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None, stage: str = "RM"
 ) -> PreferenceData:
-    """Load, convert, filter and encode the train and val pairs (see the module docstring)."""
+    """Load, convert, filter and encode the train and val pairs (see the module docstring); skipped rows are
+    warned about under `stage`'s logger (the pairs serve the reward model and DPO)."""
     config = normalize_config(config)
     tokenizer = tokenizer or Tokenizer.load(config.tokenizer)
-    chats, train_load = load_chats(config, config.train, "train")
+    chats, train_load = load_chats(config, config.train, "train", stage_logger(stage))
     train, train_stats = _prepare(chats, tokenizer, config)
     stats: dict[str, Any] = {"seq_len": config.seq_len, "train": {**train_load, **train_stats}}
     if config.val:
-        val_chats, val_load = load_chats(config, config.val, "val")
+        val_chats, val_load = load_chats(config, config.val, "val", stage_logger(stage))
         val, val_stats = _prepare(val_chats, tokenizer, config)
         stats["val"] = {**val_load, **val_stats}
     else:
@@ -224,17 +228,20 @@ def build_preference_data(
     return PreferenceData(train=train, val=val if len(val) else None, stats=stats)
 
 
-def log_summary(stats: dict[str, Any]) -> None:
+def log_summary(stats: dict[str, Any], stage: str = "RM") -> None:
+    """One line per split, named after the stage that trains on the pairs (RM or DPO), under its logger."""
+    logger = stage_logger(stage)
     for name in ("train", "val"):
         s = stats.get(name)
         if not s:
             continue
         if "rows_read" not in s:
-            log.info("RM %s: %d pairs held out from train", name, s["pairs"])
+            logger.info("%s %s: %d pairs held out from train", stage, name, s["pairs"])
             continue
-        log.info(
-            "RM %s: %d rows read, skipped %s; dropped %d with an empty reply, %d with identical replies, %d too long; "
+        logger.info(
+            "%s %s: %d rows read, skipped %s; dropped %d with an empty reply, %d with identical replies, %d too long; "
             "%d prompts truncated; %d pairs (%.1f tokens per side on average, seq_len %d)",
+            stage,
             name,
             s["rows_read"],
             s["skipped"],

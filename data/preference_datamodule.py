@@ -9,8 +9,6 @@ pairs at stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_ba
 
 from __future__ import annotations
 
-import logging
-
 from torch.utils.data import DataLoader
 
 from data.preference import (
@@ -19,12 +17,11 @@ from data.preference import (
     PreferenceTrainBatches,
     build_preference_data,
     log_summary,
+    stage_logger,
 )
 from data.preference_config import normalize_config
 from data.sft_datamodule import PlanDataModule
 from data.tokenizer import Tokenizer
-
-log = logging.getLogger("lantern.rm")
 
 
 class PreferenceDataModule(PlanDataModule):
@@ -33,11 +30,12 @@ class PreferenceDataModule(PlanDataModule):
     # ``config``: a PreferenceDataConfig or a mapping of its fields.
     row_batches = PreferenceTrainBatches
     normalize_config = staticmethod(normalize_config)
+    stage = "RM"  # the stage the data's log lines are named after (DPO's subclass says DPO)
 
     def build_data(self, tokenizer: Tokenizer) -> PreferenceData:
-        """Load, convert, filter and encode both splits; logs their summary."""
-        data = build_preference_data(self.config, tokenizer)
-        log_summary(data.stats)
+        """Load, convert, filter and encode both splits; logs their summary under the stage's name."""
+        data = build_preference_data(self.config, tokenizer, stage=self.stage)
+        log_summary(data.stats, self.stage)
         return data
 
     @property
@@ -74,6 +72,6 @@ class PreferenceDataModule(PlanDataModule):
     def val_dataloader(self) -> DataLoader | list:
         batches = self.eval_batches("val")
         if batches is None:
-            log.info("no validation pairs (val_fraction 0 and no val files): validation disabled")
+            stage_logger(self.stage).info("no validation pairs (val_fraction 0 and no val files): validation disabled")
             return []  # Lightning skips validation for an empty list
         return self._loader(batches, shuffle=False)

@@ -56,7 +56,7 @@ class PreferenceChat:
     prompt: Messages  # the shared conversation before the replies
     chosen: Messages  # the preferred reply: assistant turn(s), the last one scored
     rejected: Messages
-    where: str  # "<file>, row N" (1-based)
+    where: str  # "<file>, line N" (data/chat_records.py's Conversation.where)
 
 
 def detect_schema(columns: Sequence[str], config: PreferenceDataConfig, where: str) -> str:
@@ -150,11 +150,12 @@ def record_to_chat(record: Mapping[str, Any], schema: str, config: PreferenceDat
 
 
 def load_chats(
-    config: PreferenceDataConfig, sources: Sequence[str], split: str = "train"
+    config: PreferenceDataConfig, sources: Sequence[str], split: str = "train", logger: logging.Logger = log
 ) -> tuple[list[PreferenceChat], dict[str, Any]]:
-    """Every good row of `sources` as a PreferenceChat, plus {rows_read, skipped: {reason: count}}."""
+    """Every good row of `sources` as a PreferenceChat, plus {rows_read, skipped: {reason: count}}; skipped rows
+    are warned about through `logger` (the stage's: the reward model's by default, DPO's for DPO)."""
 
     def convert(record: Mapping[str, Any], schema: str, where: str) -> PreferenceChat:
         return record_to_chat(record, schema, config, where)
 
-    return load_rows(config, sources, split, detect_schema, convert, log)  # data/chat_records.py's loop, logged as RM
+    return load_rows(config, sources, split, detect_schema, convert, logger)  # data/chat_records.py's loop

@@ -17,7 +17,9 @@ inputs (size, mtime and sha256), so re-running with nothing changed returns at o
 (a new tokenizer, an edited file, another val_fraction) is named in the log and rebuilds.
 
 Owns: prepare() (the orchestration), tokenization (_tokenize_batch), the seeded val choice (choose_val, also
-SFT's hold-out), shard writing and the swap of a finished build into place.
+SFT's hold-out), shard writing and the swap of a finished build into place. It writes only into a folder that is
+empty or Lantern's prepared data (data/prepared_folder.py says what it may replace), one prepare at a time (a
+lock, as run folders have).
 Does not own: the config (data/prepare_config.py), reading and validating inputs (data/sources.py), the
 manifest and staleness checks (data/manifest.py), reading shards (data/packed.py).
 Choices: everything is built in a private `.prepare-<pid>-*` dir next to the output and moved into place
@@ -45,12 +47,24 @@ from tqdm.auto import tqdm
 
 from data.manifest import MANIFEST_NAME, MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
 from data.prepare_config import PrepareConfig, normalize_prepare_config
+from data.prepared_folder import (
+    BUILD_KIND,
+    PREPARED_KIND,
+    SPLIT_LISTING,
+    SPLITS,
+    check_replaceable,
+    check_sources_outside,
+    clean_stale_build_dirs,
+    disk_failure,
+    lantern_manifest,
+    prepared_by_lantern,
+)
 from data.sources import check_utf8, load_source, resolve_inputs, validate_dataset
 from data.tokenizer import Tokenizer
+from models.atomic import storage_error
+from models.folders import claim_folder, lock_folder, release_folder
 
 log = logging.getLogger("lantern.prepare")
-
-SPLITS = ("train", "val")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -177,23 +191,11 @@ def _write_splits(tokens_ds, config: PrepareConfig, dtype: np.dtype, build_dir: 
     return {s: w.close() for s, w in writers.items()}
 
 
-def _clean_stale_build_dirs(out_dir: Path) -> None:
-    """Remove build dirs left by prepares that died (the pid in the name is no longer running)."""
-    for path in out_dir.glob(".prepare-*"):
-        try:
-            pid = int(path.name.split("-")[1])
-            os.kill(pid, 0)
-            continue  # still running (another prepare): leave it alone
-        except (ValueError, IndexError, ProcessLookupError):
-            pass
-        except PermissionError:
-            continue
-        log.info("removing leftover build dir %s", path)
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _install(build_dir: Path, out_dir: Path, manifest: dict) -> None:
     """Swap the new splits into place; the manifest goes last so a crash never leaves one that looks complete."""
+    for split in SPLITS:  # each split lists its files, so a later rebuild knows them even without the manifest
+        files = sorted(p.name for p in (build_dir / split).iterdir())
+        write_json_atomic(build_dir / split / SPLIT_LISTING, {"files": files})
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # from here the old data is no longer valid
     for split in SPLITS:
         target = out_dir / split
@@ -211,6 +213,23 @@ def prepare(config: PrepareConfig | dict) -> dict:
     fmt, files = resolve_inputs(config)  # FileNotFoundError before anything is loaded
     out_dir = Path(config.out_dir)
 
+    if fmt != "hub":
+        check_sources_outside(out_dir, files)
+    if fmt in ("text", "json") and not out_dir.exists():  # nothing to be up to date with: named before it is made
+        for path in files:
+            check_utf8(path)
+    # Only a folder Lantern prepared (or an empty one) is written into, by one prepare at a time.
+    claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
+    lock_folder(out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one")
+    try:
+        return _prepare_locked(config, tokenizer, fmt, files, out_dir)
+    finally:
+        release_folder(out_dir)
+
+
+def _prepare_locked(config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files: list[str], out_dir: Path) -> dict:
+    if (out_dir / MANIFEST_NAME).exists() and lantern_manifest(out_dir) is None:
+        check_replaceable(out_dir)  # a manifest.json Lantern did not write: refused, never read as stale data
     reason, old = stale_reason(config, tokenizer, None if fmt == "hub" else files)
     if reason is None and fmt != "hub":
         log.info(
@@ -220,13 +239,16 @@ def prepare(config: PrepareConfig | dict) -> dict:
         )
         return old
 
+    check_replaceable(out_dir)
     if fmt in ("text", "json"):  # a mis-encoded input is named before anything is created or loaded
         for path in files:
             check_utf8(path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clean_stale_build_dirs(out_dir)
+    clean_stale_build_dirs(out_dir)
     build_dir = out_dir / f".prepare-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    build_dir.mkdir()
+    try:
+        claim_folder(build_dir, BUILD_KIND, key="data.out_dir")
+    except OSError as error:
+        raise storage_error(error, build_dir, "prepared data", kept="nothing was changed") from error
     try:
         t0 = time.perf_counter()
         # Stat and hash the inputs before reading them: a file edited while we work then looks
@@ -289,6 +311,12 @@ def prepare(config: PrepareConfig | dict) -> dict:
             "seconds": round(time.perf_counter() - t0, 3),
         }
         _install(build_dir, out_dir, manifest)
+    except (OSError, ValueError) as error:
+        full = disk_failure(error)
+        if full is None:
+            raise
+        kept = "the data there before is unchanged" if (out_dir / MANIFEST_NAME).exists() else "nothing was kept"
+        raise storage_error(full, full.filename or build_dir, "prepared data", kept=kept) from error
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
     train, val = splits["train"], splits["val"]

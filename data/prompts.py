@@ -16,10 +16,12 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader
 
-from data.chat_records import BadRow, check_messages, field_turns, read_records, resolve_sources
+from data.chat_records import BadRow, as_written, check_messages, field_turns, resolve_sources
 from data.packed import StreamSampler
+from data.record_files import read_records
 from data.stream_datamodule import StreamDataModule
 from data.tokenizer import Tokenizer
+from models.errors import DataError
 
 log = logging.getLogger("lantern.prompts")
 
@@ -56,8 +58,11 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
         if record.get(config.completion_field) is not None:  # its last assistant turn becomes the reference below
             messages += field_turns(record[config.completion_field], config.completion_field, "assistant")
     else:
-        fields = f"{config.messages_field!r}, {config.conversations_field!r} or {config.prompt_field!r}"
-        raise BadRow("missing_field", f"no {fields} field")
+        names = (config.messages_field, config.conversations_field, config.prompt_field)
+        null = next((name for name in names if name in record), None)  # there, but null
+        if null is not None:
+            raise BadRow("missing_field", f"{null!r} is null")
+        raise BadRow("missing_field", f"no {names[0]!r}, {names[1]!r} or {names[2]!r} field")
     reference = record.get("answer")
     if messages and messages[-1]["role"] == "assistant":
         reference = messages.pop()["content"]
@@ -77,10 +82,9 @@ def load_prompts(
     if tasks:
         stats["not_selected"] = 0
     for source in files:
-        records, _ = read_records(fmt, source)
-        for row, record in enumerate(records, start=1):
+        file = read_records(fmt, source)
+        for index, (record, where) in enumerate(zip(file.rows, file.where)):
             stats["rows_read"] += 1
-            where = f"{source}, row {row}"
             if tasks:
                 if not isinstance(record, dict) or record.get(config.task_field) is None:  # datasets fills None
                     raise ValueError(f"{where}: no '{config.task_field}' field to select data.train_tasks by")
@@ -89,9 +93,12 @@ def load_prompts(
                     continue
             try:
                 messages, reference = record_to_prompt(record, config)
-            except BadRow as bad:
+            except BadRow as error:
+                bad = as_written(error, file, index, lambda row: record_to_prompt(row, config))
                 if config.on_bad_row == "error":
-                    raise ValueError(f"{where}: {bad}") from None
+                    raise DataError(
+                        f"{where}: {bad.problem} ({bad.reason}); fix the row or set on_bad_row: skip"
+                    ) from None
                 stats["skipped"][bad.reason] = stats["skipped"].get(bad.reason, 0) + 1
                 continue
             ids = tokenizer.encode_chat_prompt(messages)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from pickle import UnpicklingError  # only the exception: nothing here unpickles
@@ -32,6 +33,7 @@ from models.model import ModelConfig, Transformer
 
 __all__ = [
     "WEIGHTS",
+    "architecture_differences",
     "check_state",
     "read_json",
     "read_safetensors",
@@ -52,7 +54,8 @@ def read_torch_file(path: Path, *, mmap: bool = False) -> Any:
     are one line naming the file; torch's own message (which advises ``weights_only=False``, i.e. running the
     file's code) is never passed on."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        # mmap (tensors read on demand) needs torch's zip format; an older file is read whole rather than refused
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except UnpicklingError as error:
         text = str(error)
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
@@ -123,6 +126,17 @@ def check_state(state: Mapping[str, Tensor], config: ModelConfig, source: str) -
         problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
     if problems:  # one line: the CLI prints it as is
         raise CheckpointError(f"{source} does not match its config: " + " | ".join(problems))
+
+
+# what decides a model's tensors and their shapes; the rest (max_seq_len, RoPE, attention backend) may change
+ARCHITECTURE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings", "qk_norm")
+
+
+def architecture_differences(old: ModelConfig, new: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(field, old value, new value) for every field of ARCHITECTURE in which the two models differ."""
+    return [
+        (key, getattr(old, key), getattr(new, key)) for key in ARCHITECTURE if getattr(old, key) != getattr(new, key)
+    ]
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:

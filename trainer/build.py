@@ -6,17 +6,20 @@ import json
 import logging
 import warnings
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from models.atomic import StorageError, storage_error, write_atomically
-from models.errors import LanternError
+from models.checkpoint_io import architecture_differences
+from models.errors import CheckpointError, LanternError
+from models.model import ModelConfig
 from trainer.callbacks import (
     AtomicCheckpoint,
     DataProgress,
@@ -27,19 +30,32 @@ from trainer.callbacks import (
 )
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
-from trainer.storage import is_global_rank_zero, latest_checkpoint, lock_run_directory, release_run_directory
+from trainer.storage import (
+    claim_run_directory,
+    has_checkpoints,
+    is_global_rank_zero,
+    latest_checkpoint,
+    lock_run_directory,
+    read_checkpoint_header,
+    release_run_directory,
+)
 
 log = logging.getLogger(__name__)
 
 
 def run_directory(out_dir: str, name: str) -> Path:
+    """OUT_DIR/NAME, where NAME must stay inside OUT_DIR: a run writes, locks and may replace what is in it."""
+    name_path = PurePath(name)
+    if not name.strip() or not name_path.parts or name_path.is_absolute() or ".." in name_path.parts:
+        raise ConfigError(f"run.name must name a folder inside run.out_dir ({out_dir}), such as 'my-run'; got {name!r}")
     return Path(out_dir) / name
 
 
-def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -> Path:
-    """The stage's run folder (run.out_dir / run.name), created and locked for this run (global rank 0; see
-    trainer.storage.lock_run_directory), with the resolved config written to config.yaml and, when given,
-    the datamodule's loading statistics to data_stats.json. ``fit_stage`` releases the lock."""
+def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | None = None) -> Path:
+    """The stage's run folder (run.out_dir / run.name), claimed and locked for this run (global rank 0; see
+    trainer.storage), with the resolved config written to config.yaml and, when given, the datamodule's loading
+    statistics to data_stats.json. A folder holding what Lantern did not write, another stage's run, or
+    checkpoints of another model is refused before anything in it changes. ``fit_stage`` releases the lock."""
     if config.optim.warmup_steps > config.trainer.max_steps:
         log.warning(
             "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
@@ -48,19 +64,45 @@ def start_run_directory(config: Any, data_stats: dict[str, Any] | None = None) -
         )
     run_dir = run_directory(config.run.out_dir, config.run.name)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_directory(run_dir, stage)
         if is_global_rank_zero():
             lock_run_directory(run_dir)
+        check_resumed_model(run_dir, config)
         write_atomically(run_dir / "config.yaml", to_yaml(config), what="run config")
         if data_stats is not None:
             write_atomically(
                 run_dir / "data_stats.json", json.dumps(data_stats, indent=2, default=str), what="data statistics"
             )
+    except LanternError:
+        release_run_directory(run_dir)
+        raise
     except OSError as error:
+        release_run_directory(run_dir)
         raise LanternError(
             str(error if isinstance(error, StorageError) else storage_error(error, run_dir, "run folder"))
         ) from error
     return run_dir
+
+
+def check_resumed_model(run_dir: Path, config: Any) -> None:
+    """A run folder whose checkpoints ``checkpoint.resume=auto`` would resume must be resumed with the model they
+    hold (config.yaml records it): another one is refused in one line naming both, before config.yaml changes."""
+    model = getattr(config, "model", None)
+    if model is None or config.checkpoint.resume != "auto" or not has_checkpoints(run_dir / "checkpoints"):
+        return
+    try:
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))["model"]
+        previous = ModelConfig.from_dict(recorded)
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return  # no readable record: the checkpoint's own shapes are checked when it loads (LanguageModelModule)
+    differences = architecture_differences(previous, model)
+    if differences:
+        was = ", ".join(f"{key} {old}" for key, old, _ in differences)
+        now = ", ".join(f"{key} {new}" for key, _, new in differences)
+        raise ConfigError(
+            f"model: {run_dir} holds checkpoints of another model ({was}) than the config's ({now}): resume it with "
+            "its own model, or set run.name to a new folder (or checkpoint.resume=none there) to start afresh"
+        )
 
 
 def peak_flops(config: TrainerConfig) -> float:
@@ -174,19 +216,36 @@ def lightning_precision(config: TrainerConfig) -> str:
     return config.precision
 
 
-def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path) -> str | None:
-    """``auto``: the newest checkpoint of this run that verifies against its checksum manifest (newer ones
-    that do not are skipped with a warning), if any; ``none``: start fresh; else a path."""
+def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None) -> str | None:
+    """``auto``: the newest checkpoint of this run that verifies against its checksum manifest and reads as a
+    training checkpoint (newer ones that do not are skipped with a warning naming why), if any; ``none``: start
+    fresh; else a path, which must read as a training checkpoint. Either way one of another model than ``model``
+    is refused in one line naming both (its tensors could not load)."""
     if config.resume == "none":
         return None
     if config.resume == "auto":
         found = latest_checkpoint(checkpoint_dir)
-        if found is not None:
-            log.info("resuming from %s", found)
-        return str(found) if found else None
-    path = Path(config.resume)
-    if not path.exists():
-        raise ConfigError(f"checkpoint.resume: {path} does not exist")
+        if found is None:
+            return None
+        log.info("resuming from %s", found)
+        path = found
+    else:
+        path = Path(config.resume)
+        if not path.exists():
+            raise ConfigError(f"checkpoint.resume: {path} does not exist")
+    try:
+        header = read_checkpoint_header(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint.resume: {error}") from None
+    saved = ((header.get("hyper_parameters") or {}).get("config") or {}).get("model")
+    if model is not None and isinstance(saved, dict):
+        differences = architecture_differences(ModelConfig.from_dict(saved), model)
+        if differences:
+            was = ", ".join(f"{key} {old}" for key, old, _ in differences)
+            now = ", ".join(f"{key} {new}" for key, _, new in differences)
+            raise ConfigError(
+                f"checkpoint.resume: {path} is a checkpoint of another model ({was}) than the config's ({now})"
+            )
     return str(path)
 
 
@@ -282,7 +341,7 @@ def fit_stage(
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
-        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints")
+        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     except (StorageError, FileExistsError) as error:  # a full or read-only disk, or final/ not Lantern's: one line
         raise LanternError(str(error)) from error

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from models.errors import LanternError, one_line
+from trainer.interrupts import interrupted_message, received_signal, watch_signals
 
 log = logging.getLogger("lantern")
 
@@ -322,15 +324,24 @@ def _configure_logging(level: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(logging.DEBUG if args.verbose else logging.INFO)
-    try:
-        args.handler(args)
-    except (ValueError, OSError, LanternError) as error:
-        # Input errors (bad config, data, checkpoint, path; a full or read-only disk) are the user's to fix:
-        # one clear line, not a traceback. --verbose keeps the traceback for a bug report.
-        if args.verbose:
-            raise
-        print(f"lantern {args.command}: error: {one_line(error)}", file=sys.stderr)
-        return 2
+    with watch_signals():
+        try:
+            args.handler(args)
+        except BaseException as error:
+            # SIGTERM or Ctrl-C: exit 128 + the signal, never 0 (Lightning's SIGTERM exit) nor 1, so that a scheduler
+            # or `a && b` sees the interruption; one line saying where the run stopped (trainer/interrupts.py)
+            signum = received_signal() or (signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
+            if signum is not None:
+                message = interrupted_message(args.command, signum, error, args)
+                if message:
+                    print(message, file=sys.stderr, flush=True)
+                return 128 + signum
+            if not isinstance(error, (ValueError, OSError, LanternError)) or args.verbose:
+                raise
+            # Input errors (bad config, data, checkpoint, path; a full or read-only disk) are the user's to fix:
+            # one clear line, not a traceback. --verbose keeps the traceback for a bug report.
+            print(f"lantern {args.command}: error: {one_line(error)}", file=sys.stderr)
+            return 2
     return 0
 
 

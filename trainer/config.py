@@ -304,8 +304,16 @@ def load_config(schema: type[Schema], path: str | Path | None = None, overrides:
             raise ConfigError(f"config file {path} does not exist")
         try:
             raw = OmegaConf.load(path)
+            # OmegaConf reads a file with no document (0 bytes, only comments or blank lines, a bare `null`) as {}:
+            # every default, a full-size run nobody asked for (a file truncated or not yet written): refused
+            empty = yaml.safe_load(path.read_text(encoding="utf-8")) is None
         except Exception as error:  # yaml errors carry the line number in their text
             raise ConfigError(f"{path}: cannot parse YAML: {error}") from error
+        if empty:
+            raise ConfigError(
+                f"config file {path} is empty (no settings, only blank lines or comments): refusing to run on the "
+                "defaults alone; give a config with settings (e.g. a preset under configs/)"
+            )
         if not isinstance(raw, DictConfig):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     else:

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from models.errors import NonFiniteLossError
+from models.errors import CheckpointError, NonFiniteLossError
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
 
@@ -87,7 +87,20 @@ class LanguageModelModule(L.LightningModule):
         wrapped now. Every checkpoint path funnels through here: Lightning's single-process load, and its
         FSDP2 loads, which fill the plain-named dict that ``torch.distributed.checkpoint`` builds and then
         call this (DCP's own ``set_model_state_dict`` passes names that already match and are kept)."""
-        return super().load_state_dict(self._to_wrapped_names(state_dict), strict=strict, assign=assign)
+        state_dict = self._to_wrapped_names(state_dict)
+        # A checkpoint of another model would fail in load_state_dict with a screenful of size mismatches.
+        current = super().state_dict(keep_vars=True)
+        mismatched = [
+            f"{plain_name(name)}: checkpoint {tuple(value.shape)} vs model {tuple(current[name].shape)}"
+            for name, value in state_dict.items()
+            if isinstance(value, Tensor) and name in current and value.shape != current[name].shape
+        ]
+        if mismatched:
+            raise CheckpointError(
+                f"the checkpoint being resumed holds another model ({len(mismatched)} tensors of other shapes: "
+                f"{'; '.join(mismatched[:3])}): resume it with the model it was trained with"
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _to_wrapped_names(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         # keep_vars: names only, no detached copies; FSDP2's local shards need no collective for this.

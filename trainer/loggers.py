@@ -7,10 +7,12 @@ Does not own: what is logged (the LightningModules and trainer/callbacks.py) nor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -32,14 +34,15 @@ WANDB_ONLINE_INIT_TIMEOUT_S = 20  # W&B's own is 90 s plus retries: a run must n
 
 def wandb_mode(config: LoggerConfig) -> str:
     """offline unless asked otherwise and an API key and the W&B server are both there."""
+    variable = os.environ.get("WANDB_MODE")
+    if variable and variable not in WANDB_MODES:  # make_logger hides it from W&B, which would refuse to start
+        mode = "offline" if config.mode == "auto" else config.mode
+        log.warning("WANDB_MODE=%r is not one of %s: ignored; logging %s", variable, ", ".join(WANDB_MODES), mode)
+        return mode
     if config.mode != "auto":
         return config.mode
-    if os.environ.get("WANDB_MODE"):
-        mode = os.environ["WANDB_MODE"]
-        if mode in WANDB_MODES:
-            return mode
-        log.warning("WANDB_MODE=%r is not one of %s: logging offline", mode, ", ".join(WANDB_MODES))
-        return "offline"
+    if variable:
+        return variable
     if not os.environ.get("WANDB_API_KEY"):
         return "offline"
     host = urlparse(os.environ.get("WANDB_BASE_URL") or _wandb_base_url()).hostname or "api.wandb.ai"
@@ -49,6 +52,23 @@ def wandb_mode(config: LoggerConfig) -> str:
         log.warning("W&B server %s unreachable: logging offline (sync later with `wandb sync`)", host)
         return "offline"
     return "online"
+
+
+@contextlib.contextmanager
+def _ignored_wandb_mode_hidden() -> Iterator[None]:
+    """W&B reads WANDB_MODE itself when a run starts and refuses to start on a value it does not know, whatever
+    mode it is given, so the offline run ``wandb_mode`` promised became the CSV fallback. A value Lantern ignores
+    is hidden from W&B while its run starts (its service process, started then, never sees it) and put back after:
+    the environment the user set is theirs."""
+    variable = os.environ.get("WANDB_MODE")
+    if not variable or variable in WANDB_MODES:
+        yield
+        return
+    del os.environ["WANDB_MODE"]
+    try:
+        yield
+    finally:
+        os.environ["WANDB_MODE"] = variable
 
 
 def _wandb_base_url() -> str:
@@ -153,18 +173,19 @@ def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparamet
     # after a failed online start, else with the CSV logger.
     for attempt in [mode, "offline"] if mode == "online" else [mode]:
         try:
-            logger = SafeWandbLogger(
-                project=config.project,
-                name=run_name,
-                save_dir=str(run_dir),
-                group=config.group,
-                tags=list(config.tags),
-                mode=attempt,
-                config=hyperparameters,
-                settings=_wandb_settings(attempt),
-            )
-            if is_global_rank_zero():  # other ranks log nothing (Lightning gives them a dummy experiment)
-                logger.experiment  # noqa: B018 - starts the W&B run now
+            with _ignored_wandb_mode_hidden():
+                logger = SafeWandbLogger(
+                    project=config.project,
+                    name=run_name,
+                    save_dir=str(run_dir),
+                    group=config.group,
+                    tags=list(config.tags),
+                    mode=attempt,
+                    config=hyperparameters,
+                    settings=_wandb_settings(attempt),
+                )
+                if is_global_rank_zero():  # other ranks log nothing (Lightning gives them a dummy experiment)
+                    logger.experiment  # noqa: B018 - starts the W&B run now
             return logger
         except Exception as error:
             _finish_failed_wandb_run()

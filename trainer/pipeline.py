@@ -41,8 +41,10 @@ from data.prompts import PromptDataConfig, load_prompts
 from data.tokenizer import Tokenizer
 from models.atomic import folder_fingerprint
 from models.errors import ConfigError
+from models.folders import claim_folder
 from trainer.config import PretrainConfig, RMConfig, SFTConfig, load_config, to_yaml
 from trainer.dpo_config import DPOConfig
+from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
 from trainer.pipeline_records import (
     PENDING,
     RECORD,
@@ -55,6 +57,7 @@ from trainer.pipeline_records import (
 from trainer.pipeline_report import write_report
 from trainer.rl_config import GRPOConfig, PPOConfig
 from trainer.rs_config import RejectionSamplingConfig
+from trainer.storage import claim_run_directory
 
 log = logging.getLogger("lantern.pipeline")
 
@@ -229,18 +232,28 @@ class Pipeline:
         held-out prompts checked against the training prompts before any compute. only_if_current (the scoring
         tools): a folder written with other demo settings is refused, not rewritten under the pipeline's models."""
         arguments = {f.name: getattr(self.config.demo, f.name) for f in fields(DemoDataSection)}
-        paths = write_demo_dataset(self.demo, refuse_other_settings=only_if_current, **arguments)
+        paths = write_demo_dataset(self.demo, refuse_other_settings=only_if_current, key="out_dir", **arguments)
         self.demo_hash = sha(paths["manifest"].read_text())
         self.check_heldout_disjoint()
 
     def run(self) -> None:
+        # the pipeline moves, replaces and removes stage folders in out_dir: only in a folder that is its own
+        claim_folder(self.root, "pipeline", key="out_dir", adopt=older_pipeline)
         self.write_demo()
         for index, stage in enumerate(self.config.stages, start=1):
-            print(
-                f"\n=== pipeline {self.config.name}: stage {index}/{len(self.config.stages)}: {stage} ===", flush=True
-            )
+            where = f"stage {index}/{len(self.config.stages)}"
+            print(f"\n=== pipeline {self.config.name}: {where}: {stage} ===", flush=True)
             start = time.perf_counter()
-            self.prepare() if stage == "prepare" else self.model_stage(stage)
+            try:
+                stop_if_received()  # a SIGTERM the stage before finished through: no further stage starts
+                self.prepare() if stage == "prepare" else self.model_stage(stage)
+            except (KeyboardInterrupt, SystemExit) as stop:  # SIGTERM or Ctrl-C (trainer/interrupts.py)
+                # the stage's pending record stays: the same command resumes it from its checkpoints
+                note = f"{where} ({stage}) stopped"
+                if stage != "prepare":
+                    note += f", {checkpoint_note(self.stage_dir(stage) / 'checkpoints')}"
+                stop.add_note(note)
+                raise
             log.info("%s: %s in %.0fs", stage, self.status[stage], time.perf_counter() - start)
 
     def check_heldout_disjoint(self) -> None:
@@ -290,15 +303,26 @@ class Pipeline:
         if resume:
             training_section(config).checkpoint.resume, self.status[stage] = "auto", "resumed"  # the stage's own resume
         else:
-            # new or changed: never resume another config's checkpoints; keep one backup, not a pile of them
+            # new or changed: never resume another config's checkpoints; keep one backup, not a pile of them. Only
+            # this stage's Lantern runs are moved or removed: anything else there is refused, untouched.
             if run_dir.exists():
+                claim_run_directory(run_dir, stage)
                 backup = run_dir.with_name(f"{stage}.previous")
-                shutil.rmtree(backup, ignore_errors=True)
+                if backup.exists():
+                    claim_run_directory(backup, stage)
+                    shutil.rmtree(backup)
                 run_dir.rename(backup)
                 log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
             training_section(config).checkpoint.resume, self.status[stage] = "none", "ran"
+        claim_run_directory(run_dir, stage)  # before the pipeline's record is written into it
         write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
         RUNNERS[stage](config)
+
+
+def older_pipeline(root: Path) -> bool:
+    """A pipeline folder written before folder markers: it holds the records only a pipeline writes."""
+    records = (root / "data" / "demo" / "demo_manifest.json", root / "data" / "corpus" / "manifest.json")
+    return any(path.is_file() for path in records) or any(root.glob(f"*/{RECORD}"))
 
 
 RUNNERS: dict[str, Callable[[Any], Any]] = {
@@ -334,8 +358,14 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     everything is and return OUT_DIR."""
     config = load_pipeline_config(config_path, overrides)
     pipeline = Pipeline(config)
-    pipeline.run()
-    report = write_report(pipeline)
+    try:
+        pipeline.run()
+        stop_if_received()
+        report = write_report(pipeline)
+    except (KeyboardInterrupt, SystemExit) as stop:  # SIGTERM or Ctrl-C: the same command carries on from here
+        command = resume_command("pipeline", *([config_path] if config_path else []), *overrides)
+        stop.add_note(f"run the same command again to resume it (finished stages are skipped): {command}")
+        raise
     lines = [f"\npipeline {pipeline.config.name} finished: {pipeline.root}", f"report:      {report}"]
     for stage in pipeline.config.stages:
         if stage != "prepare":

@@ -1,24 +1,23 @@
-"""What keeps a run folder trustworthy: one run at a time per folder (an flock'ed lock file naming its
-holder), atomic training checkpoints (``AtomicCheckpoint``) with a SHA-256 manifest beside each, and
-finding the newest checkpoint that verifies, whatever the ``latest`` pointer says (it may be stale or
-missing after kill -9).
+"""What keeps a run folder trustworthy: a folder Lantern marked for one stage (never someone else's, never
+another stage's), one run at a time per folder (an flock'ed lock file naming its holder, models/folders.py),
+atomic training checkpoints (``AtomicCheckpoint``) with a SHA-256 manifest beside each, and finding the newest
+checkpoint that verifies and reads as one, whatever the ``latest`` pointer says (it may be stale or missing after
+kill -9).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
 import re
-import socket
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from models.atomic import (
     fsync_dir,
@@ -29,19 +28,15 @@ from models.atomic import (
     storage_error,
     write_atomically,
 )
-from models.errors import LanternError
+from models.checkpoint_io import read_torch_file
+from models.errors import CheckpointError
+from models.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".lantern.lock"
 MANIFEST_SUFFIX = ".sha256"
 CHECKPOINT_PATTERN = re.compile(r"step-(\d+)\.ckpt")
-
-_held_locks: dict[Path, int] = {}  # run folder -> the open, flock'ed lock file of this process
-
-
-class RunFolderInUse(LanternError):
-    """Another live process holds the run folder's lock."""
+RunFolderInUse = FolderInUse  # another live process holds the run folder's lock
 
 
 def is_global_rank_zero() -> bool:
@@ -55,46 +50,42 @@ def is_global_rank_zero() -> bool:
 
 
 def lock_run_directory(run_dir: Path) -> None:
-    """Take the run folder's lock for this process, or raise RunFolderInUse naming the holder's process id
-    and host. flock is released by the kernel when the holder exits however it exits (kill -9 included),
-    so a lock file left by a dead run never blocks. Idempotent within a process."""
-    key = run_dir.resolve()
-    if key in _held_locks:
-        return
-    path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fd)
-        os.close(fd)
-        raise RunFolderInUse(
-            f"run folder {run_dir} is in use by process {holder.get('pid', '?')} on host {holder.get('host', '?')} "
-            f"(since {holder.get('started', '?')}): wait for it to finish, stop it, or set run.name to another folder"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    _held_locks[key] = fd
+    """Take the run folder's lock for this process, or raise RunFolderInUse naming the holder (models/folders.py)."""
+    lock_folder(run_dir, what="run folder", hint="wait for it to finish, stop it, or set run.name to another folder")
 
 
 def release_run_directory(run_dir: Path) -> None:
-    """Release this process's lock on ``run_dir`` (the file stays: deleting it would race a new locker)."""
-    fd = _held_locks.pop(run_dir.resolve(), None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    release_folder(run_dir)
 
 
-def _read_holder(fd: int) -> dict[str, str]:
-    try:
-        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
-        return {}  # the holder has not written its name yet
+RUN_FOLDER = "run folder"
+# files only Lantern writes into a run folder: a folder that has one but no marker is an older Lantern's run
+# (the pipeline's stage records are trainer/pipeline_records.py's RECORD and PENDING)
+_RUN_RECORDS = (LOCK_FILE, "pipeline_stage.json", "pipeline_stage.pending.json")
+
+
+def claim_run_directory(run_dir: Path, stage: str) -> None:
+    """Make ``run_dir`` this stage's run folder: a new or empty folder is marked with the stage; one Lantern marked
+    for the same stage is reused (resumed); anything else is refused in one line naming run.name, before anything in
+    the folder changes: a folder holding files Lantern did not write (they would be overwritten: config.yaml,
+    metrics.csv, checkpoints/...) or another stage's run (whose checkpoints this stage would try to resume)."""
+    record = claim_folder(
+        run_dir,
+        RUN_FOLDER,
+        key="run.name",
+        record={"stage": stage},
+        adopt=lambda folder: any((folder / name).exists() for name in _RUN_RECORDS),
+    )
+    if record.get("stage") != stage:
+        raise FolderNotLanterns(
+            f"run.name: {run_dir} holds a {record.get('stage')} run, not a {stage} run; each stage trains in its "
+            "own folder: set run.name to another one"
+        )
+
+
+def has_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds any training checkpoint (verified or not): what resume=auto would look at."""
+    return directory.is_dir() and any(checkpoint_step(p) is not None for p in directory.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,13 +113,43 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     if not path.is_file():
         if checkpoint.exists():
             warnings.warn(f"checkpoint {checkpoint} has no checksum manifest ({path.name}): using it unverified")
-            return None
+            return training_checkpoint_problem(checkpoint)
         return "missing"
     try:
         expected = json.loads(path.read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable manifest {path.name} ({error})"
-    return manifest_mismatch(checkpoint, expected)
+    return manifest_mismatch(checkpoint, expected) or training_checkpoint_problem(checkpoint)
+
+
+def read_checkpoint_header(path: Path) -> dict[str, Any]:
+    """What a training checkpoint says of itself without reading its tensors (a file is memory-mapped; a shard
+    folder's ``meta.pt`` holds it): the dict Lightning saved, with ``hyper_parameters``. A CheckpointError names the
+    file and the cause: a pickle of Python objects is refused (never loaded), a model's weights are not a training
+    checkpoint, anything else unreadable is damaged."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"{path} is a folder but not a sharded training checkpoint (no .metadata)")
+        header = read_torch_file(path / _METADATA_FILENAME, mmap=True)
+    else:
+        header = read_torch_file(path, mmap=True)
+        if isinstance(header, dict) and "state_dict" not in header:
+            raise CheckpointError(
+                f"{path} holds {'model weights' if header else 'an empty dict'}, not a training checkpoint (no "
+                "state_dict, optimizer or loop state): start from a model with init.checkpoint instead"
+            )
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a training checkpoint (it holds a {type(header).__name__})")
+    return header
+
+
+def training_checkpoint_problem(path: Path) -> str | None:
+    """None when ``path`` reads as a training checkpoint; else why not (see ``read_checkpoint_header``)."""
+    try:
+        read_checkpoint_header(path)
+    except CheckpointError as error:
+        return str(error)
+    return None
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -214,12 +235,15 @@ class AtomicCheckpoint(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         unsaved = trainer.global_step > max(self._last_saved_step, 0)
-        # Not after the model's own failure (NaN), a disk error, an interrupt or SIGTERM (BaseException), nor
-        # mid-step (the data of the step under way is already counted as consumed).
+        # SIGTERM (a scheduler's preemption): Lightning stops after the step's last hook, so its state is whole and
+        # is saved. Single process only: under several, ranks may stop at different points of the loop.
+        sigterm = isinstance(exception, SIGTERMException) and trainer.world_size == 1
+        # Not after the model's own failure (NaN), a disk error, Ctrl-C (it can land inside a step), nor mid-step
+        # (the data of the step under way is already counted as consumed).
         if (
             not unsaved
             or getattr(pl_module, "failed", False)
-            or not isinstance(exception, Exception)
+            or not (isinstance(exception, Exception) or sigterm)
             or isinstance(exception, OSError)
             or not self._between_steps(trainer)
             or trainer.world_size > 1
@@ -235,6 +259,9 @@ class AtomicCheckpoint(L.Callback):
             path = self.save(trainer)
         except Exception as error:
             log.error("training stopped (%r) and saving its state failed too (%r)", exception, error)
+            return
+        if sigterm:
+            log.error("stopped by SIGTERM at step %d; its state is saved in %s", trainer.global_step, path)
             return
         log.error(
             "training stopped at step %d (%s: %s); its state is saved in %s: fix the cause and run the same "

@@ -87,7 +87,7 @@ def test_sharegpt_conversations_load_as_chat_messages(tmp_path):
         {"role": "ipython", "content": '{"sky": "clear"}'},
         assistant("Clear skies."),
     ]
-    assert conversations[1].where.endswith("sharegpt.jsonl, row 2") and conversations[1].record["id"] == "b"
+    assert conversations[1].where.endswith("sharegpt.jsonl, line 2") and conversations[1].record["id"] == "b"
 
 
 def test_message_lists_in_sharegpt_keys_are_read_in_every_schema():
@@ -122,7 +122,7 @@ def test_bad_sharegpt_rows_name_file_row_reason_and_value(tmp_path, reason):
     with pytest.raises(ValueError) as error:
         load_conversations(sft_config([path]), [str(path)])
     message = str(error.value)
-    assert message.startswith(f"{path}, row 2: ") and problem in message
+    assert message.startswith(f"{path}, line 2: ") and problem in message
     assert f"({reason}; schema sharegpt)" in message and "\n" not in message
 
 
@@ -219,7 +219,7 @@ def test_a_row_of_another_format_is_a_bad_row_showing_its_fields(tmp_path):
     with pytest.raises(ValueError) as error:
         load_conversations(sft_config([path]), [str(path)])
     assert str(error.value) == (
-        f"{path}, row 2: no 'messages' field (the row has ['conversations']) (missing_field; schema messages); "
+        f"{path}, line 2: no 'messages' field (the row has ['conversations']) (missing_field; schema messages); "
         "fix the row or set on_bad_row: skip"
     )
     conversations, load = load_conversations(sft_config([path], on_bad_row="skip"), [str(path)])
@@ -310,7 +310,7 @@ def test_bad_implicit_prompt_pairs_through_the_loader_name_file_and_row(tmp_path
         load_chats(preference_config([path]), [str(path)])
     _, reason, problem = IMPLICIT_BAD["no shared prompt"]
     assert str(error.value) == (
-        f"{path}, row 2: {problem} ({reason}; schema implicit_prompt); fix the row or set on_bad_row: skip"
+        f"{path}, line 2: {problem} ({reason}; schema implicit_prompt); fix the row or set on_bad_row: skip"
     )
     chats, load = load_chats(preference_config([path], on_bad_row="skip"), [str(path)])
     assert len(chats) == 2 and load["skipped"] == {"malformed": 1, "not_ending_with_assistant": 1}
@@ -374,7 +374,7 @@ def test_train_tasks_keep_only_the_named_tasks_and_a_row_without_a_task_is_named
     with pytest.raises(ValueError, match=r"no usable prompts .* 3 not in data.train_tasks \['sort'\]"):
         load_prompts(PromptDataConfig(), [str(source)], tok, tasks=["sort"])
     untagged = write_jsonl(tmp_path / "untagged.jsonl", [*rows, {"prompt": [user("q3")]}])
-    with pytest.raises(ValueError, match=r"untagged.jsonl, row 4: no 'task' field to select data.train_tasks by"):
+    with pytest.raises(ValueError, match=r"untagged.jsonl, line 4: no 'task' field to select data.train_tasks by"):
         load_prompts(PromptDataConfig(), [str(untagged)], tok, tasks=["count"])
 
 

@@ -94,7 +94,7 @@ def test_hh_transcripts_that_diverge_early_are_bad_rows(tmp_path, tok):
     }
     plain = {"chosen": "just text", "rejected": "other text"}
     path = write_jsonl(tmp_path / "hh.jsonl", [good, early, plain])
-    with pytest.raises(ValueError, match=r"hh\.jsonl, row 2: .*diverge at turn 2"):
+    with pytest.raises(ValueError, match=r"hh\.jsonl, line 2: .*diverge at turn 2"):
         build_preference_data(config([path]), tok)
     data = build_preference_data(config([path], on_bad_row="skip"), tok)
     assert data.stats["train"]["skipped"] == {"malformed": 2} and data.stats["train"]["pairs"] == 1
@@ -116,7 +116,7 @@ def test_identical_and_empty_pairs_are_dropped_and_counted(tmp_path, tok):
     data = build_preference_data(config([write_jsonl(tmp_path / "p.jsonl", records)]), tok)
     stats = data.stats["train"]
     assert (stats["dropped_identical"], stats["dropped_empty"], stats["pairs"]) == (2, 3, 1)
-    assert data.train.where == [f"{tmp_path / 'p.jsonl'}, row 6"]
+    assert data.train.where == [f"{tmp_path / 'p.jsonl'}, line 6"]
     with pytest.raises(ValueError, match="no usable train pairs.*'dropped_empty': 1, 'dropped_identical': 1"):
         build_preference_data(config([write_jsonl(tmp_path / "hh.jsonl", hh)]), tok)
 
@@ -154,12 +154,12 @@ def test_bad_rows_name_file_and_row_or_are_skipped_and_counted(tmp_path, tok):
         {"prompt": "q", "chosen": "yes", "rejected": [{"role": "wizard", "content": "no"}]},
     ]
     path = write_jsonl(tmp_path / "bad.jsonl", records[:3])
-    with pytest.raises(ValueError, match=r"bad\.jsonl, row 3: no 'rejected' field"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 3: 'rejected' is null"):
         build_preference_data(config([path]), tok)
     path = write_jsonl(
         tmp_path / "roles.jsonl", [{**r, "rejected": [assistant("no")]} for r in records[:2]] + [records[3]]
     )
-    with pytest.raises(ValueError, match=r"roles\.jsonl, row 3: .*unknown role 'wizard'"):
+    with pytest.raises(ValueError, match=r"roles\.jsonl, line 3: .*unknown role 'wizard'"):
         build_preference_data(config([path]), tok)
     data = build_preference_data(config([path], on_bad_row="skip"), tok)
     assert data.stats["train"]["skipped"] == {"unknown_role": 1} and len(data.train) == 2

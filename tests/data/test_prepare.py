@@ -14,6 +14,7 @@ from data.packed import PackedDataset, TokenStream
 from data.prepare import prepare
 from data.prepare_config import PrepareConfig
 from data.tokenizer import Tokenizer
+from models.folders import FOLDER_MARKER, LOCK_FILE
 
 NUM_DOCS = 40
 
@@ -93,7 +94,7 @@ def test_text_corpus_manifest_and_tokens(tmp_path, text_corpus, tok):
     raw = np.fromfile(out / "train" / "shard-00000.bin", dtype="<u2")
     assert raw[: len(expected[train[0]])].tolist() == expected[train[0]]
     # No build leftovers.
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == [FOLDER_MARKER, LOCK_FILE, "manifest.json", "train", "val"]
 
 
 def test_val_split_is_deterministic_and_seeded(tmp_path, text_corpus, tok):
@@ -316,7 +317,7 @@ def test_interrupted_prepare_leaves_no_manifest(tmp_path, text_corpus, monkeypat
         prepare(cfg)
     out = Path(cfg.out_dir)
     assert not (out / "manifest.json").exists()
-    assert list(out.iterdir()) == []  # build dir cleaned up
+    assert sorted(p.name for p in out.iterdir()) == [FOLDER_MARKER, LOCK_FILE]  # build dir cleaned up
     with pytest.raises(ValueError, match="no manifest.json"):
         TokenStream(out / "train")
 

@@ -169,7 +169,7 @@ def test_each_schema_maps_to_the_expected_messages(tmp_path, record, kwargs, exp
     conversations, load = load_conversations(config([path], **kwargs), [str(path)])
     assert load == {"rows_read": 2, "skipped": {}}
     assert [c.messages for c in conversations] == [expected, expected]
-    assert conversations[1].record == record and conversations[1].where.endswith("rows.jsonl, row 2")
+    assert conversations[1].record == record and conversations[1].where.endswith("rows.jsonl, line 2")
 
 
 # --- bad rows --------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_a_bad_row_is_an_error_naming_file_and_row(tmp_path, reason):
     with pytest.raises(ValueError) as error:
         load_conversations(config([path]), [str(path)])
     message = str(error.value)
-    assert f"bad_{reason}.jsonl, row 3" in message and reason in message
+    assert f"bad_{reason}.jsonl, line 3" in message and reason in message
 
 
 def test_bad_rows_are_skipped_and_counted_by_reason(tmp_path):

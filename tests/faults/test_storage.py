@@ -27,7 +27,7 @@ from models.model import ModelConfig, Transformer
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
 from trainer.cli import main
-from trainer.storage import RunFolderInUse, latest_checkpoint
+from trainer.storage import RunFolderInUse, claim_run_directory, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ("trainer.max_steps=4", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2")
@@ -117,6 +117,7 @@ def test_export_refuses_non_empty_and_never_the_checkpoints_folder(trained, tmp_
 
 
 def test_final_folder_not_written_by_lantern_stops_the_run_before_any_compute(data_dir, tmp_path):
+    claim_run_directory(tmp_path / "runs" / RUN_NAME, "pretrain")  # the run folder is Lantern's, its final/ is not
     final = user_folder(tmp_path / "runs" / RUN_NAME / "final")
     with pytest.raises(LanternError, match=r"refusing to replace .*final.*Lantern did not write it"):
         run_pretrain(tiny_config(data_dir, tmp_path / "runs", *QUICK))
@@ -263,7 +264,9 @@ def test_read_only_run_folder_is_one_line_before_any_compute(data_dir, tmp_path,
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(models.atomic, "open", read_only, raising=False)
-    with pytest.raises(LanternError, match=r"^cannot write run config .*config\.yaml: read-only file system") as raised:
+    with pytest.raises(
+        LanternError, match=r"^cannot write (run config|folder marker) .*: read-only file system"
+    ) as raised:
         run_pretrain(tiny_config(data_dir, tmp_path / "runs", *QUICK))
     assert "\n" not in str(raised.value)
     assert not (tmp_path / "runs" / RUN_NAME / "checkpoints").exists()

@@ -18,6 +18,6 @@ def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, caplog):
         ROOT / "configs/pretrain/tiny.yaml",
         [f"run.out_dir={tmp_path}", "optim.warmup_steps=100", "trainer.max_steps=50"],
     )
-    start_run_directory(config)
+    start_run_directory(config, "pretrain")
     release_run_directory(tmp_path / config.run.name)
     assert "optim.warmup_steps (100) exceeds trainer.max_steps (50)" in caplog.text

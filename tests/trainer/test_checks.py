@@ -405,7 +405,7 @@ def test_resume_choice(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint\.resume: .*missing\.ckpt does not exist"):
         resolve_resume(CheckpointConfig(resume=str(tmp_path / "missing.ckpt")), tmp_path)
     given = tmp_path / "step-00000004.ckpt"
-    given.write_bytes(b"")
+    torch.save({"state_dict": {}}, given)
     assert resolve_resume(CheckpointConfig(resume=str(given)), tmp_path / "elsewhere") == str(given)
 
 

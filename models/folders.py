@@ -1,0 +1,153 @@
+"""The folders Lantern writes into: which ones it owns, and one writer at a time in each.
+
+Owns: the folder marker (``.lantern-folder.json``, naming what Lantern made the folder for: a pretrain run, prepared
+data, the demo data, a pipeline), ``claim_folder`` (a destination that holds anything Lantern did not write is
+refused with one line naming the entries; an empty or new folder is taken and marked), and the flock'ed lock
+(``lock_folder`` / ``release_folder``) that refuses a second writer while the first is alive.
+Does not own: single files and folders replaced atomically (models/atomic.py), what each command writes.
+Choices: a marker written when Lantern first takes a folder, rather than a guess from file names (a user's
+``config.yaml`` or ``train.jsonl`` looks just like Lantern's). Folders written before markers existed are adopted
+when they hold a record only Lantern writes there (the caller says which: a lock file, a data manifest); the marker
+is then written. The lock is ``flock``, which the kernel releases however its holder dies (kill -9 included), so a
+lock file left behind never blocks. No torch here: ``lantern --help`` and the data layer import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from models.atomic import write_atomically
+from models.errors import LanternError
+
+FOLDER_MARKER = ".lantern-folder.json"
+LOCK_FILE = ".lantern.lock"
+
+_held_locks: dict[Path, int] = {}  # folder -> the open, flock'ed lock file of this process
+
+
+class FolderInUse(LanternError):
+    """Another live process holds the folder's lock."""
+
+
+class FolderNotLanterns(LanternError, FileExistsError):
+    """A destination holds files Lantern did not write, or was made by Lantern for something else."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ownership
+
+
+def folder_record(folder: Path) -> dict[str, Any] | None:
+    """The marker Lantern wrote into ``folder`` ({"kind": ..., plus what the caller recorded}), or None."""
+    try:
+        record = json.loads((folder / FOLDER_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("kind"), str) else None
+
+
+def listed_entries(names: Iterable[str], limit: int = 5) -> str:
+    """``a, b, c, ...``: the first ``limit`` names, sorted, for a one-line error."""
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def claim_folder(
+    folder: str | os.PathLike,
+    kind: str,
+    *,
+    key: str,
+    record: dict[str, Any] | None = None,
+    adopt: Callable[[Path], bool] | None = None,
+) -> dict[str, Any]:
+    """Make ``folder`` a Lantern folder of ``kind`` and return its record; refuse it when that would mix Lantern's
+    files with someone else's.
+
+    A missing or empty folder is created and marked with ``{"kind": kind, **record}``; a folder Lantern marked
+    for the same kind returns the record it holds (not rewritten: the caller compares it); a folder without a
+    marker for which ``adopt(folder)`` says an older Lantern wrote it is marked and taken. Anything else raises
+    FolderNotLanterns naming the folder, what is in it and ``key``, the setting that chose it."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise FolderNotLanterns(f"{key}: {path} is a file, not a folder")
+    found = folder_record(path) if path.is_dir() else None
+    if found is not None:
+        if found["kind"] != kind:
+            raise FolderNotLanterns(
+                f"{key}: {path} holds Lantern's {found['kind']}, not {kind}; set {key} to another folder"
+            )
+        return found
+    # the lock, and a marker another process (a rank of the same launch) is writing right now, are Lantern's
+    entries = [p.name for p in path.iterdir() if not _is_own(p.name)] if path.is_dir() else []
+    if entries and not (adopt is not None and adopt(path)):
+        raise FolderNotLanterns(
+            f"{key}: refusing to write into {path}: it holds files Lantern did not write ({listed_entries(entries)}); "
+            f"move them away or set {key} to an empty or new folder"
+        )
+    marker = {"kind": kind, **(record or {}), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path.mkdir(parents=True, exist_ok=True)
+    write_atomically(path / FOLDER_MARKER, json.dumps(marker, indent=1) + "\n", what="folder marker")
+    return marker
+
+
+def _is_own(name: str) -> bool:
+    return name == LOCK_FILE or name.startswith(f".tmp-{FOLDER_MARKER}.")  # write_atomically's temporary
+
+
+def is_lanterns(folder: Path, kind: str) -> bool:
+    """Whether Lantern marked ``folder`` as a ``kind`` (what may be moved aside or removed)."""
+    record = folder_record(folder)
+    return record is not None and record["kind"] == kind
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one writer per folder
+
+
+def lock_folder(folder: Path, *, what: str, hint: str) -> None:
+    """Take ``folder``'s lock for this process, or raise FolderInUse naming the holder's process id and host,
+    then ``hint`` (what to do). Idempotent within a process."""
+    key = folder.resolve()
+    if key in _held_locks:
+        return
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise FolderInUse(
+            f"{what} {folder} is in use by process {holder.get('pid', '?')} on host {holder.get('host', '?')} "
+            f"(since {holder.get('started', '?')}): {hint}"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    _held_locks[key] = fd
+
+
+def release_folder(folder: Path) -> None:
+    """Release this process's lock on ``folder`` (the file stays: deleting it would race a new locker)."""
+    fd = _held_locks.pop(folder.resolve(), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> dict[str, str]:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}  # the holder has not written its name yet

@@ -1,0 +1,133 @@
+"""What a run folder resumes must be this stage's run, of this model, and a training checkpoint at all; each is
+checked before training starts, in one line, and nothing in the folder is rewritten by a refused resume.
+
+- another model (a ``tiny`` run resumed with ``model=small``): one line naming both, config.yaml untouched;
+- another stage (``lantern sft`` into a pretrain run's folder): one line naming both stages;
+- a checkpoint that passes its checksum manifest but does not load (a pickle of Python objects), or a
+  ``checkpoint.resume=`` that is a model's weights or a pickle: the right cause, never torch's advice to load it
+  with ``weights_only=False``; auto-resume falls back to the older checkpoint that loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignment.pretrain import PretrainModule, run_pretrain
+from alignment.sft import run_sft
+from data.demo_tasks import write_demo_dataset
+from models.errors import CheckpointError, ConfigError
+from models.folders import FolderNotLanterns
+from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
+from tests.alignment.test_sft import sft_config
+from trainer.cli import main as lantern
+from trainer.storage import write_manifest
+
+QUICK = ("trainer.max_steps=4", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2", "logger.kind=none")
+
+
+@pytest.fixture(scope="module")
+def pretrained(data_dir, tmp_path_factory) -> Path:
+    """A 4-step tiny pretraining run with checkpoints at steps 2 and 4 (copied by the tests that change it)."""
+    runs = tmp_path_factory.mktemp("runs")
+    run_pretrain(tiny_config(data_dir, runs, *QUICK))
+    return runs
+
+
+def copy_runs(pretrained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(pretrained, runs)
+    return runs
+
+
+def test_resuming_with_another_model_is_one_line_and_rewrites_nothing(data_dir, pretrained, tmp_path):
+    """Before: a ~70-line size-mismatch traceback, after config.yaml had been rewritten to the new model."""
+    runs = copy_runs(pretrained, tmp_path)
+    config_yaml = runs / RUN_NAME / "config.yaml"
+    before = config_yaml.read_text()
+    with pytest.raises(ConfigError) as caught:
+        run_pretrain(tiny_config(data_dir, runs, *QUICK, "trainer.max_steps=6", "model=small"))
+    message = str(caught.value)
+    assert message.startswith(f"model: {runs / RUN_NAME} holds checkpoints of another model (dim 128")
+    assert "than the config's (dim 512" in message and "\n" not in message
+    assert config_yaml.read_text() == before
+
+
+def test_an_explicit_resume_of_another_models_checkpoint_is_one_line(data_dir, pretrained, tmp_path):
+    checkpoint = pretrained / RUN_NAME / "checkpoints" / "step-00000004.ckpt"
+    overrides = (*QUICK, "model=small", "run.name=other", f"checkpoint.resume={checkpoint}")
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.resume: {checkpoint} is a checkpoint of another model \(dim"):
+        run_pretrain(tiny_config(data_dir, tmp_path / "runs", *overrides))
+
+
+def test_loading_tensors_of_other_shapes_names_them_in_one_line(data_dir, tmp_path):
+    """The last guard, for checkpoints that record no model (the module's own load_state_dict)."""
+    module = PretrainModule(tiny_config(data_dir, tmp_path, *QUICK))
+    state = {name: torch.zeros(3, 3) for name in module.state_dict()}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint being resumed holds another model \(\d+ tensors"):
+        module.load_state_dict(state)
+
+
+def test_another_stage_in_a_run_folder_is_refused_naming_both(pretrained, tmp_path):
+    """Before: `lantern sft run.name=<a pretrain run>` tried to resume the pretrain checkpoint and failed with a
+    misleading data-stream message."""
+    demo = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=8, n_pairs=4)
+    runs = copy_runs(pretrained, tmp_path)
+    with pytest.raises(FolderNotLanterns, match=rf"^run\.name: {runs / RUN_NAME} holds a pretrain run, not a sft run"):
+        run_sft(sft_config(demo, runs, f"run.name={RUN_NAME}", "trainer.max_steps=2"))
+    assert not (runs / RUN_NAME / "data_stats.json").exists()
+
+
+def pickle_of_objects(path: Path) -> Path:
+    """A torch file that holds a Python object besides tensors, in torch's old (non-zip) format, as Meta's
+    ``consolidated.00.pth`` and many ``pytorch_model.bin`` files are."""
+    torch.save(
+        {"state_dict": {"w": torch.zeros(2)}, "args": argparse.Namespace(lr=1)},
+        path,
+        _use_new_zipfile_serialization=False,
+    )
+    return path
+
+
+def test_a_checkpoint_that_passes_its_manifest_but_does_not_load_falls_back(data_dir, pretrained, tmp_path, caplog):
+    """Before: a traceback, and auto-resume never tried the older verified checkpoint."""
+    runs = copy_runs(pretrained, tmp_path)
+    newest = runs / RUN_NAME / "checkpoints" / "step-00000004.ckpt"
+    pickle_of_objects(newest)
+    write_manifest(newest, newest, 4)  # its checksum matches: only loading it can tell
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="trainer.build"):
+        warnings.simplefilter("always")
+        run_pretrain(tiny_config(data_dir, runs, *QUICK, "trainer.max_steps=6"))
+    skipped = [str(w.message) for w in caught if "skipping checkpoint" in str(w.message)]
+    assert len(skipped) == 1 and str(newest) in skipped[0] and "pickle of Python objects" in skipped[0], skipped
+    assert "weights_only" not in skipped[0]
+    assert f"resuming from {newest.with_name('step-00000002.ckpt')}" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["pickled", "model-weights"])
+def test_an_explicit_resume_that_is_not_a_training_checkpoint_says_why(data_dir, tmp_path, capsys, kind):
+    """Before: a pickled Hugging Face, Meta or export file was called "truncated or corrupt", with torch's advice
+    that weights_only=False "will likely succeed"."""
+    if kind == "pickled":
+        path = pickle_of_objects(tmp_path / "consolidated.00.pth")
+        cause = "refused: the file is a pickle of Python objects, not only tensors (it references argparse.Namespace)"
+    else:
+        path = tmp_path / "pytorch_model.bin"
+        torch.save({"model.embed_tokens.weight": torch.zeros(4, 2)}, path)
+        cause = "holds model weights, not a training checkpoint"
+    config = Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "tiny.yaml"
+    status = lantern(
+        ["pretrain", str(config), f"data.out_dir={data_dir}", f"run.out_dir={tmp_path / 'runs'}", *QUICK,
+         f"checkpoint.resume={path}"]
+    )  # fmt: skip
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2
+    assert error.startswith(f"lantern pretrain: error: checkpoint.resume: {path}") and cause in error, error
+    assert "weights_only" not in error and "truncated or corrupt" not in error

@@ -1,0 +1,162 @@
+"""A command stopped by SIGTERM (a scheduler's stop, ``kill``) or SIGINT (Ctrl-C) ends with the exit status that
+says so, 128 + the signal (143, 130), and one line on stderr: what was interrupted, the last checkpoint and how to
+resume (trainer/cli.py's ``main`` prints it).
+
+Lightning stops training gracefully on both signals but then exits with a status that hides them: its
+``SIGTERMException`` is a SystemExit without a code (status 0: a success to a scheduler or to ``a && b``), and after
+Ctrl-C it calls ``sys.exit(1)``. Neither says which signal it was, so ``watch_signals`` records the signal itself:
+its handlers are installed before the command runs, and Lightning's SIGTERM handler, installed only while
+``trainer.fit`` runs, calls the handler it found installed. Outside ``trainer.fit`` (loading data, between pipeline
+stages, writing a report) SIGTERM raises ``Terminated`` where the program is, so ``finally`` blocks still release
+the run folder's lock and close W&B, which the default action (dying at once) would not.
+
+Only the standard library at the top: trainer/cli.py imports this module, and ``lantern --help`` must stay instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+WATCHED = (signal.SIGTERM, signal.SIGINT)
+
+# training commands -> their config schema (module, class): an interrupted run's config is read again to find its
+# checkpoints and its resume setting (the handlers in trainer/cli.py load the same schemas)
+STAGE_SCHEMAS: dict[str, tuple[str, str]] = {
+    "pretrain": ("trainer.config", "PretrainConfig"),
+    "sft": ("trainer.config", "SFTConfig"),
+    "rm": ("trainer.config", "RMConfig"),
+    "ppo": ("trainer.rl_config", "PPOConfig"),
+    "grpo": ("trainer.rl_config", "GRPOConfig"),
+    "dpo": ("trainer.dpo_config", "DPOConfig"),
+    "rejection-sampling": ("trainer.rs_config", "RejectionSamplingConfig"),
+}
+_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")  # trainer/storage.py's names (importing it here would load Lightning)
+_LATEST = "latest"
+
+
+class Terminated(SystemExit):
+    """SIGTERM while Lightning's own handler is not installed. A SystemExit, so that ``except Exception`` never
+    swallows it, and with the exit status the signal means when nothing catches it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+# the signal that interrupted this process, if any: signal handlers are process-wide, so is what they record
+_received: int | None = None
+
+
+def received_signal() -> int | None:
+    return _received
+
+
+def stop_if_received() -> None:
+    """Raise Terminated if a SIGTERM came while Lightning handled it but the training it was in finished anyway (it
+    only stops a loop that has steps left): whatever comes next (the next pipeline stage) must not start."""
+    if _received == signal.SIGTERM:
+        raise Terminated(_received)
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    global _received
+    first = _received is None
+    _received = _received or signum  # the first signal names the interruption
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt  # Python's own Ctrl-C; inside trainer.fit Lightning turns it into a graceful stop
+    if first and signal.getsignal(signal.SIGTERM) is _handle:
+        raise Terminated(signum)
+    # else Lightning's handler called this one after setting trainer.received_sigterm: its loop stops at the end of
+    # the batch under way; or a second SIGTERM came while the first one's stop runs its cleanup: let it finish
+
+
+@contextlib.contextmanager
+def watch_signals() -> Iterator[None]:
+    """Record SIGTERM and SIGINT (see the module docstring) while the block runs; the previous handlers come back
+    after it. A signal the process was started ignoring (``nohup``, ``cmd &``) stays ignored."""
+    global _received
+    _received = None
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be installed from there
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in WATCHED}
+    for signum, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, _handle)
+    try:
+        yield
+    finally:
+        # Lightning leaves SIGINT ignored after a Ctrl-C (its graceful shutdown): restore what the caller had
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _received = None  # a later command in this process (tests) starts uninterrupted
+
+
+def last_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint ``latest`` names (exact after a graceful stop: the pointer moves only once a checkpoint is
+    complete), else the newest by step; not verified: hashing gigabytes is not for the moment of a Ctrl-C, and
+    resume verifies anyway."""
+    with contextlib.suppress(OSError, ValueError):  # no pointer (a kill -9 before it), or an unreadable one
+        named = directory / (directory / _LATEST).read_text().strip()
+        if _CHECKPOINT.fullmatch(named.name) and named.exists():
+            return named
+    try:
+        steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
+    except OSError:  # no checkpoint folder yet
+        return None
+    return max(steps)[1] if steps else None
+
+
+def checkpoint_note(checkpoints: Path) -> str:
+    found = last_checkpoint(checkpoints)
+    return f"the last checkpoint is {found}" if found else f"no checkpoint in {checkpoints} yet"
+
+
+def _stage_note(command: str, config_path: str, overrides: list[str]) -> str:
+    """Where an interrupted training command's checkpoints are and whether the same command resumes from them."""
+    module, name = STAGE_SCHEMAS[command]
+    from trainer.config import load_config  # deferred: only an interrupted training command needs it
+
+    config: Any = load_config(getattr(importlib.import_module(module), name), config_path, overrides)
+    # rejection sampling trains through its embedded SFT section, which holds the checkpoint settings
+    prefix, section = ("", config) if hasattr(config, "checkpoint") else ("sft.", config.sft)
+    checkpoints = Path(config.run.out_dir) / config.run.name / "checkpoints"
+    if last_checkpoint(checkpoints) is None:
+        return f"{checkpoint_note(checkpoints)}: running the same command again starts it over"
+    if section.checkpoint.resume != "auto":  # none or a given PATH: the same command would not resume from it
+        return f"{checkpoint_note(checkpoints)}: run it again with {prefix}checkpoint.resume=auto to resume from it"
+    return f"{checkpoint_note(checkpoints)}: run the same command again to resume from it"
+
+
+def interrupted_message(command: str, signum: int, error: BaseException, args: Any) -> str:
+    """The one line an interrupted command prints: the signal, what the code that was stopped added to the error
+    (``add_note``: the pipeline's stage and command) and, for a training command, its checkpoint and resume; "" on
+    the ranks other than 0 of a multi-process run."""
+    # Every rank stops; rank 0 says so, once. Other ranks exist only once Lightning (imported with trainer.storage)
+    # launched them, and importing it now could fail: the signal may have stopped `import torch` half-way.
+    storage = sys.modules.get("trainer.storage")
+    if storage is not None and not storage.is_global_rank_zero():
+        return ""
+    notes = list(getattr(error, "__notes__", []))
+    if command in STAGE_SCHEMAS and not notes:
+        # a broken config, or an import the signal cut short: the interruption is still the news
+        with contextlib.suppress(Exception):
+            notes.append(_stage_note(command, args.config, args.overrides))
+    if isinstance(error, Exception):  # something failed on the way out: say so, it may matter
+        notes.append(f"it stopped with {type(error).__name__}: {str(error).strip()[:200]}")
+    name = signal.Signals(signum).name
+    return "; ".join([f"lantern {command}: interrupted by {name}", *notes]).replace("\n", " ")
+
+
+def resume_command(*words: str) -> str:
+    return shlex.join(["lantern", *words])
