@@ -95,12 +95,10 @@ def check_resumed_model(run_dir: Path, config: Any) -> None:
         previous = ModelConfig.from_dict(recorded)
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
         return  # no readable record: the checkpoint's own shapes are checked when it loads (LanguageModelModule)
-    differences = architecture_differences(previous, model)
+    differences = describe_differences(previous, model)
     if differences:
-        was = ", ".join(f"{key} {old}" for key, old, _ in differences)
-        now = ", ".join(f"{key} {new}" for key, _, new in differences)
         raise ConfigError(
-            f"model: {run_dir} holds checkpoints of another model ({was}) than the config's ({now}): resume it with "
+            f"model: {run_dir} holds checkpoints of another model {differences}: resume it with "
             "its own model, or set run.name to a new folder (or checkpoint.resume=none there) to start afresh"
         )
 
@@ -216,6 +214,16 @@ def lightning_precision(config: TrainerConfig) -> str:
     return config.precision
 
 
+def describe_differences(saved: ModelConfig, configured: ModelConfig) -> str:
+    """'(dim 128, ...) than the config's (dim 512, ...)' for the architecture fields that differ; '' if none."""
+    differences = architecture_differences(saved, configured)
+    if not differences:
+        return ""
+    was = ", ".join(f"{key} {old}" for key, old, _ in differences)
+    now = ", ".join(f"{key} {new}" for key, _, new in differences)
+    return f"({was}) than the config's ({now})"
+
+
 def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None) -> str | None:
     """``auto``: the newest checkpoint of this run that verifies against its checksum manifest and reads as a
     training checkpoint (newer ones that do not are skipped with a warning naming why), if any; ``none``: start
@@ -239,13 +247,9 @@ def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelC
         raise CheckpointError(f"checkpoint.resume: {error}") from None
     saved = ((header.get("hyper_parameters") or {}).get("config") or {}).get("model")
     if model is not None and isinstance(saved, dict):
-        differences = architecture_differences(ModelConfig.from_dict(saved), model)
+        differences = describe_differences(ModelConfig.from_dict(saved), model)
         if differences:
-            was = ", ".join(f"{key} {old}" for key, old, _ in differences)
-            now = ", ".join(f"{key} {new}" for key, _, new in differences)
-            raise ConfigError(
-                f"checkpoint.resume: {path} is a checkpoint of another model ({was}) than the config's ({now})"
-            )
+            raise ConfigError(f"checkpoint.resume: {path} is a checkpoint of another model {differences}")
     return str(path)
 
 
