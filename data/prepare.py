@@ -215,19 +215,23 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
     if fmt != "hub":
         check_sources_outside(out_dir, files)
-    if fmt in ("text", "json") and not out_dir.exists():  # nothing to be up to date with: named before it is made
+    # nothing to be up to date with: a mis-encoded input is named before the folder is made (and read only once)
+    utf8_checked = fmt in ("text", "json") and not out_dir.exists()
+    if utf8_checked:
         for path in files:
             check_utf8(path)
     # Only a folder Lantern prepared (or an empty one) is written into, by one prepare at a time.
     claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
     lock_folder(out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one")
     try:
-        return _prepare_locked(config, tokenizer, fmt, files, out_dir)
+        return _prepare_locked(config, tokenizer, fmt, files, out_dir, utf8_checked)
     finally:
         release_folder(out_dir)
 
 
-def _prepare_locked(config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files: list[str], out_dir: Path) -> dict:
+def _prepare_locked(
+    config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files: list[str], out_dir: Path, utf8_checked: bool
+) -> dict:
     if (out_dir / MANIFEST_NAME).exists() and lantern_manifest(out_dir) is None:
         check_replaceable(out_dir)  # a manifest.json Lantern did not write: refused, never read as stale data
     reason, old = stale_reason(config, tokenizer, None if fmt == "hub" else files)
@@ -240,7 +244,7 @@ def _prepare_locked(config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files
         return old
 
     check_replaceable(out_dir)
-    if fmt in ("text", "json"):  # a mis-encoded input is named before anything is created or loaded
+    if fmt in ("text", "json") and not utf8_checked:  # a mis-encoded input is named before anything is loaded
         for path in files:
             check_utf8(path)
     clean_stale_build_dirs(out_dir)

@@ -88,11 +88,11 @@ def check_replaceable(out_dir: Path) -> None:
     foreign = [MANIFEST_NAME] if manifest_path.exists() and manifest is None else []
     for split in SPLITS:
         split_dir = out_dir / split
-        if not split_dir.exists():
+        if not split_dir.is_dir():
+            foreign += [split] if split_dir.exists() else []  # a file where a split goes: never Lantern's
             continue
-        listing = _split_listing(split_dir, manifest) if split_dir.is_dir() else set()
-        names = [p.name for p in split_dir.iterdir()] if split_dir.is_dir() else [""]
-        foreign += [f"{split}/{name}".rstrip("/") for name in names if listing is None or name not in listing]
+        listing = _split_listing(split_dir, manifest) or set()
+        foreign += [f"{split}/{p.name}" for p in split_dir.iterdir() if p.name not in listing]
     if foreign:
         raise FolderNotLanterns(
             f"data.out_dir: refusing to rebuild {out_dir}: a prepare would replace what Lantern did not write there "
