@@ -8,7 +8,7 @@ a PNG.
 
 Every method runs its stage exactly as the pipeline would (the same preset, the same overrides, the same wiring
 to the SFT model, reward model and demo data: ``Pipeline.load_stage_config``), and every final model is scored
-exactly as the pipeline's report scores it (``trainer.pipeline_eval.evaluate_stage``), so the methods differ only
+exactly as the pipeline's report scores it (``alignment.commands.pipeline_eval.evaluate_stage``), so the methods differ only
 in their algorithm and in the number of steps the budget buys. The budget counts responses the method learns
 from: PPO rollouts × prompts; GRPO/RLOO rollouts × prompts × group size; rejection sampling prompts × K samples;
 DPO optimizer steps × pairs × 2 (its responses come from the preference data, not from the policy). Wall time
@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alignment.evaluation import json_safe
+from alignment.commands.pipeline import RUNNERS, training_section
+from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, without_per_prompt
+from alignment.commands.pipeline_report import comparison_lines
+from alignment.shared.evaluation import json_safe
 from benchmarks.score_models import open_pipeline
 from models.atomic import write_atomically
-from trainer.pipeline import RUNNERS, training_section
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, without_per_prompt
-from trainer.pipeline_report import comparison_lines
 
 # method -> (the pipeline stage that runs it, overrides that make it this method)
 METHODS: dict[str, tuple[str, list[str]]] = {

@@ -47,10 +47,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from alignment.ppo import run_ppo
-from data.demo_tasks import write_demo_dataset
-from data.prompts import PromptDataModule
-from data.tokenizer import Tokenizer
+from alignment.schemas.rl import PPOConfig
+from alignment.stages.ppo import run_ppo
+from data.demo.tasks import write_demo_dataset
+from data.records.prompts import PromptDataModule
+from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.generation import generate
 from models.heads import ScalarModel, save_scalar_model
@@ -58,7 +59,6 @@ from models.model import ModelConfig, Transformer
 from trainer.config import load_config
 from trainer.parallel import apply_fsdp, unsharded_for_generation
 from trainer.plots import read_csv_rows
-from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
+from data.pretrain.config import PrepareConfig
+from data.pretrain.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "corpus" / "tinyshakespeare.txt"

@@ -50,13 +50,14 @@ from typing import Any
 import lightning as L
 import torch
 
-from alignment.pretrain import PretrainModule, pretrain_datamodule
-from data.prepare import prepare
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.stages.pretrain import PretrainModule, pretrain_datamodule
+from data.pretrain.prepare import prepare
 from models.hf_format import config_to_hf
 from models.model import Transformer
 from trainer.build import make_trainer, resolve_precision, run_directory
 from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 from trainer.optim import build_optimizer
 from trainer.parallel import apply_activation_checkpointing, apply_compile, grad_norm_and_clip
 

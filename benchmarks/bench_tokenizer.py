@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from data.bpe import train_bpe
-from data.tokenizer import Tokenizer
+from data.tokenizer.bpe import train_bpe
+from data.tokenizer.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

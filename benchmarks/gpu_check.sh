@@ -110,7 +110,7 @@ else
   status=0
 fi
 # the packages the steps import, imported from outside the checkout (so from the venv, not the working tree)
-if [[ $status == 0 ]] && ! (cd / && "$PY" -c 'import trainer.cli, transformers, pytest') >>"$OUT/install.log" 2>&1; then
+if [[ $status == 0 ]] && ! (cd / && "$PY" -c 'import alignment.commands.cli, transformers, pytest') >>"$OUT/install.log" 2>&1; then
   echo "=== install: $PY cannot import Lantern, transformers and pytest" | tee -a "$OUT/install.log"
   status=1
 fi

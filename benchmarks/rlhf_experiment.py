@@ -1,6 +1,6 @@
 """Proof that RLHF works here, on the verifiable demo tasks: train the reward model on preference pairs
 whose preferred side is the correct answer, report its held-out pairwise accuracy; run PPO from the SFT model
-against it and report the ground-truth score (the task checkers in data/demo_scoring.py, which PPO never sees)
+against it and report the ground-truth score (the task checkers in data/demo/scoring.py, which PPO never sees)
 of greedy answers to held-out prompts before and after, with the final KL to the SFT reference.
 
     python -m benchmarks.rlhf_experiment --sft runs/sft-shakespeare/final [--rm-steps 200 --ppo-rollouts 40]
@@ -12,12 +12,13 @@ import argparse
 import json
 from pathlib import Path
 
-from alignment.ppo import run_ppo
-from alignment.reward import run_rm
-from data.demo_tasks import write_demo_dataset
-from trainer.config import RMConfig, load_config
+from alignment.schemas.reward import RMConfig
+from alignment.schemas.rl import PPOConfig
+from alignment.stages.ppo import run_ppo
+from alignment.stages.reward import run_rm
+from data.demo.tasks import write_demo_dataset
+from trainer.config import load_config
 from trainer.plots import read_csv_rows, read_metrics_csv
-from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

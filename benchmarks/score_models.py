@@ -1,4 +1,4 @@
-"""Score any language models exactly as a pipeline's report scores its own (trainer/pipeline_eval.py): the same
+"""Score any language models exactly as a pipeline's report scores its own (alignment/commands/pipeline_eval.py): the same
 held-out prompts, checker, token budget and seeds; greedy accuracy, sampled accuracy (the mean of k samples at
 temperature 1), pass@k, KL to the pipeline's SFT model; each paired with the SFT model over the same prompts and
 called a gain or a loss only beyond 2 standard errors. For RL runs made outside the pipeline, e.g.
@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from alignment.evaluation import json_safe
-from data.tokenizer import Tokenizer
+from alignment.commands.pipeline import Pipeline, load_pipeline_config
+from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
+from alignment.commands.pipeline_report import comparison_lines
+from alignment.shared.evaluation import json_safe
+from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from models.errors import ConfigError, DataError
-from trainer.pipeline import Pipeline, load_pipeline_config
-from trainer.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
-from trainer.pipeline_report import comparison_lines
 
 
 def open_pipeline(

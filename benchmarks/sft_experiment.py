@@ -32,10 +32,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from alignment.sft import run_sft
-from data.demo_tasks import write_demo_dataset
+from alignment.schemas.sft import SFTConfig
+from alignment.stages.sft import run_sft
+from data.demo.tasks import write_demo_dataset
 from models.loss import IGNORE_INDEX
-from trainer.config import SFTConfig, load_config
+from trainer.config import load_config
 from trainer.plots import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -318,7 +318,7 @@ def _export_hf(
 
 def _special_ids_from_tokenizer(path: Path) -> tuple[int | None, list[int] | None]:
     """bos / stop ids of a Lantern / Llama 3 tiktoken rank file: its N ranks are followed by Meta's 256 specials,
-    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9 (see data/tokenizer.py)."""
+    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9 (see data/tokenizer/tokenizer.py)."""
     try:
         lines = [line for line in path.read_bytes().splitlines() if line.strip()]
         ranks = [int(line.split()[1]) for line in lines]

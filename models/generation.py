@@ -95,7 +95,7 @@ def sequence_logprobs(
 
 def scaled_logprobs(logits: Tensor, temperature: float) -> Tensor:
     """``log_softmax(logits / temperature)`` over the vocabulary in fp32; temperature 0 (greedy) is scored at 1.
-    The one definition sampling, ``sequence_logprobs`` and RL training (``alignment.losses``) share, so that a
+    The one definition sampling, ``sequence_logprobs`` and RL training (``alignment.shared.losses``) share, so that a
     PPO ratio starts at exactly 1."""
     logits = logits.float()
     return F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
-from data.tokenizer import Tokenizer
+from data.pretrain.config import PrepareConfig
+from data.pretrain.prepare import prepare
+from data.tokenizer.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "tinyshakespeare.txt"
 

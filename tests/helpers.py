@@ -72,10 +72,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m trainer.cli *args`` in a new process from the repository root (``subprocess_env``); it
+    """``python -m alignment.commands.cli *args`` in a new process from the repository root (``subprocess_env``); it
     must succeed (the assertion shows the end of its stderr)."""
     env = subprocess_env()
-    command = [sys.executable, "-m", "trainer.cli", *args]
+    command = [sys.executable, "-m", "alignment.commands.cli", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return result

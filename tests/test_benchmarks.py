@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from alignment.commands.pipeline import run_pipeline
+from alignment.schemas.pretrain import PretrainConfig
 from benchmarks import alignment_compare, score_models
 from benchmarks.bench_pretrain import recomputed_flops
 from benchmarks.gpu_table import render
 from tests.helpers import subprocess_env
-from trainer.config import PretrainConfig, load_config
-from trainer.pipeline import run_pipeline
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs/pretrain/tiny.yaml"), "--seq-len", "64", "--micro-batch", "4", "--threads", "1",

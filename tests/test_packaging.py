@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from data.tokenizer import Tokenizer
+from alignment.schemas.pretrain import PretrainConfig
+from data.tokenizer.tokenizer import Tokenizer
 from models.model import ModelConfig
 from tests.helpers import subprocess_env
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [
@@ -37,12 +38,13 @@ FROM_ELSEWHERE = textwrap.dedent(
     from pathlib import Path
 
     import models
-    from data.tokenizer import Tokenizer
+    from data.tokenizer.tokenizer import Tokenizer
     from models.model import ModelConfig
-    from data.sources import resolve_inputs
+    from data.pretrain.sources import resolve_inputs
     from models.resources import shipped_path
-    from trainer.config import PretrainConfig, load_config
-    from trainer.pipeline import Pipeline, PipelineConfig
+    from alignment.schemas.pretrain import PretrainConfig
+    from trainer.config import load_config
+    from alignment.commands.pipeline import Pipeline, PipelineConfig
 
     Path("own.yaml").write_text("model: tiny\\n")
     pretrain = load_config(PretrainConfig, "configs/pretrain/tiny.yaml")  # itself says model: tiny

@@ -1,5 +1,6 @@
 """The house rules the README's test command enforces: ruff lint and format, and the import-linter layers
-contract in pyproject.toml (models -> data -> trainer infrastructure -> stages -> entry points)."""
+contracts in pyproject.toml (models -> data -> trainer -> alignment; inside alignment: schemas -> shared -> stages
+-> commands)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,20 @@ def test_tree_is_clean(command: list[str]) -> None:
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-4000:]}{result.stderr[-2000:]}"
 
 
-def test_every_trainer_module_has_a_layer() -> None:
-    """trainer/ holds two layers (infrastructure, entry points) and a stage: a module named in no layer of the
-    contract would be checked by nothing."""
-    layers = re.search(r"^layers = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M)
-    assert layers, "no layers contract in pyproject.toml"
-    placed = {name.strip().strip('",') for name in re.split(r"[:|\n]", layers.group(1))}
-    modules = {f"trainer.{path.stem}" for path in (ROOT / "trainer").glob("*.py") if path.stem != "__init__"}
-    assert modules - placed == set()
+def test_the_contracts_name_whole_packages() -> None:
+    """The layers are packages, not modules: the four top-level packages, and alignment's sub-packages (commands,
+    stages, shared, schemas). A module beside those sub-packages, or a sub-package named in no layer, would be
+    checked by nothing; data/ is sub-packages by concern, with no loose modules either."""
+    text = (ROOT / "pyproject.toml").read_text()
+    layer_lists = re.findall(r"^layers = \[(.*?)\]", text, re.S | re.M)
+    assert len(layer_lists) == 2, layer_lists
+    top, inside = ({name.strip().strip('"') for name in found.split(",")} for found in layer_lists)
+    assert top == {"alignment", "trainer", "data", "models"}
+    assert re.search(r'^containers = \["alignment"\]', text, re.M)
+    for package, named in (("alignment", inside), ("data", None)):
+        folder = ROOT / package
+        loose = [path.name for path in folder.glob("*.py") if path.name != "__init__.py"]
+        assert loose == [], f"{package}/ has modules outside its sub-packages: {loose}"
+        subpackages = {path.parent.name for path in folder.glob("*/__init__.py")}
+        if named is not None:
+            assert subpackages == named, f"alignment's sub-packages {subpackages} vs the contract's {named}"

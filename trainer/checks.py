@@ -9,7 +9,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from data.tokenizer import Tokenizer
+from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError
 from models.model import ModelConfig
 
@@ -229,6 +229,6 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
     source = config.init.checkpoint or "the model (model.vocab_size)"
     check_tokenizer_fits_model(tokenizer, model, model_name=source)
     if config.init.checkpoint:
-        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
+        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer.tokenizer")
     if config.data.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len})")

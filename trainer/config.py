@@ -17,11 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.preference_config import PreferenceDataConfig
-from data.prepare_config import PrepareConfig
-from data.sft_config import SFTDataConfig
 from models.errors import ConfigError, one_line
-from models.model import ModelConfig
 from models.resources import model_preset_path, model_presets, shipped_path
 from trainer.checks import check_ranges
 
@@ -34,15 +30,6 @@ class RunConfig:
     name: str = "run"
     out_dir: str = "runs"  # the run writes to OUT_DIR/NAME
     seed: int = 1234
-
-
-@dataclass
-class LoaderConfig:
-    seq_len: int = 256
-    micro_batch_size: int = 8
-    document_masking: bool = True  # False: plain causal over packed windows, as nanoGPT
-    num_workers: int = 0
-    val_batches: int | None = 8  # validation batches per rank each time it runs; None = whole split
 
 
 @dataclass
@@ -103,108 +90,6 @@ class LoggerConfig:
     mode: Literal["auto", "offline", "online"] = "auto"  # auto: online only with an API key
     group: str | None = None
     tags: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SampleConfig:
-    prompt: str = ""  # printed with a generated continuation at the end of training ("" = skip)
-    max_new_tokens: int = 64
-    temperature: float = 0.8
-
-
-@dataclass
-class PretrainConfig:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: PrepareConfig = field(default_factory=PrepareConfig)
-    loader: LoaderConfig = field(default_factory=LoaderConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
-
-
-@dataclass
-class InitConfig:
-    checkpoint: str | None = None  # native / Hugging Face / Meta folder; None: a seeded random `model`
-
-
-@dataclass
-class StageLoaderConfig:
-    micro_batch_size: int = 8
-    num_workers: int = 0
-
-
-@dataclass
-class SFTLossConfig:
-    reduction: Literal["token", "example"] = "token"
-
-
-@dataclass
-class EvalConfig:
-    generations: int = 64  # validation examples answered greedily each validation (exact match)
-    max_new_tokens_margin: int = 8  # each answer may run this many tokens past its reference's length
-    batch_size: int = 16
-    table_rows: int = 16  # answers logged as a W&B table and to val_samples.jsonl
-
-
-@dataclass
-class SFTConfig:
-    run: RunConfig = field(default_factory=lambda: RunConfig(name="sft"))
-    init: InitConfig = field(default_factory=InitConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.checkpoint
-    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(train=[]))
-    loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
-    loss: SFTLossConfig = field(default_factory=SFTLossConfig)
-    optim: OptimConfig = field(
-        default_factory=lambda: OptimConfig(lr=1e-4, min_lr=1e-5, warmup_steps=20, weight_decay=0.0)
-    )
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-
-@dataclass
-class RMLossConfig:
-    margin: float = 0.0  # Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin)
-    normalize_rewards: bool = True  # export the train-set reward mean / std for PPO to normalise with
-    normalization_pairs: int = 2000  # train pairs (both sides scored) the mean / std are measured on
-
-
-@dataclass
-class PolicySamplesConfig:
-    # The policy's own samples labelled by a checker (alignment/policy_pairs.py): pairs to train the reward model on
-    # (the best of samples_per_prompt answers preferred over the worst), and the trained model's agreement with the
-    # checker on the policy's samples of held-out prompts. Off unless both policy and checker are set.
-    policy: str | None = None  # the model to sample from: the SFT policy the reward model will guide
-    checker: str = ""  # "package.module:function" (alignment/rewards.py), e.g. data.demo_scoring:score_example
-    prompts: list[str] = field(default_factory=list)  # training prompts the pairs are sampled from
-    heldout: list[str] = field(default_factory=list)  # prompts the agreement is measured on; empty: not measured
-    train: Literal["add", "replace", "none"] = "add"  # the pairs join data.train, replace it, or only measure
-    samples_per_prompt: int = 4
-    max_prompts: int = 0  # prompts sampled from each list; 0: all of them
-    temperature: float = 1.0
-    response_max_tokens: int = 48
-    batch_size: int = 16
-
-
-@dataclass
-class RMConfig:
-    run: RunConfig = field(default_factory=lambda: RunConfig(name="rm"))
-    init: InitConfig = field(default_factory=InitConfig)  # checkpoint: the SFT model folder
-    model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.checkpoint
-    data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig(train=[]))
-    loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)
-    loss: RMLossConfig = field(default_factory=RMLossConfig)
-    policy_samples: PolicySamplesConfig = field(default_factory=PolicySamplesConfig)
-    optim: OptimConfig = field(
-        default_factory=lambda: OptimConfig(lr=1e-5, min_lr=1e-6, warmup_steps=20, weight_decay=0.0)
-    )
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 Schema = TypeVar("Schema")

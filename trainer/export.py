@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
-from data.tokenizer import Tokenizer
+from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import IfExists, check_destination
 from models.checkpoint import save_checkpoint
 from models.checkpoint_io import read_torch_file

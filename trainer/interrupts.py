@@ -1,6 +1,6 @@
 """A command stopped by SIGTERM (a scheduler's stop, ``kill``) or SIGINT (Ctrl-C) ends with the exit status that
 says so, 128 + the signal (143, 130), and one line on stderr: what was interrupted, the last checkpoint and how to
-resume (trainer/cli.py's ``main`` prints it).
+resume (alignment/commands/cli.py's ``main`` prints it).
 
 Lightning stops training gracefully on both signals but then exits with a status that hides them: its
 ``SIGTERMException`` is a SystemExit without a code (status 0: a success to a scheduler or to ``a && b``), and after
@@ -10,7 +10,7 @@ its handlers are installed before the command runs, and Lightning's SIGTERM hand
 stages, writing a report) SIGTERM raises ``Terminated`` where the program is, so ``finally`` blocks still release
 the run folder's lock and close W&B, which the default action (dying at once) would not.
 
-Only the standard library at the top: trainer/cli.py imports this module, and ``lantern --help`` must stay instant.
+Only the standard library at the top: alignment/commands/cli.py imports this module, and ``lantern --help`` must stay instant.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from typing import Any
 WATCHED = (signal.SIGTERM, signal.SIGINT)
 
 # training commands -> their config schema (module, class): an interrupted run's config is read again to find its
-# checkpoints and its resume setting (the handlers in trainer/cli.py load the same schemas)
+# checkpoints and its resume setting (the handlers in alignment/commands/cli.py load the same schemas)
 STAGE_SCHEMAS: dict[str, tuple[str, str]] = {
     "pretrain": ("trainer.config", "PretrainConfig"),
     "sft": ("trainer.config", "SFTConfig"),
     "rm": ("trainer.config", "RMConfig"),
-    "ppo": ("trainer.rl_config", "PPOConfig"),
-    "grpo": ("trainer.rl_config", "GRPOConfig"),
-    "dpo": ("trainer.dpo_config", "DPOConfig"),
-    "rejection-sampling": ("trainer.rs_config", "RejectionSamplingConfig"),
+    "ppo": ("alignment.schemas.rl", "PPOConfig"),
+    "grpo": ("alignment.schemas.rl", "GRPOConfig"),
+    "dpo": ("alignment.schemas.dpo", "DPOConfig"),
+    "rejection-sampling": ("alignment.schemas.rejection_sampling", "RejectionSamplingConfig"),
 }
 _CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")  # trainer/storage.py's names (importing it here would load Lightning)
 _LATEST = "latest"

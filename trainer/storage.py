@@ -60,7 +60,7 @@ def release_run_directory(run_dir: Path) -> None:
 
 RUN_FOLDER = "run folder"
 # files only Lantern writes into a run folder: a folder that has one but no marker is an older Lantern's run
-# (the pipeline's stage records are trainer/pipeline_records.py's RECORD and PENDING)
+# (the pipeline's stage records are alignment/commands/pipeline_records.py's RECORD and PENDING)
 _RUN_RECORDS = (LOCK_FILE, "pipeline_stage.json", "pipeline_stage.pending.json")
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from data.demo_tasks import write_demo_dataset
-from data.tokenizer import Tokenizer
+from data.demo.tasks import write_demo_dataset
+from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import save_checkpoint
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer

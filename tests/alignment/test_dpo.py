@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignment.dpo import ChatMarkers, DPODataModule, answered_masks, run_dpo
-from alignment.dpo_module import DPOModule, response_logprob_sums
-from alignment.losses import preference_loss
-from data.demo_tasks import write_demo_dataset
-from data.tokenizer import Tokenizer
+from alignment.schemas.dpo import DPOConfig
+from alignment.shared.losses import preference_loss
+from alignment.stages.dpo import ChatMarkers, DPODataModule, answered_masks, run_dpo
+from alignment.stages.dpo_module import DPOModule, response_logprob_sums
+from data.demo.tasks import write_demo_dataset
+from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import ConfigError
 from models.generation import sequence_logprobs
@@ -25,7 +26,6 @@ from models.loss import IGNORE_INDEX
 from models.model import ModelConfig, Transformer
 from tests.helpers import CaptureGradients, run_cli, words, write_jsonl
 from trainer.config import load_config
-from trainer.dpo_config import DPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=256)
@@ -314,7 +314,7 @@ def test_presets_load_and_the_cli_has_the_stage(capsys):
     assert tiny.data.train == ["runs/data/demo/pairs.jsonl"] and tiny.optim.min_lr == tiny.optim.lr
     default = DPOConfig()
     assert (default.loss.beta, default.loss.reference_logprobs, default.optim.min_lr) == (0.1, "precompute", 5e-5)
-    from trainer.cli import main
+    from alignment.commands.cli import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -1,4 +1,4 @@
-"""Held-out statistics (alignment/evaluation.py) against hand-computed values: standard errors, pass@k, per-task
+"""Held-out statistics (alignment/shared/evaluation.py) against hand-computed values: standard errors, pass@k, per-task
 summaries, paired differences and their verdicts, and the disjointness check that guards every held-out set."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from alignment.evaluation import (
+from alignment.shared.evaluation import (
     check_disjoint,
     heldout_summary,
     mean_and_se,

@@ -1,4 +1,4 @@
-"""GRPO / RLOO as a stage (alignment/grpo.py, grpo_module.py): a toy verifiable reward rises, the first ratio is
+"""GRPO / RLOO as a stage (alignment/stages/grpo.py, grpo_module.py): a toy verifiable reward rises, the first ratio is
 exactly 1, resume is exact, bad configs and overlapping held-out prompts fail before compute, and 2-process
 FSDP2 on CPU matches a single process. The advantage maths by hand is in test_losses.py."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignment.grpo import run_grpo
+from alignment.schemas.rl import GRPOConfig
+from alignment.stages.grpo import run_grpo
 from models.errors import ConfigError, DataError
 from tests.helpers import run_cli
 from trainer.config import load_config
-from trainer.rl_config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 VOWELS = "aeiou"
@@ -73,7 +73,7 @@ def test_a_verifiable_toy_reward_rises(setup, tmp_path, baseline, aggregation):
 
 def test_first_ratio_is_exactly_one(setup, tmp_path):
     """The training pass's first minibatch reproduces the rollout's old log-probs bit for bit."""
-    from alignment.grpo_module import GRPOModule
+    from alignment.stages.grpo_module import GRPOModule
 
     captured: list[float] = []
     update = GRPOModule.update
@@ -163,9 +163,9 @@ def test_fsdp_grpo_on_two_processes(setup, tmp_path):
 def test_sampler_state_is_restored_whichever_comes_first_the_sampler_or_the_checkpoint(setup, tmp_path):
     """Single-process runs restore the checkpoint before on_fit_start creates the sampler; FSDP
     (ModelParallelStrategy) restores it after. Both orders must continue the saved random stream."""
-    from alignment.grpo_module import GRPOModule
-    from alignment.rewards import build_reward
-    from data.tokenizer import Tokenizer
+    from alignment.shared.rewards import build_reward
+    from alignment.stages.grpo_module import GRPOModule
+    from data.tokenizer.tokenizer import Tokenizer
     from models.checkpoint import load_checkpoint
 
     config = grpo_config(setup, tmp_path)

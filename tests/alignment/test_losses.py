@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from alignment.losses import group_advantages, preference_loss
+from alignment.shared.losses import group_advantages, preference_loss
 
 
 def t(*values: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The reward model on the policy's own samples (alignment/policy_pairs.py): pairs made by hand from scored samples,
+"""The reward model on the policy's own samples (alignment/shared/policy_pairs.py): pairs made by hand from scored samples,
 agreement with the checker by hand, and a tiny reward-model run that samples its policy, trains on the pairs and
 measures its agreement on held-out prompts."""
 
@@ -8,9 +8,10 @@ import json
 import math
 from pathlib import Path
 
-from alignment.policy_pairs import agreement, preference_records
-from alignment.reward import run_rm
-from trainer.config import RMConfig, load_config
+from alignment.schemas.reward import RMConfig
+from alignment.shared.policy_pairs import agreement, preference_records
+from alignment.stages.reward import run_rm
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from alignment.losses import (
+from alignment.schemas.rl import PPOConfig
+from alignment.shared.losses import (
     KLController,
     explained_variance,
     gae,
@@ -20,9 +21,9 @@ from alignment.losses import (
     ppo_value_loss,
     token_rewards,
 )
-from alignment.ppo import run_ppo
-from alignment.ppo_module import PPOModule
-from alignment.responses import response_logprobs, response_values
+from alignment.shared.responses import response_logprobs, response_values
+from alignment.stages.ppo import run_ppo
+from alignment.stages.ppo_module import PPOModule
 from models.errors import ConfigError
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model
@@ -30,7 +31,6 @@ from models.model import ModelConfig, Transformer
 from tests.alignment.conftest import TINY
 from tests.helpers import run_cli
 from trainer.config import load_config
-from trainer.rl_config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,7 +248,7 @@ def token_count_reward(token: int, response_tokens: int):
 def likeliest_token(setup) -> int:
     """The token with the highest mean probability over the policy's next-token distributions on the prompts
     (a few percent): sampled often enough for PPO to see its reward."""
-    from data.demo_tasks import load_jsonl
+    from data.demo.tasks import load_jsonl
     from models.checkpoint import load_checkpoint
     from models.generation import ids_and_positions
 
@@ -393,7 +393,7 @@ def test_bad_batch_sizes_are_config_errors(setup, tmp_path):
 
 
 def test_too_long_prompts_are_truncated_or_dropped_and_counted(setup, tmp_path):
-    from data.prompts import PromptDataModule
+    from data.records.prompts import PromptDataModule
 
     config = ppo_config(setup, tmp_path, "data.max_prompt_tokens=40").data
     truncate = PromptDataModule(config, batch_size=2)

@@ -20,13 +20,14 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.pretrain import run_pretrain
-from data.manifest import read_manifest
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.stages.pretrain import run_pretrain
+from data.pretrain.config import PrepareConfig
+from data.pretrain.manifest import read_manifest
+from data.pretrain.prepare import prepare
 from models.errors import ConfigError, NonFiniteLossError
 from tests.helpers import subprocess_env
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
@@ -399,7 +400,15 @@ def test_data_prepared_with_another_tokenizer(tmp_path):
 def test_cli_config_error_is_one_clean_line(tmp_path):
     env = subprocess_env()
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "pretrain", str(TINY), "trainer.max_stepz=3", f"run.out_dir={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "alignment.commands.cli",
+            "pretrain",
+            str(TINY),
+            "trainer.max_stepz=3",
+            f"run.out_dir={tmp_path}",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -12,18 +12,25 @@ import pytest
 import torch
 
 from alignment import rejection_sampling, sampling
-from alignment.rejection_sampling import SAMPLES, STATS, keep_best, pass_at_k, run_rejection_sampling, select_best
-from data.demo_tasks import write_demo_dataset
-from data.sft import build_sft_data
-from data.sft_config import SFTDataConfig
-from data.tokenizer import Tokenizer
+from alignment.schemas.rejection_sampling import RejectionSamplingConfig
+from alignment.stages.rejection_sampling import (
+    SAMPLES,
+    STATS,
+    keep_best,
+    pass_at_k,
+    run_rejection_sampling,
+    select_best,
+)
+from data.demo.tasks import write_demo_dataset
+from data.sft.config import SFTDataConfig
+from data.sft.dataset import build_sft_data
+from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
 from tests.helpers import run_cli
 from trainer.checks import numeric_fields, range_rule
 from trainer.config import load_config
-from trainer.rs_config import RejectionSamplingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/rejection_sampling/tiny.yaml"

@@ -11,7 +11,9 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.reward import (
+from alignment.schemas.reward import RMConfig
+from alignment.shared.rewards import normalize_reward
+from alignment.stages.reward import (
     RewardModule,
     bradley_terry_loss,
     load_initial_reward_model,
@@ -19,13 +21,12 @@ from alignment.reward import (
     reward_moments,
     run_rm,
 )
-from alignment.rewards import normalize_reward
-from data.demo_tasks import write_demo_dataset
-from data.preference import build_preference_data
-from data.tokenizer import Tokenizer
+from data.demo.tasks import write_demo_dataset
+from data.preference.pairs import build_preference_data
+from data.tokenizer.tokenizer import Tokenizer
 from models.heads import load_scalar_model
 from tests.helpers import CaptureGradients, run_cli, words, write_jsonl
-from trainer.config import RMConfig, load_config
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,7 +203,7 @@ def test_separable_pairs_are_learned_and_the_export_scores_the_same(toy_pairs, t
 
 
 def test_a_tokenizer_larger_than_the_model_is_an_error_before_compute(toy_pairs, tmp_path):
-    config = rm_config(toy_pairs, tmp_path, "data.tokenizer=cl100k_base")
+    config = rm_config(toy_pairs, tmp_path, "data.tokenizer.tokenizer=cl100k_base")
     with pytest.raises(ValueError, match=r"100512 tokens but the model \(model.vocab_size\) has vocab_size 4096"):
         run_rm(config)
     assert not (tmp_path / config.run.name).exists()
@@ -227,8 +228,8 @@ def test_initial_model_is_the_sft_checkpoint_and_its_tokenizer_is_enforced(toy_p
     other.write_bytes(
         b"".join(lines[:-2]) + second[0] + b" " + first[1] + first[0] + b" " + second[1]
     )  # two tokens swap ids
-    with pytest.raises(ValueError, match="set data.tokenizer="):
-        run_rm(rm_config(toy_pairs, tmp_path, f"init.checkpoint={folder}", f"data.tokenizer={other}"))
+    with pytest.raises(ValueError, match="set data.tokenizer.tokenizer="):
+        run_rm(rm_config(toy_pairs, tmp_path, f"init.checkpoint={folder}", f"data.tokenizer.tokenizer={other}"))
 
 
 def test_presets_load():
@@ -241,7 +242,7 @@ def test_presets_load():
 
 
 def test_cli_has_the_rm_stage(capsys):
-    from trainer.cli import main
+    from alignment.commands.cli import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

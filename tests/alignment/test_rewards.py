@@ -1,4 +1,4 @@
-"""Checkers named in a config (alignment/rewards.py): the import path is looked up, never evaluated, and a bad
+"""Checkers named in a config (alignment/shared/rewards.py): the import path is looked up, never evaluated, and a bad
 one is a one-line error naming the key, before any compute."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignment.rewards import build_reward, load_checker
-from data.demo_scoring import score_example
+from alignment.schemas.rl import RewardTermConfig
+from alignment.shared.rewards import build_reward, load_checker
+from data.demo.scoring import score_example
 from models.errors import ConfigError
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig
-from trainer.rl_config import RewardTermConfig
 
 
 def test_an_import_path_names_the_function():
-    checker = load_checker("data.demo_scoring:score_example", "eval.checker")
+    checker = load_checker("data.demo.scoring:score_example", "eval.checker")
     assert checker is score_example
     assert checker({"task": "line_count", "meta": {"answer": "2"}}, "2") in (0.0, 1.0)
     assert checker({"prompt": "not a demo row"}, "2") is None  # rows it cannot judge are left out
@@ -28,12 +28,12 @@ def test_empty_means_no_checker():
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("data.demo_scoring.score_example", "is not an import path"),
-        ("data.demo_scoring:", "is not an import path"),
+        ("data.demo.scoring.score_example", "is not an import path"),
+        ("data.demo.scoring:", "is not an import path"),
         ("__import__('os').system('true'):x", "is not an import path"),  # never evaluated
         ("no_such_package.module:f", "cannot import 'no_such_package.module'"),
-        ("data.demo_scoring:no_such_function", "has no function 'no_such_function'"),
-        ("data.demo_scoring:CHECKS", "has no function 'CHECKS'"),  # a table, not a function
+        ("data.demo.scoring:no_such_function", "has no function 'no_such_function'"),
+        ("data.demo.scoring:CHECKS", "has no function 'CHECKS'"),  # a table, not a function
     ],
 )
 def test_a_bad_path_is_one_line_naming_the_key(path, message):
@@ -49,7 +49,7 @@ def test_reward_is_the_weighted_sum_of_checker_and_exact_match_terms():
 
     reward = build_reward(
         [
-            RewardTermConfig("checker", "data.demo_scoring:score_example", 2.0),
+            RewardTermConfig("checker", "data.demo.scoring:score_example", 2.0),
             RewardTermConfig("exact_match", "", 0.5),
         ]
     )
@@ -61,7 +61,7 @@ def test_reward_is_the_weighted_sum_of_checker_and_exact_match_terms():
     ids, real = torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.bool)
     total, parts = reward.score(prompts, ["2", "4", "x"], ids, real)
     torch.testing.assert_close(total, torch.tensor([2.5, 0.0, 0.0]))
-    assert set(parts) == {"data.demo_scoring:score_example", "exact_match"} and reward.unjudged == 2
+    assert set(parts) == {"data.demo.scoring:score_example", "exact_match"} and reward.unjudged == 2
 
 
 def test_a_reward_model_term_is_normalised_by_its_exported_statistics(tmp_path):

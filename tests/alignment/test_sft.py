@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment.losses import per_example_mean, sft_loss_contribution
-from data.demo_tasks import write_demo_dataset
+from alignment.schemas.sft import SFTConfig
+from alignment.shared.losses import per_example_mean, sft_loss_contribution
+from data.demo.tasks import write_demo_dataset
 from models.checkpoint import load_checkpoint
 from tests.helpers import CaptureGradients, run_cli, subprocess_env
-from trainer.config import SFTConfig, load_config
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def sft_config(demo, out_dir, *overrides) -> SFTConfig:
 
 
 def first_step_gradients(demo, out_dir, micro_batch, accumulate, reduction) -> dict[str, torch.Tensor]:
-    from alignment.sft import run_sft
+    from alignment.stages.sft import run_sft
 
     capture = CaptureGradients()
     config = sft_config(
@@ -85,8 +86,8 @@ def test_per_example_mean_ignores_packing():
 
 def test_packed_and_unpacked_example_loss_are_equal_on_a_model(demo, tmp_path):
     """Validation's example-averaged loss of one model on the same examples, packed vs padded rows."""
-    from alignment.sft import load_initial_model
-    from data.sft_datamodule import SFTDataModule
+    from alignment.stages.sft import load_initial_model
+    from data.sft.datamodule import SFTDataModule
 
     config = sft_config(demo, tmp_path)
     model = load_initial_model(config).eval()
@@ -112,7 +113,7 @@ def read_metric(run_dir: Path, csv_name: str, metric: str) -> list[tuple[int, fl
 
 
 def test_tiny_sft_run_lowers_validation_loss_and_exports(demo, tmp_path):
-    from alignment.sft import run_sft
+    from alignment.stages.sft import run_sft
 
     run_dir = run_sft(
         sft_config(demo, tmp_path, "trainer.max_steps=30", "trainer.val_every_n_steps=15", "eval.generations=8")
@@ -163,7 +164,7 @@ def test_fsdp_validation_with_fewer_examples_than_ranks_does_not_hang(demo, tmp_
     """One validation example over 2 ranks: rank 1 generates nothing, yet must join the single weight gather
     (a gather per generate call left it out, and rank 0 waited forever)."""
     command = [
-        sys.executable, "-m", "trainer.cli", "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={tmp_path}",
+        sys.executable, "-m", "alignment.commands.cli", "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={tmp_path}",
         f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", "logger.kind=none", "trainer.max_steps=2",
         "trainer.val_every_n_steps=2", "eval.generations=1", "trainer.accelerator=cpu", "run.name=run",
         "trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2",

@@ -1,4 +1,4 @@
-"""Tests for data/demo_tasks.py: the code-checkable demo tasks, their checkers, and the
+"""Tests for data/demo/tasks.py: the code-checkable demo tasks, their checkers, and the
 train/val/prompts/pairs files. Small sizes so the whole module runs in a few seconds."""
 
 import hashlib
@@ -61,7 +61,7 @@ def test_cli_matches_api_under_another_hash_seed(tmp_path, dataset):
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     args = ["--n-train", "600", "--n-val", "120", "--n-pairs", "400", "--seed", "0"]
     out = subprocess.run(
-        [sys.executable, "-m", "data.demo_tasks", str(tmp_path / "cli"), *args],
+        [sys.executable, "-m", "data.demo.tasks", str(tmp_path / "cli"), *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,18 +1,18 @@
-"""Tests for the data formats people's datasets come in (data/chat_records.py, data/preference_records.py,
-data/prompts.py): ShareGPT conversations, TRL prompt / completion rows and TRL implicit-prompt preference pairs,
+"""Tests for the data formats people's datasets come in (data/records/chat.py, data/preference/records.py,
+data/records/prompts.py): ShareGPT conversations, TRL prompt / completion rows and TRL implicit-prompt preference pairs,
 read through the real loaders from JSONL files, and the one-line errors for rows that fit no format."""
 
 from __future__ import annotations
 
 import pytest
 
-from data.chat_records import BadRow, detect_schema, load_conversations, record_to_messages
-from data.preference import build_preference_data
-from data.preference_config import PreferenceDataConfig
-from data.preference_records import load_chats, record_to_chat, split_implicit_prompt
-from data.prompts import PromptDataConfig, load_prompts, record_to_prompt
-from data.sft import build_sft_data
-from data.sft_config import SFTDataConfig, normalize_config
+from data.preference.config import PreferenceDataConfig
+from data.preference.pairs import build_preference_data
+from data.preference.records import load_chats, record_to_chat, split_implicit_prompt
+from data.records.chat import BadRow, detect_schema, load_conversations, record_to_messages
+from data.records.prompts import PromptDataConfig, load_prompts, record_to_prompt
+from data.sft.config import SFTDataConfig, normalize_config
+from data.sft.dataset import build_sft_data
 from tests.helpers import write_jsonl
 
 IGNORE = -100

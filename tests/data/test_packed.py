@@ -1,4 +1,4 @@
-"""Tests for data/packed.py and data/pretrain_datamodule.py on small hand-made token splits."""
+"""Tests for data/streams/packed.py and data/pretrain/datamodule.py on small hand-made token splits."""
 
 import json
 from pathlib import Path
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from data.packed import PackedDataset, StreamSampler, TokenStream
-from data.pretrain_datamodule import PretrainDataModule
+from data.pretrain.datamodule import PretrainDataModule
+from data.streams.packed import PackedDataset, StreamSampler, TokenStream
 from models.loss import IGNORE_INDEX
 
 
 def write_prepared(
     out_dir: Path, splits: dict[str, list[list[int]]], shard_tokens: int = 1000, vocab_size: int = 4096
 ) -> Path:
-    """Write the on-disk layout data/prepare.py produces, directly from token lists."""
+    """Write the on-disk layout data/pretrain/prepare.py produces, directly from token lists."""
     dtype = np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
     manifest = {
         "version": 1,

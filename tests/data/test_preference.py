@@ -1,4 +1,4 @@
-"""Tests for data/preference.py and data/preference_datamodule.py: small JSONL / Parquet files, the default tokenizer."""
+"""Tests for data/preference/pairs.py and data/preference/datamodule.py: small JSONL / Parquet files, the default tokenizer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.preference import PreferenceEvalBatches, build_preference_data
-from data.preference_config import PreferenceDataConfig
-from data.preference_datamodule import PreferenceDataModule
-from data.preference_records import load_chats
+from data.preference.config import PreferenceDataConfig
+from data.preference.datamodule import PreferenceDataModule
+from data.preference.pairs import PreferenceEvalBatches, build_preference_data
+from data.preference.records import load_chats
 from tests.helpers import words, write_jsonl
 
 

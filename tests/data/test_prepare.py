@@ -1,4 +1,4 @@
-"""Tests for data/prepare.py: local text / JSONL / Parquet corpora in temp dirs, no network."""
+"""Tests for data/pretrain/prepare.py: local text / JSONL / Parquet corpora in temp dirs, no network."""
 
 import base64
 import json
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.manifest import check_manifest
-from data.packed import PackedDataset, TokenStream
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
-from data.tokenizer import Tokenizer
+from data.pretrain.config import PrepareConfig
+from data.pretrain.manifest import check_manifest
+from data.pretrain.prepare import prepare
+from data.streams.packed import PackedDataset, TokenStream
+from data.tokenizer.tokenizer import Tokenizer
 from models.folders import FOLDER_MARKER, LOCK_FILE
 
 NUM_DOCS = 40
@@ -304,7 +304,7 @@ def test_check_manifest_without_data(tmp_path, tok):
 
 
 def test_interrupted_prepare_leaves_no_manifest(tmp_path, text_corpus, monkeypatch):
-    import data.prepare as prep
+    import data.pretrain.prepare as prep
 
     path, _ = text_corpus
     cfg = config(tmp_path, [path])
@@ -332,7 +332,7 @@ def test_interrupted_prepare_leaves_no_manifest(tmp_path, text_corpus, monkeypat
 
 @pytest.fixture
 def no_tokenizing(monkeypatch):
-    import data.prepare as prep
+    import data.pretrain.prepare as prep
 
     def fail(*args, **kwargs):
         raise AssertionError("tokenized despite bad input")

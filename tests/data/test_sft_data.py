@@ -1,4 +1,4 @@
-"""Tests for data/sft.py and data/sft_datamodule.py: small JSONL files in tmp dirs, the default tokenizer."""
+"""Tests for data/sft/dataset.py and data/sft/datamodule.py: small JSONL files in tmp dirs, the default tokenizer."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from data.chat_records import load_conversations
-from data.sft import build_sft_data
-from data.sft_batches import SFTBatchPlan, SFTValBatches
-from data.sft_config import SFTDataConfig
-from data.sft_datamodule import SFTDataModule
-from data.sft_rows import pack_first_fit_decreasing
-from data.tokenizer import Tokenizer
+from data.records.chat import load_conversations
+from data.sft.batches import SFTBatchPlan, SFTValBatches
+from data.sft.config import SFTDataConfig
+from data.sft.datamodule import SFTDataModule
+from data.sft.dataset import build_sft_data
+from data.sft.rows import pack_first_fit_decreasing
+from data.tokenizer.tokenizer import Tokenizer
 from tests.helpers import WORDS, words, write_jsonl
 
 IGNORE = -100

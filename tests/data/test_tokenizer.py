@@ -1,4 +1,4 @@
-"""Tests for data/tokenizer.py and data/bpe.py (no network, a few seconds in total)."""
+"""Tests for data/tokenizer/tokenizer.py and data/tokenizer/bpe.py (no network, a few seconds in total)."""
 
 import base64
 import hashlib
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from data.bpe import train_bpe
-from data.tokenizer import NUM_SPECIAL_TOKENS, Tokenizer, _split_long_runs
-from data.tokenizer_files import CL100K_SHA256, DEFAULT_TOKENIZER_PATH
+from data.tokenizer.bpe import train_bpe
+from data.tokenizer.files import CL100K_SHA256, DEFAULT_TOKENIZER_PATH
+from data.tokenizer.tokenizer import NUM_SPECIAL_TOKENS, Tokenizer, _split_long_runs
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "corpus" / "tinyshakespeare.txt"
@@ -123,7 +123,7 @@ def test_cl100k_matches_reference_tiktoken(cl100k, corpus_text):
 
 
 def test_cl100k_checksum_is_verified(tmp_path, monkeypatch):
-    import data.tokenizer_files as tokmod
+    import data.tokenizer.files as tokmod
 
     good = tokmod._find_cl100k_file()
     assert hashlib.sha256(good.read_bytes()).hexdigest() == CL100K_SHA256

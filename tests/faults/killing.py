@@ -1,6 +1,6 @@
 """kill -9 at a chosen point of a real ``lantern`` run, for tests/faults/test_kill.py.
 
-``python -m tests.faults.killing ARGS`` is ``lantern ARGS`` (trainer.cli.main) with hooks that SIGKILL the
+``python -m tests.faults.killing ARGS`` is ``lantern ARGS`` (alignment.commands.cli.main) with hooks that SIGKILL the
 run's whole process group (every rank Lightning's launcher started) when it reaches the point named by
 ``LANTERN_TEST_KILL_AT`` (``PHASE@STEP`` or ``PHASE@STEP@RANK``, STEP being ``trainer.global_step`` there,
 RANK the global rank that fires, 0 by default). The run being killed from inside at an exact point, rather
@@ -25,9 +25,9 @@ from typing import Any
 
 import lightning as L
 
+from alignment.commands.cli import main as lantern
 from trainer import storage
 from trainer.callbacks import SkipNonFiniteSteps
-from trainer.cli import main as lantern
 
 KILL_AT = "LANTERN_TEST_KILL_AT"
 KILL_LOG = "LANTERN_TEST_KILL_LOG"

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from alignment.dpo import DPODataModule
-from data.chat_records import load_conversations
-from data.preference_config import PreferenceDataConfig
-from data.preference_datamodule import PreferenceDataModule
-from data.preference_records import load_chats
-from data.prompts import PromptDataConfig, load_prompts
-from data.sft_config import SFTDataConfig
+from alignment.stages.dpo import DPODataModule
+from data.preference.config import PreferenceDataConfig
+from data.preference.datamodule import PreferenceDataModule
+from data.preference.records import load_chats
+from data.records.chat import load_conversations
+from data.records.prompts import PromptDataConfig, load_prompts
+from data.sft.config import SFTDataConfig
 from models.errors import DataError
 
 SFT_ROW = {"prompt": "What is 2 + 2?", "response": "4"}

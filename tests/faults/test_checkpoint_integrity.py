@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
 from trainer.storage import latest_checkpoint
@@ -167,7 +167,7 @@ import os, signal, sys
 from pathlib import Path
 import lightning as L
 from tests.alignment.test_pretrain_run import tiny_config
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 
 class KillAt(L.Callback):
     def on_train_batch_end(self, trainer, *args):

@@ -15,17 +15,20 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from alignment.sft import check_generation_budgets, plan_generations
-from data.tokenizer import Tokenizer
+from alignment.commands.pipeline import STAGES, PipelineConfig
+from alignment.schemas.dpo import DPOConfig
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.schemas.rejection_sampling import RejectionSamplingConfig
+from alignment.schemas.reward import RMConfig
+from alignment.schemas.rl import GRPOConfig, PPOConfig
+from alignment.schemas.sft import SFTConfig
+from alignment.stages.sft import check_generation_budgets, plan_generations
+from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
 from trainer.checks import RANGES, check_initial_model, numeric_fields, range_rule
-from trainer.config import PretrainConfig, RMConfig, SFTConfig, load_config
-from trainer.dpo_config import DPOConfig
-from trainer.pipeline import STAGES, PipelineConfig
-from trainer.rl_config import GRPOConfig, PPOConfig
-from trainer.rs_config import RejectionSamplingConfig
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = {
@@ -313,7 +316,7 @@ def test_a_prompt_that_fills_the_context_is_a_config_error_before_training():
 def test_sft_with_answers_longer_than_the_context_validates_instead_of_crashing(tmp_path):
     """The reported crash: ~450-token answers, max_seq_len 256, truncated training rows; the first validation
     died in generate() ("prompt of 45 tokens + max_new_tokens 458 exceeds max_seq_len 256") and the run was lost."""
-    from alignment.sft import run_sft
+    from alignment.stages.sft import run_sft
     from tests.helpers import write_jsonl
 
     rows = [

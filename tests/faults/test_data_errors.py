@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from data.bpe import train_bpe
-from data.demo_tasks import load_jsonl, write_demo_dataset
-from data.preference import build_preference_data
-from data.preference_config import PreferenceDataConfig
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
-from data.prompts import PromptDataConfig, load_prompts
-from data.sft import build_sft_data
-from data.sft_config import SFTDataConfig
-from data.sources import check_utf8
+from alignment.commands.cli import main
+from data.demo.tasks import load_jsonl, write_demo_dataset
+from data.preference.config import PreferenceDataConfig
+from data.preference.pairs import build_preference_data
+from data.pretrain.config import PrepareConfig
+from data.pretrain.prepare import prepare
+from data.pretrain.sources import check_utf8
+from data.records.prompts import PromptDataConfig, load_prompts
+from data.sft.config import SFTDataConfig
+from data.sft.dataset import build_sft_data
+from data.tokenizer.bpe import train_bpe
 from models.errors import DataError
-from trainer.cli import main
 
 SFT_ROW = {"prompt": "Who speaks first?", "response": "ROMEO"}
 PAIR_ROW = {"prompt": "Who speaks first?", "chosen": "ROMEO", "rejected": "JULIET"}

@@ -22,20 +22,20 @@ from pathlib import Path
 
 import pytest
 
-import data.prepare
-from alignment.pretrain import run_pretrain
-from data.bpe import check_output_file
-from data.demo_tasks import write_demo_dataset
-from data.manifest import read_manifest
-from data.prepare import prepare
-from data.prepare_config import PrepareConfig
+import data.pretrain.prepare
+from alignment.commands.cli import main as lantern
+from alignment.commands.pipeline import Pipeline, PipelineConfig
+from alignment.stages.pretrain import run_pretrain
+from data.demo.tasks import write_demo_dataset
+from data.pretrain.config import PrepareConfig
+from data.pretrain.manifest import read_manifest
+from data.pretrain.prepare import prepare
+from data.tokenizer.bpe import check_output_file
 from models.atomic import StorageError
 from models.errors import ConfigError, DataError
 from models.folders import FOLDER_MARKER, LOCK_FILE, FolderInUse, FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.helpers import subprocess_env
-from trainer.cli import main as lantern
-from trainer.pipeline import Pipeline, PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ("trainer.max_steps=2", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2", "logger.kind=none")
@@ -175,13 +175,13 @@ def test_a_full_disk_during_prepare_names_the_path_not_the_input(tmp_path, monke
         def load_source(*args, **kwargs):
             raise ValueError(f"cannot read the text input: OSError: {full}") from full
 
-        monkeypatch.setattr(data.prepare, "load_source", load_source)
+        monkeypatch.setattr(data.pretrain.prepare, "load_source", load_source)
     else:
 
         def write_splits(tokens, config, dtype, build_dir):
             raise OSError(errno.ENOSPC, "No space left on device", str(build_dir / "train" / "shard-00000.bin"))
 
-        monkeypatch.setattr(data.prepare, "_write_splits", write_splits)
+        monkeypatch.setattr(data.pretrain.prepare, "_write_splits", write_splits)
     with pytest.raises(StorageError) as caught:
         prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))
     message = str(caught.value)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from alignment.commands.cli import main
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import CheckpointError
 from models.heads import HEAD_WEIGHTS, ScalarModel, load_scalar_model, save_scalar_model
 from models.hf_format import read_hf_weights
 from models.model import ModelConfig, Transformer
 from tests.helpers import subprocess_env
-from trainer.cli import main
 from trainer.export import read_training_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,7 +184,14 @@ def test_cli_export_of_a_pickle_is_refused_in_one_line(tmp_path, capsys):
 def test_cli_config_error_in_a_fresh_process_has_no_traceback(tmp_path):
     """The installed entry point, end to end: a wrong key is one stderr line and exit code 2."""
     env = subprocess_env()
-    command = [sys.executable, "-m", "trainer.cli", "pretrain", str(ROOT / "configs/pretrain/tiny.yaml"), "optim.lr=-1"]
+    command = [
+        sys.executable,
+        "-m",
+        "alignment.commands.cli",
+        "pretrain",
+        str(ROOT / "configs/pretrain/tiny.yaml"),
+        "optim.lr=-1",
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 from tests.alignment.test_pretrain_run import (
     RUN_NAME,
     TINY,
@@ -72,7 +72,7 @@ def killable_command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str
         "checkpoint.keep_last=2",
         *overrides,
     )
-    assert base[1:3] == ["-m", "trainer.cli"], base
+    assert base[1:3] == ["-m", "alignment.commands.cli"], base
     return [base[0], "-m", "tests.faults.killing", *base[3:]]
 
 
@@ -255,7 +255,7 @@ def test_wandb_online_without_network_is_bounded(data_dir, tmp_path):
     args = [
         sys.executable,
         "-m",
-        "trainer.cli",
+        "alignment.commands.cli",
         "pretrain",
         str(TINY),
         f"data.out_dir={data_dir}",

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError, NonFiniteLossError
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from trainer.storage import latest_checkpoint

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment.pretrain import PretrainModule, run_pretrain
-from alignment.sft import run_sft
-from data.demo_tasks import write_demo_dataset
+from alignment.commands.cli import main as lantern
+from alignment.stages.pretrain import PretrainModule, run_pretrain
+from alignment.stages.sft import run_sft
+from data.demo.tasks import write_demo_dataset
 from models.errors import CheckpointError, ConfigError
 from models.folders import FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.alignment.test_sft import sft_config
-from trainer.cli import main as lantern
 from trainer.storage import write_manifest
 
 QUICK = ("trainer.max_steps=4", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2", "logger.kind=none")

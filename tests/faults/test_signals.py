@@ -4,7 +4,7 @@ and does what it says.
 - SIGTERM (a scheduler stopping a job) and SIGINT (Ctrl-C) end ``lantern pretrain`` and ``lantern pipeline`` with
   exit status 128 + the signal (143, 130), never 0 (Lightning's exit after SIGTERM) nor 1 (after Ctrl-C), and one
   line on stderr naming the last checkpoint (the pipeline: the stage) and the command that resumes; that command
-  does resume. Real ``python -m trainer.cli`` processes in their own session, signalled once training is under
+  does resume. Real ``python -m alignment.commands.cli`` processes in their own session, signalled once training is under
   way; the paths outside training (a signal before ``trainer.fit``, between pipeline stages) run in-process.
 - An empty config file (0 bytes, blank lines, only comments) is refused in one line naming it, by every stage and
   the pipeline, instead of starting a run on the defaults.
@@ -25,15 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from alignment.pretrain import run_pretrain
+from alignment.commands.cli import main as lantern
+from alignment.commands.pipeline import MODEL_STAGES, PipelineConfig, run_pipeline
+from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, read_metrics, tiny_config, wandb_history
 from tests.faults.test_kill import TWO_STEPS, lantern_warnings
 from tests.trainer.test_distributed import command, environment, wait_for_checkpoint
 from trainer import interrupts
-from trainer.cli import main as lantern
 from trainer.config import load_config
-from trainer.pipeline import MODEL_STAGES, PipelineConfig, run_pipeline
 from trainer.storage import LATEST, checkpoint_problem, checkpoint_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_an_interrupted_pipeline_names_the_stage_and_its_command_resumes_it(tmp_
         "pretrain.checkpoint.every_n_steps=2", "pretrain.trainer.val_every_n_steps=1000",
         "pretrain.trainer.accelerator=cpu",
     ]  # fmt: skip
-    args = [sys.executable, "-m", "trainer.cli", "pipeline", "configs/pipeline/tiny.yaml", *overrides]
+    args = [sys.executable, "-m", "alignment.commands.cli", "pipeline", "configs/pipeline/tiny.yaml", *overrides]
     status, stderr = interrupted(args, out / "pretrain" / "checkpoints", how, tmp_path)
     assert status == EXIT[how], f"exit {status} after {how.name}\n{stderr[-3000:]}"
     assert not (out / "pretrain" / "final").exists(), "the stage finished before the signal"
@@ -170,7 +170,7 @@ def test_sigterm_outside_training_exits_143_with_the_line(tmp_path, monkeypatch,
         time.sleep(30)  # the handler raises inside the sleep
         raise AssertionError("SIGTERM did not stop the command")
 
-    monkeypatch.setattr("alignment.pretrain.run_pretrain", terminated_while_loading)
+    monkeypatch.setattr("alignment.stages.pretrain.run_pretrain", terminated_while_loading)
     status = lantern(["pretrain", str(ROOT / "configs/pretrain/tiny.yaml"), f"run.out_dir={tmp_path}"])
     assert status == 143
     line = the_line(capsys.readouterr().err, "lantern pretrain: interrupted by SIGTERM; ")
@@ -195,8 +195,8 @@ def test_a_sigterm_a_stage_finished_through_starts_no_further_stage(tmp_path, mo
         self.status[stage] = "ran"
 
     monkeypatch.chdir(ROOT)  # the pipeline's presets name repository files
-    monkeypatch.setattr("trainer.pipeline.Pipeline.write_demo", lambda self: None)
-    monkeypatch.setattr("trainer.pipeline.Pipeline.model_stage", model_stage)
+    monkeypatch.setattr("alignment.commands.pipeline.Pipeline.write_demo", lambda self: None)
+    monkeypatch.setattr("alignment.commands.pipeline.Pipeline.model_stage", model_stage)
     args = ["pipeline", "configs/pipeline/tiny.yaml", f"out_dir={tmp_path}", "stages=[pretrain,sft]"]
     assert lantern(args) == 143 and ran == ["pretrain"]
     line = the_line(capsys.readouterr().err, "lantern pipeline: interrupted by SIGTERM; ")

@@ -18,15 +18,15 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 import models.atomic
-from alignment.pretrain import run_pretrain
-from data.tokenizer import Tokenizer
+from alignment.commands.cli import main
+from alignment.stages.pretrain import run_pretrain
+from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import StorageError, write_atomically
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import LanternError
 from models.model import ModelConfig, Transformer
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
-from trainer.cli import main
 from trainer.storage import RunFolderInUse, claim_run_directory, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -381,7 +381,7 @@ def eos_loving_model(tokenizer, favoured: int) -> Transformer:
 
 
 def test_heal_prompt_backs_off_a_token_that_longer_tokens_extend():
-    from data.tokenizer import Tokenizer
+    from data.tokenizer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load("default")
     prompt = tokenizer.encode("ROMEO:", bos=True)
@@ -399,7 +399,7 @@ def test_heal_prompt_backs_off_a_token_that_longer_tokens_extend():
 def test_healing_turns_an_empty_completion_into_text():
     """Issue 11: unhealed, greedy decoding after "ROMEO:" emits EOS at once (empty text); healed, the first token
     must extend ':' so it is ':\\n', and the returned text still continues the ORIGINAL prompt."""
-    from data.tokenizer import Tokenizer
+    from data.tokenizer.tokenizer import Tokenizer
     from models.generation import complete
 
     tokenizer = Tokenizer.load("default")

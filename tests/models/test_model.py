@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from alignment.schemas.pretrain import PretrainConfig
 from models.heads import ScalarHead, ScalarModel, gather_last, last_token_index
 from models.loss import chunked_cross_entropy, cross_entropy
 from models.model import (
@@ -14,7 +15,7 @@ from models.model import (
     rope_frequencies,
     use_flex_attention,
 )
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

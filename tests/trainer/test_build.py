@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alignment.schemas.pretrain import PretrainConfig
 from trainer.build import start_run_directory
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 from trainer.storage import release_run_directory
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from trainer.plots import read_metrics_csv
 from trainer.storage import latest_checkpoint

@@ -1,7 +1,8 @@
 import pytest
 
+from alignment.schemas.pretrain import PretrainConfig
 from models.errors import ConfigError
-from trainer.config import PretrainConfig, load_config, to_yaml
+from trainer.config import load_config, to_yaml
 
 SHAKESPEARE = "configs/pretrain/shakespeare.yaml"
 

@@ -27,7 +27,7 @@ STEPS = 8
 
 def command(data_dir: Path, out_dir: Path, *overrides: str) -> list[str]:
     return [
-        sys.executable, "-m", "trainer.cli", "pretrain", str(ROOT / "configs/pretrain/tiny.yaml"),
+        sys.executable, "-m", "alignment.commands.cli", "pretrain", str(ROOT / "configs/pretrain/tiny.yaml"),
         f"data.out_dir={data_dir}", f"run.out_dir={out_dir}", "run.name=run", "logger.kind=none",
         f"trainer.max_steps={STEPS}", "trainer.val_every_n_steps=100", "trainer.accelerator=cpu",
         "checkpoint.every_n_steps=4", "checkpoint.keep_last=5", *overrides,

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from alignment.pretrain import run_pretrain
+from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, tiny_config
 from trainer.loggers import HistoryCSVLogger

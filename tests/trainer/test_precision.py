@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from alignment.schemas.pretrain import PretrainConfig
 from models.model import Transformer
 from trainer import build
 from trainer.build import apply_float32_matmul_precision, resolve_precision
-from trainer.config import ConfigError, PretrainConfig, TrainerConfig, load_config
+from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.parallel import apply_fsdp
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,11 +18,12 @@ import lightning as L
 import pytest
 import torch
 
-from alignment.pretrain import run_pretrain
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.stages.pretrain import run_pretrain
 from models.model import Transformer
 from tests.trainer.test_distributed import FSDP, assert_same_weights, final_weights
 from tests.trainer.test_distributed import run as run_cli
-from trainer.config import PretrainConfig, load_config
+from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"

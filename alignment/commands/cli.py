@@ -1,0 +1,350 @@
+"""The ``lantern`` command: one sub-command per stage, the same flags style for each.
+
+Heavy imports (torch, datasets, lightning) happen inside the handlers so ``lantern --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from models.errors import LanternError, one_line
+from trainer.interrupts import interrupted_message, received_signal, watch_signals
+
+log = logging.getLogger("lantern")
+
+
+def _tokenizer_train(args: argparse.Namespace) -> None:
+    from data.tokenizer.bpe import check_output_file, train_bpe
+
+    check_output_file(args.out, flag="--out")  # before minutes of training, not after
+    out = train_bpe(corpus=args.corpus, vocab_size=args.vocab_size, out=args.out)
+    print(f"wrote tokenizer ({args.vocab_size} tokens incl. specials) to {out}")
+
+
+def _load_model_for_generation(args: argparse.Namespace):
+    import torch
+
+    from models.checkpoint import load_checkpoint
+    from models.model import ModelConfig, Transformer
+
+    if args.checkpoint:
+        return load_checkpoint(args.checkpoint)
+    torch.manual_seed(args.seed)
+    log.warning("no --checkpoint: generating from a randomly initialised %r model", args.preset)
+    return Transformer(ModelConfig.from_preset(args.preset))
+
+
+def _resolve_tokenizer_spec(args: argparse.Namespace) -> str:
+    """--tokenizer wins; else the tokenizer saved in the checkpoint folder; else the bundled default."""
+    if args.tokenizer:
+        return args.tokenizer
+    if args.checkpoint:
+        for candidate in (
+            Path(args.checkpoint) / "tokenizer.model",
+            Path(args.checkpoint) / "original" / "tokenizer.model",
+        ):
+            if candidate.is_file():
+                return str(candidate)
+    return "default"
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.generation import complete
+    from trainer.checks import check_tokenizer_fits_model
+
+    tokenizer = Tokenizer.load(_resolve_tokenizer_spec(args))
+    model = _load_model_for_generation(args)
+    check_tokenizer_fits_model(tokenizer, model.config, model_name=args.checkpoint or f"preset {args.preset}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    model = model.to(device)
+    if args.chat:
+        prompt = tokenizer.encode_chat_prompt([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = tokenizer.encode(args.prompt, bos=True)
+    text = complete(
+        model,
+        tokenizer,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        # the generator lives where sampling happens (torch.multinomial refuses a CPU generator on CUDA)
+        generator=torch.Generator(model.tok_embeddings.weight.device).manual_seed(args.seed),
+        heal=args.heal and not args.chat,  # a chat prompt ends in header tokens: nothing to heal
+        compile=args.compile,
+    )
+    print(args.prompt + text)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from models.atomic import StorageError
+    from models.checkpoint import convert
+
+    try:
+        out = convert(
+            src=args.src, src_format=args.src_format, dst=args.dst, dst_format=args.dst_format, overwrite=args.overwrite
+        )
+    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
+        raise LanternError(str(error)) from error
+    print(f"wrote {args.dst_format} checkpoint to {out}")
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from alignment.schemas.pretrain import PretrainConfig
+    from data.pretrain.prepare import prepare
+    from trainer.config import load_config
+
+    config = load_config(PretrainConfig, args.config, args.overrides)
+    manifest = prepare(config.data)
+    splits = ", ".join(
+        f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents"
+        for name, split in manifest["splits"].items()
+    )
+    print(f"prepared {config.data.out_dir} ({splits})")
+
+
+def _run_stage(args: argparse.Namespace, schema: type, run) -> None:
+    """A training stage: its config (file + overrides) run by `run`; rank 0 prints where everything is."""
+    from trainer.config import load_config
+
+    run_dir = run(load_config(schema, args.config, args.overrides))
+    if run_dir is not None:  # rank 0 only
+        _print_run_summary(run_dir)
+
+
+def _pretrain(args: argparse.Namespace) -> None:
+    from alignment.schemas.pretrain import PretrainConfig
+    from alignment.stages.pretrain import run_pretrain
+
+    _run_stage(args, PretrainConfig, run_pretrain)
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from alignment.schemas.sft import SFTConfig
+    from alignment.stages.sft import run_sft
+
+    _run_stage(args, SFTConfig, run_sft)
+
+
+def _rm(args: argparse.Namespace) -> None:
+    from alignment.schemas.reward import RMConfig
+    from alignment.stages.reward import run_rm
+
+    _run_stage(args, RMConfig, run_rm)
+
+
+def _ppo(args: argparse.Namespace) -> None:
+    from alignment.schemas.rl import PPOConfig
+    from alignment.stages.ppo import run_ppo
+
+    _run_stage(args, PPOConfig, run_ppo)
+
+
+def _grpo(args: argparse.Namespace) -> None:
+    from alignment.schemas.rl import GRPOConfig
+    from alignment.stages.grpo import run_grpo
+
+    _run_stage(args, GRPOConfig, run_grpo)
+
+
+def _dpo(args: argparse.Namespace) -> None:
+    from alignment.schemas.dpo import DPOConfig
+    from alignment.stages.dpo import run_dpo
+
+    _run_stage(args, DPOConfig, run_dpo)
+
+
+def _rejection_sampling(args: argparse.Namespace) -> None:
+    from alignment.schemas.rejection_sampling import RejectionSamplingConfig
+    from alignment.stages.rejection_sampling import run_rejection_sampling
+
+    _run_stage(args, RejectionSamplingConfig, run_rejection_sampling)
+
+
+def _pipeline(args: argparse.Namespace) -> None:
+    from alignment.commands.pipeline import run_pipeline
+
+    run_pipeline(args.config, args.overrides)  # prints where the report, checkpoints and W&B runs are
+
+
+def _print_run_summary(run_dir: Path) -> None:
+    lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
+    lines += [f"plot:        {png}" for png in sorted(run_dir.glob("*.png"))]
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    if wandb_runs:
+        lines.append(f"W&B (offline): {wandb_runs[-1]}  (upload with: wandb sync {wandb_runs[-1]})")
+    print("\n".join(lines))
+
+
+def _demo_data(args: argparse.Namespace) -> None:
+    from data.demo.tasks import check_demo_arguments, write_demo_dataset
+
+    check_demo_arguments(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs)
+    paths = write_demo_dataset(
+        args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs, seed=args.seed,
+        short_share=args.short_share, line_count_max=args.line_count_max,
+        line_count_miscount=args.line_count_miscount,
+    )  # fmt: skip
+    print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from models.atomic import StorageError
+    from trainer.export import export_training_checkpoint
+
+    try:
+        out = export_training_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
+        raise LanternError(str(error)) from error
+    print(f"wrote native checkpoint to {out}")
+
+
+def _add_stage(commands, name: str, help: str, handler) -> None:
+    stage = commands.add_parser(name, help=help)
+    stage.add_argument("config", help="YAML config (e.g. configs/pretrain/shakespeare.yaml)")
+    stage.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=100")
+    stage.set_defaults(handler=handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lantern", description="Train Llama-style language models end to end.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tokenizer = commands.add_parser("tokenizer", help="train byte-level BPE tokenizers")
+    tokenizer_commands = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    train = tokenizer_commands.add_parser("train", help="train a BPE tokenizer and write a tiktoken file")
+    train.add_argument("--corpus", nargs="+", required=True, help="text file(s) to train on")
+    train.add_argument("--vocab-size", type=int, required=True, help="total vocabulary, incl. 256 special tokens")
+    train.add_argument("--out", required=True, help="output .tiktoken file")
+    train.set_defaults(handler=_tokenizer_train)
+
+    gen = commands.add_parser("generate", help="generate text from a checkpoint (KV cache)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="native, Hugging Face or Meta checkpoint folder")
+    source.add_argument("--preset", help="random weights of a model preset (a smoke test)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--tokenizer", help="tokenizer file, 'default' or 'cl100k_base' (default: the checkpoint's)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-heal", dest="heal", action="store_false", help="no token healing of the prompt's last token")
+    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    gen.add_argument(
+        "--compile", action="store_true", help="static KV cache + torch.compile'd decode step (CUDA graphs on CUDA)"
+    )
+    gen.set_defaults(handler=_generate)
+
+    convert = commands.add_parser("convert", help="convert checkpoints between formats")
+    convert.add_argument("--from", dest="src_format", choices=["auto", "hf", "meta", "native"], default="auto")
+    convert.add_argument("src", help="source checkpoint folder")
+    convert.add_argument("--to", dest="dst_format", choices=["hf", "native"], required=True)
+    convert.add_argument("dst", help="destination folder (empty or new, unless --overwrite)")
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty destination (never one that contains the source)"
+    )
+    convert.set_defaults(handler=_convert)
+
+    _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
+    _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
+    _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
+    _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
+    _add_stage(commands, "ppo", "optimise the SFT policy against the reward model with PPO", _ppo)
+    _add_stage(
+        commands, "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward", _grpo
+    )
+    _add_stage(commands, "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs", _dpo)
+    _add_stage(
+        commands,
+        "rejection-sampling",
+        "sample K answers per prompt, keep the best by the reward, then SFT on them",
+        _rejection_sampling,
+    )
+    _add_stage(
+        commands,
+        "pipeline",
+        "run prepare, pretrain, SFT, reward model and PPO from one config, with a report",
+        _pipeline,
+    )
+
+    demo = commands.add_parser(
+        "demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)"
+    )
+    demo.add_argument("--out", default="runs/data/demo")
+    demo.add_argument("--n-train", type=int, default=4000)
+    demo.add_argument("--n-val", type=int, default=400)
+    demo.add_argument("--n-pairs", type=int, default=2000)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--short-share", type=float, default=0.3, help="share of short-answer examples")
+    demo.add_argument("--line-count-max", type=int, default=4, help="longest passage line_count asks about (1-9)")
+    demo.add_argument(
+        "--line-count-miscount", type=float, default=0.0,
+        help="share of line_count training demonstrations that answer one line too many (0-1)",
+    )  # fmt: skip
+    demo.set_defaults(handler=_demo_data)
+
+    export = commands.add_parser(
+        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder"
+    )
+    export.add_argument("checkpoint")
+    export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (never one that contains the checkpoint)",
+    )
+    export.set_defaults(handler=_export)
+    return parser
+
+
+def _configure_logging(level: int) -> None:
+    """Our packages log to stderr; Lightning keeps its own handler (configuring the root would print its
+    messages twice)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("lantern", "trainer", "data", "models", "alignment"):
+        package_logger = logging.getLogger(name)
+        package_logger.setLevel(level)
+        if not package_logger.handlers:
+            package_logger.addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    with watch_signals():
+        try:
+            args.handler(args)
+        except BaseException as error:
+            # SIGTERM or Ctrl-C: exit 128 + the signal, never 0 (Lightning's SIGTERM exit) nor 1, so that a scheduler
+            # or `a && b` sees the interruption; one line saying where the run stopped (trainer/interrupts.py)
+            signum = received_signal() or (signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
+            if signum is not None:
+                message = interrupted_message(args.command, signum, error, args)
+                if message:
+                    print(message, file=sys.stderr, flush=True)
+                return 128 + signum
+            if not isinstance(error, (ValueError, OSError, LanternError)) or args.verbose:
+                raise
+            # Input errors (bad config, data, checkpoint, path; a full or read-only disk) are the user's to fix:
+            # one clear line, not a traceback. --verbose keeps the traceback for a bug report.
+            print(f"lantern {args.command}: error: {one_line(error)}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The pipeline's held-out evaluation: every language model the pipeline trained (the pretrained base, SFT, and
+each alignment stage) answers the same held-out prompts, all of them, greedily, scored by the same checker; the
+SFT model and each stage after it also get pass@k and their KL to the SFT model. ``report.md`` and ``report.json``
+(alignment/commands/pipeline_report.py) are written from what this returns.
+
+Choices: one set of prompts, one token budget and one checker for every model, so the numbers compare; a
+stage's difference from SFT is paired over the same prompts (``alignment.shared.evaluation.paired_difference``) and is
+called a gain only beyond 2 standard errors; each stage's results are cached in ``report/eval-STAGE.json`` under
+the stage's hash and the evaluation settings, so a re-run that changed one stage re-evaluates only that one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from alignment.commands.pipeline_records import read_json, sha
+from alignment.shared.evaluation import (
+    heldout_summary,
+    json_safe,
+    mean_score,
+    paired_difference,
+    pass_at_k_summary,
+    sample_answers,
+    sampled_kl,
+    verdict,
+)
+from alignment.shared.rewards import load_checker
+from data.records.prompts import PromptDataConfig, load_prompts
+from data.tokenizer.tokenizer import Tokenizer
+from models.atomic import write_atomically
+from models.checkpoint import load_checkpoint
+from models.errors import ConfigError
+
+if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports the report, which imports this module
+    from alignment.commands.pipeline import Pipeline, ReportSection
+
+POLICY_STAGES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # stages whose final/ is an LM
+
+
+def heldout_prompts(demo: Path, report: ReportSection, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """The demo's held-out prompts (``prompts.jsonl``, its val split: never trained on by any stage), encoded."""
+    config = PromptDataConfig(tokenizer=str(tokenizer.path), max_prompt_tokens=report.max_prompt_tokens)
+    return load_prompts(config, [str(demo / "prompts.jsonl")], tokenizer)[0]
+
+
+def evaluate_stage(
+    report: ReportSection, stage: str, path: Path, prompts: list[dict[str, Any]], tokenizer: Tokenizer, sft: Path | None
+) -> dict[str, Any]:
+    """Greedy answers and their scores, pass@k and the KL to the SFT model, for one stage's final model."""
+    checker = load_checker(report.checker, "report.checker")
+    model = load_checkpoint(path).eval()
+    budget = max(1, min(report.max_new_tokens, model.config.max_seq_len - max(len(p["prompt_ids"]) for p in prompts)))
+    ids = [p["prompt_ids"] for p in prompts]
+    answers = []
+    with tqdm(total=len(prompts), desc=f"report: {stage} greedy answers", unit="prompt") as progress:
+        for start in range(0, len(ids), report.batch_size):
+            batch = ids[start : start + report.batch_size]
+            answers += [
+                a[0] for a in sample_answers(model, tokenizer, batch, max_new_tokens=budget, batch_size=len(batch))
+            ]
+            progress.update(len(batch))
+    scores = [checker(p["record"], a) if checker else None for p, a in zip(prompts, answers)]
+    result: dict[str, Any] = {"heldout": heldout_summary(prompts, scores), "answers": answers, "scores": scores}
+    generator = torch.Generator().manual_seed(report.seed)
+    if report.pass_k and checker is not None and stage != "pretrain":
+        subset = prompts[: report.pass_k_prompts] if report.pass_k_prompts else prompts
+        samples = sample_answers(
+            model, tokenizer, [p["prompt_ids"] for p in subset], max_new_tokens=budget, batch_size=report.batch_size,
+            samples=report.pass_k, temperature=1.0, generator=generator,
+        )  # fmt: skip
+        sample_scores = [[checker(p["record"], a) for a in group] for p, group in zip(subset, samples)]
+        result["pass_at_k"] = pass_at_k_summary(subset, sample_scores, report.pass_k)
+        # the mean score of a prompt's k samples: pass@1 of the sampling policy (what RL optimises), per prompt so
+        # that stages pair over the same prompts, with k times fewer coin flips in it than one greedy answer
+        result["sampled_scores"] = [mean_score(scores) for scores in sample_scores]
+        result["sampled"] = {
+            **heldout_summary(subset, result["sampled_scores"]), "samples": report.pass_k, "temperature": 1.0
+        }  # fmt: skip
+    result["kl"] = None
+    if sft is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
+        reference = load_checkpoint(sft).eval()
+        result["kl"] = sampled_kl(
+            model, reference, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator
+        )
+    return result
+
+
+def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
+    """What scoring other models beside a finished pipeline's SFT model needs: (the SFT model's folder, the
+    tokenizer, the held-out prompts, the SFT model's results), scored as the report scores it. The demo files are
+    written first where missing (their hash is part of the evaluation's key); ones written with other demo settings
+    than the config's are refused (DataError)."""
+    pipeline.write_demo(only_if_current=True)
+    sft = pipeline.upstream("sft")[0]
+    if sft is None or sft != pipeline.stage_dir("sft") / "final":
+        raise ConfigError(f"{pipeline.root} has no finished SFT stage of this pipeline config: run the pipeline first")
+    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
+    prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+    return sft, tokenizer, prompts, evaluate_stage(pipeline.config.report, "sft", sft, prompts, tokenizer, None)
+
+
+def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(the held-out prompts, {stage: results}) for every policy stage whose final model exists, from the cache
+    where it is current."""
+    stages = [s for s in POLICY_STAGES if s in pipeline.config.stages or pipeline.upstream(s)[0] is not None]
+    finals = {s: pipeline.upstream(s) for s in stages}
+    finals = {s: (path, digest) for s, (path, digest) in finals.items() if path is not None and path.is_dir()}
+    if not finals:
+        return [], {}
+    spec = next((pipeline.configs[s].data.tokenizer for s in ("sft", "pretrain") if s in pipeline.configs), "default")
+    tokenizer = Tokenizer.load(spec)
+    prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+    sft = finals.get("sft", (None, ""))[0]
+    results = {}
+    for stage, (path, digest) in finals.items():
+        cache = pipeline.root / "report" / f"eval-{stage}.json"
+        key = sha(
+            json.dumps([spec, pipeline.demo_hash, str(pipeline.config.report), digest, finals.get("sft", ("", ""))[1]])
+        )
+        if (cached := read_json(cache)) and cached.get("key") == key:
+            results[stage] = cached["result"]
+            continue
+        results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, sft)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(
+            cache, json.dumps({"key": key, "result": json_safe(results[stage])}) + "\n", what="report evaluation"
+        )
+    compare_with_sft(results)
+    return prompts, results
+
+
+PER_PROMPT = ("answers", "scores", "sampled_scores")  # lists over the prompts, kept out of summaries
+
+
+def without_per_prompt(result: dict[str, Any]) -> dict[str, Any]:
+    """A stage's results without its per-prompt lists: what a summary JSON holds."""
+    return {key: value for key, value in result.items() if key not in PER_PROMPT}
+
+
+def compare_with_sft(results: dict[str, dict[str, Any]]) -> None:
+    """Each model's ``vs_sft`` (greedy) and ``vs_sft_sampled`` (mean of k samples): its paired difference from the
+    SFT model over the same prompts, with a verdict."""
+    if "sft" not in results:
+        return
+    for stage, result in results.items():
+        if stage == "sft":
+            continue
+        for scores, key in (("scores", "vs_sft"), ("sampled_scores", "vs_sft_sampled")):
+            if scores in result and scores in results["sft"]:
+                difference, se, n = paired_difference(result[scores], results["sft"][scores])
+                result[key] = {"difference": difference, "se": se, "n": n, "verdict": verdict(difference, se)}

@@ -1,0 +1,248 @@
+"""The pipeline's report: ``report.md`` in the pipeline folder, with each stage's headline numbers, its plots
+(copied to ``report/``) and an overview figure, the comparison of every model on the same held-out prompts
+(accuracy with its standard error, the paired difference from SFT called a gain only beyond 2 SE, pass@k, KL to
+SFT, training time) and a table of their answers to the first few; and ``report.json``, the same numbers for
+other tools: ``{"stages": {name: {"heldout": {"accuracy", "se", "n", "per_task"}, "kl", "seconds", ...}}}``.
+It only reads what the stages left and what ``alignment/commands/pipeline_eval.py`` measures; running the stages is
+``alignment/commands/pipeline.py``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from alignment.commands.pipeline_eval import evaluate_models
+from alignment.commands.pipeline_records import RECORD, read_json
+from alignment.shared.evaluation import json_safe
+from models.atomic import write_atomically
+from trainer.plots import read_metrics_csv
+
+if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports this module to write the report
+    from alignment.commands.pipeline import Pipeline
+
+Series = dict[str, list[tuple[int, float]]]
+RL_STAGES = ("ppo", "grpo")  # stages whose x axis is rollouts and whose eval.csv holds held-out curves
+
+
+def stage_metrics(stage: str, run_dir: Path) -> Series:
+    """Every metric,step,value CSV the stage's plots left (metrics.csv, accuracy.csv, kl.csv, eval.csv, ...)."""
+    series: Series = {}
+    for path in sorted(run_dir.glob("*.csv")):  # a stage killed mid-run may have left a torn last row: dropped
+        for name, points in read_metrics_csv(path).items():
+            series.setdefault(name, []).extend(points)
+    return series
+
+
+def _first_last(series: Series, name: str) -> str:
+    points = series.get(name)
+    return f"{name} {points[0][1]:.3f} → {points[-1][1]:.3f}" if points else f"{name} n/a"
+
+
+def headline(stage: str, series: Series) -> str:
+    if stage == "pretrain":
+        return _first_last(series, "val/loss")
+    if stage == "sft":
+        return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/accuracy')} (exact match)"
+    if stage == "rm":
+        return f"{_first_last(series, 'val/accuracy')} (pairwise, held-out pairs)"
+    if stage in RL_STAGES:
+        kl = series.get(f"{stage}/kl")
+        final_kl = f"final {stage}/kl {kl[-1][1]:.3f}" if kl else f"{stage}/kl n/a"
+        return f"{_first_last(series, 'eval/gt_score')} (ground truth); {_first_last(series, 'eval/reward')} (its reward); {final_kl}"
+    if stage == "dpo":
+        return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/reward_accuracy')} (implicit reward, held-out pairs)"
+    return f"{_first_last(series, 'val/loss')} (SFT on the kept samples)"
+
+
+def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]], path: Path) -> Path:
+    """2x3: each training stage's curves (quantities of another scale on a right-hand axis), and every model's
+    held-out accuracy with error bars of 2 standard errors."""
+    import matplotlib  # deferred, with its backend chosen first: only the report's overview draws here
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [  # title, stage, (left metrics, label), (right metrics, label)
+        ("pretraining", "pretrain", (("train/loss", "val/loss"), "loss"), ((), "")),
+        ("SFT", "sft", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
+        ("reward model", "rm", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
+        *(
+            (f"{stage.upper()}: greedy answers to held-out prompts", stage,
+             (("eval/gt_score", "eval/reward"), "score"), ((f"{stage}/kl",), "KL to the SFT model (nats)"))
+            for stage in RL_STAGES
+        ),
+    ]  # fmt: skip
+    figure, axes = plt.subplots(2, 3, figsize=(16, 8), dpi=110)
+    for ax, (title, stage, left, right) in zip(axes.flat, panels):
+        lines = []
+        for axis, (names, label), style in ((ax, left, "-"), (ax.twinx() if right[0] else None, right, "--")):
+            for name in names if axis is not None else ():
+                points = metrics.get(stage, {}).get(name)
+                if points:
+                    color = f"C{len(lines)}"
+                    marker = "o" if len(points) < 30 else None
+                    lines += axis.plot(*zip(*points), style, color=color, label=name, marker=marker, markersize=3)
+            if axis is not None:
+                axis.set_ylabel(label)
+        ax.set(title=title, xlabel="rollout" if stage in RL_STAGES else "optimizer step")
+        ax.grid(alpha=0.3)
+        if lines:
+            ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+    ax = axes.flat[-1]
+    names = list(results)
+    if names:
+        values = [results[n]["heldout"]["accuracy"] or 0.0 for n in names]  # None: nothing judged
+        errors = [2 * (results[n]["heldout"]["se"] or 0.0) for n in names]
+        ax.bar(names, values, yerr=errors, capsize=4, color=[f"C{i}" for i in range(len(names))])
+        ax.tick_params(axis="x", labelrotation=20)
+    ax.set(title="held-out accuracy (ground truth) ± 2 SE", ylabel="mean score")
+    ax.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    plt.close(figure)
+    return path
+
+
+def _cell(text: str, limit: int = 120) -> str:
+    text = " ⏎ ".join(line for line in text.strip().splitlines() if line.strip())
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return text.replace("|", "\\|") or "∅"
+
+
+def _pm(value: float | None, se: float | None = None) -> str:
+    if value is None or value != value:  # None or nan
+        return "n/a"
+    return f"{value:.3f}" if se is None else f"{value:.3f} ± {se:.3f}"
+
+
+def _summary(summary: dict[str, Any] | None) -> str:
+    return f"{_pm(summary['accuracy'], summary['se'])} ({summary['n']})" if summary else "—"
+
+
+def _versus(versus: dict[str, Any] | None) -> str:
+    return f"{_pm(versus['difference'], versus['se'])} ({versus['verdict']})" if versus else "—"
+
+
+def _task_table(title: str, results: dict[str, dict[str, Any]], key: str) -> list[str]:
+    tasks = sorted({task for result in results.values() if result.get(key) for task in result[key]["per_task"]})
+    lines = ["", title, "", "| model | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for stage, result in results.items():
+        if result.get(key):
+            cells = [result[key]["per_task"].get(t) for t in tasks]
+            lines.append(f"| {stage} | " + " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells) + " |")
+    return lines
+
+
+def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int) -> list[str]:
+    """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE."""
+    lines = [
+        f"| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) | vs SFT, paired ± SE "
+        f"| pass@{k} ± SE | KL to SFT (nats) | training s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for stage, result in results.items():
+        pass_k = result.get("pass_at_k")
+        lines.append(
+            f"| {'base' if stage == 'pretrain' else stage} | {_summary(result['heldout'])} | "
+            f"{_versus(result.get('vs_sft'))} | {_summary(result.get('sampled'))} | "
+            f"{_versus(result.get('vs_sft_sampled'))} | "
+            f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
+            f"{seconds.get(stage) if seconds.get(stage) is not None else '—'} |"
+        )
+    lines += _task_table("Per task, greedy (accuracy ± SE):", results, "heldout")
+    lines += _task_table(f"Per task, sampled (mean score of {k} samples at temperature 1 ± SE):", results, "sampled")
+    return lines
+
+
+def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds: dict[str, float | None]) -> dict:
+    stages: dict[str, Any] = {}
+    for stage in (s for s in pipeline.config.stages if s != "prepare"):
+        result = results.get(stage)
+        entry: dict[str, Any] = {"heldout": None, "kl": None, "seconds": seconds.get(stage)}
+        if result is not None:
+            entry.update(heldout=result["heldout"], kl=result.get("kl"))
+            entry.update(
+                {key: result[key] for key in ("sampled", "pass_at_k", "vs_sft", "vs_sft_sampled") if key in result}
+            )
+        stages[stage] = entry
+    report = pipeline.config.report
+    return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
+
+
+def write_report(pipeline: Pipeline) -> Path:
+    root, report_dir, path = pipeline.root, pipeline.root / "report", pipeline.root / "report.md"
+    for stale in report_dir.glob("*.png"):  # no plots left from stages that no longer exist
+        stale.unlink()
+    report_dir.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"# Lantern pipeline `{pipeline.config.name}`\n\nFolder `{root}`, written {time.strftime('%Y-%m-%d %H:%M')}."
+    )
+    lines, plots, metrics, seconds = [title, "", "## Stages", ""], [], {}, {}
+    if "prepare" in pipeline.config.stages:
+        manifest = read_json(pipeline.corpus / "manifest.json") or {"splits": {}}
+        tokens = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in manifest["splits"].items())
+        demo = pipeline.config.demo
+        lines.append(
+            f"- **prepare** ({pipeline.status['prepare']}): corpus {tokens}; demo tasks {demo.n_train} train, {demo.n_val} val, {demo.n_pairs} pairs"
+        )
+    for stage in (s for s in pipeline.config.stages if s != "prepare"):
+        run_dir = pipeline.stage_dir(stage)
+        metrics[stage] = stage_metrics(stage, run_dir)
+        seconds[stage] = (read_json(run_dir / RECORD) or {}).get("seconds")
+        lines.append(
+            f"- **{stage}** ({pipeline.status[stage]}, trained in {seconds[stage]}s): {headline(stage, metrics[stage])}; model `{run_dir / 'final'}`"
+        )
+        for png in sorted(run_dir.glob("*.png")):
+            shutil.copy2(png, report_dir / f"{stage}-{png.name}")
+            plots.append(f"![{stage} {png.stem}](report/{stage}-{png.name})")
+    prompts, results = evaluate_models(pipeline)
+    overview_png(metrics, results, report_dir / "overview.png")
+    write_atomically(
+        root / "report.json",
+        json.dumps(json_safe(report_json(pipeline, results, seconds)), indent=2) + "\n",
+        what="report",
+    )
+    if results:
+        k = pipeline.config.report.pass_k
+        lines += [
+            "", f"## Every model on the same {len(prompts)} held-out prompts", "",
+            f"Answers scored by `{pipeline.config.report.checker}` (0 to 1). Greedy: one answer per prompt at "
+            f"temperature 0. Sampled: the mean score of {k} samples per prompt at temperature 1 (pass@1 of the "
+            "sampling policy, which RL optimises), and pass@k from the same samples, on the first "
+            f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
+            "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
+            "samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
+            *comparison_lines(results, seconds, k),
+        ]  # fmt: skip
+    lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
+    if results:
+        lines += answer_lines(prompts, results, pipeline.config.report.prompts)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def answer_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str, Any]], count: int) -> list[str]:
+    """The first ``count`` held-out prompts with each model's greedy answer and its score."""
+    columns = list(results)
+    lines = ["", f"## Greedy answers to {min(count, len(prompts))} of the held-out prompts", ""]
+    lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
+    lines.append("|---" * (4 + len(columns)) + "|")
+    for i, prompt in enumerate(prompts[:count]):
+        record = prompt["record"]
+        cells = []
+        for c in columns:
+            score = results[c]["scores"][i]
+            cells.append(f"{_cell(results[c]['answers'][i], 80)} ({'n/a' if score is None else f'{score:.2f}'})")
+        question = record["messages"][-1]["content"] if record.get("messages") else str(record.get("prompt", ""))
+        reference = prompt.get("reference") or ""
+        lines.append(
+            f"| {i + 1} | {record.get('task', '')} | {_cell(question)} | {_cell(reference, 80)} | {' | '.join(cells)} |"
+        )
+    return lines

@@ -1,0 +1,50 @@
+"""Prompt + response rows and what is computed over them, the same way in the rollout, the reference pass and
+the training pass: the response tokens' log-probs and entropies, and the critic's values.
+
+Rows are left-padded prompts (all of length P) followed by right-padded responses; ``real`` marks real
+tokens, from which the document ids and restarting positions come (padding is its own document). The logit
+at position t scores token t+1, so response token j (at P + j) is scored by logits[P + j - 1], and the critic's
+value for it is read at the same position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from alignment.shared.losses import logprobs_and_entropy
+from models.generation import ids_and_positions
+from models.heads import ScalarModel
+from models.model import Transformer
+
+RewardFunction = Callable[[Tensor, Tensor], Tensor]  # (input_ids (B, T), real mask (B, T)) -> scores (B,)
+
+
+@dataclass
+class Rollout:
+    input_ids: Tensor  # (B, P + N) left-padded prompt, then the response, right-padded
+    real: Tensor  # (B, P + N) bool, real tokens
+    prompt_len: int  # P
+    mask: Tensor  # (B, N) bool, real response tokens
+    old_logp: Tensor  # (B, N)
+    values: Tensor  # (B, N)
+    advantages: Tensor  # (B, N)
+    returns: Tensor  # (B, N)
+
+
+def response_logprobs(
+    model: Transformer, input_ids: Tensor, real: Tensor, prompt_len: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies (B, N) of the response tokens (positions prompt_len..) of left-padded prompt +
+    right-padded response rows; ``real`` marks real tokens. Rollout, reference and training all use this."""
+    document_ids, position_ids = ids_and_positions(real)
+    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : -1]
+    return logprobs_and_entropy(logits, input_ids[:, prompt_len:], temperature)
+
+
+def response_values(critic: ScalarModel, input_ids: Tensor, real: Tensor, prompt_len: int) -> Tensor:
+    """The critic's value (B, N) of the state before each response token (read where its log-prob is)."""
+    document_ids, position_ids = ids_and_positions(real)
+    return critic(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : -1].float()

@@ -1,0 +1,69 @@
+"""K sampled responses per prompt, scored by the reward: the candidates rejection sampling keeps the best of, and
+the answers the reward model's policy pairs are made from (alignment/shared/policy_pairs.py).
+
+Choices: prompts are batched by length (little padding), each sampled K times side by side in one generate call;
+one generator seeded per rank makes the samples reproducible; every sample keeps its answer, total and per-term
+score, length and whether it ended its turn, in prompt order (prompt i's samples at i*K .. i*K + K - 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from alignment.shared.rewards import Reward
+from data.tokenizer.tokenizer import Tokenizer
+from models.generation import generate, left_pad
+
+
+def sample_and_score(
+    policy: torch.nn.Module,
+    tokenizer: Tokenizer,
+    reward: Reward,
+    prompts: list[dict[str, Any]],
+    *,
+    samples_per_prompt: int,
+    response_max_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    compile: bool = False,
+    rank: int = 0,
+) -> list[dict[str, Any]]:
+    """``samples_per_prompt`` samples of each prompt, in prompt order: per sample its answer, score, term scores,
+    length and whether it ended with an end of turn. Batches of ``batch_size`` prompts of similar length."""
+    device = next(policy.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed + rank)
+    k = samples_per_prompt
+    samples: list[dict[str, Any]] = [{} for _ in range(len(prompts) * k)]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))
+    stops = sorted(tokenizer.stop_ids)
+    with tqdm(total=len(prompts), desc="sampling", unit="prompt", disable=rank != 0) as progress:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            rows = [i for i in chunk for _ in range(k)]
+            ids = [prompts[i]["prompt_ids"] for i in rows]
+            out = generate(
+                policy, ids, max_new_tokens=response_max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_ids=stops, pad_id=tokenizer.pad_id, generator=generator, compile=compile and device.type == "cuda",
+            )  # fmt: skip
+            prompt_ids, prompt_real = left_pad(ids, tokenizer.pad_id, device)
+            input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)
+            real = torch.cat([prompt_real, out.mask.to(device)], dim=1)
+            tokens = [out.tokens[row][out.mask[row]].tolist() for row in range(len(rows))]
+            answers = [tokenizer.decode([t for t in row if t not in tokenizer.stop_ids]) for row in tokens]
+            total, parts = reward.score([prompts[i] for i in rows], answers, input_ids, real)
+            for row, (index, answer) in enumerate(zip(rows, answers)):
+                samples[index * k + row % k] = {
+                    "answer": answer,
+                    "score": float(total[row]),
+                    "scores": {name: float(values[row]) for name, values in parts.items()},
+                    "tokens": len(tokens[row]),
+                    "ended": bool(tokens[row]) and tokens[row][-1] in tokenizer.stop_ids,
+                }
+            progress.update(len(chunk))
+    return samples

@@ -1,0 +1,254 @@
+"""DPOModule: direct preference optimisation of a policy against a frozen reference (DPO, IPO) or none (SimPO).
+The stage around it (checks, models, data, callbacks) is alignment/stages/dpo.py.
+
+One forward per micro-batch: the preference batch's rows are [chosen_0 .. chosen_{B-1}, rejected_0 ..
+rejected_{B-1}] (data/preference/pairs.py), and ``response_logprob_sums`` scores all 2B rows at once through the
+model's own per-token loss (``Transformer.token_losses``, fused with the LM head and chunked, so the (2B, T, V)
+logits never exist; ``models.generation.sequence_logprobs`` computes the same log-softmax from full fp32 logits,
+and the tests hold the two equal), whose targets are the response tokens only. Rows are right-padded, so plain
+causal attention already hides the padding from every real token: no document mask. A side's sequence log-prob
+is the sum over its response tokens for DPO and their mean for IPO and SimPO (``alignment.shared.losses.preference_loss``
+says why).
+
+The reference is frozen and kept out of the module tree, as PPO's (alignment/stages/ppo_module.py): never
+checkpointed, never sharded or moved by Lightning; a resume rebuilds it from its folder. It runs in the
+numerics the policy computes in: Lightning's autocast under bf16-mixed, and cast to bf16 where the policy's
+parameters are bf16 for compute (bf16-true, or FSDP2's bf16 mixed-precision policy). With
+``loss.reference_logprobs=precompute`` it scores every train and val pair once in ``on_fit_start`` (each rank
+its share, summed over ranks), the table is cached in the run folder under a hash of what determines it
+(alignment/stages/dpo.py's ``reference_cache_key``), so a resume reuses exactly the same numbers, and the reference is
+dropped. ``on_the_fly`` keeps it and scores each micro-batch beside the policy; the two differ only by float
+rounding (the batches they score are laid out differently).
+
+Reduction: a micro-batch returns its real pairs' loss sum over the pairs of the whole optimizer step
+(``step_pairs``, alignment/shared/losses.py's convention), scaled back for Lightning's accumulation and the ranks'
+gradient averaging, so micro-batch 1 x accumulation 8 gives the update of 8 x 1 on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from alignment.schemas.dpo import DPOConfig
+from alignment.shared.losses import preference_loss
+from models.atomic import write_atomically
+from models.loss import IGNORE_INDEX
+from models.model import Transformer
+from trainer.config import TrainerConfig, to_dict
+from trainer.lm_module import LanguageModelModule
+
+log = logging.getLogger(__name__)
+
+METRICS = ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
+
+
+def response_logprob_sums(
+    model: Transformer, batch: dict[str, Tensor], chunk_size: int | None
+) -> tuple[Tensor, Tensor]:
+    """(summed log-probs of each row's response tokens, their count), (2B,) each, in one forward over every row.
+
+    ``batch["targets"]`` holds the next token where it is a response token and IGNORE_INDEX elsewhere, so the
+    model's per-token loss is -log p of exactly those tokens and 0 elsewhere. Rows are right-padded, so plain
+    causal attention already keeps every real token from the padding after it: no document mask is passed, which
+    keeps SDPA's causal fast path."""
+    losses = model.token_losses(batch["input_ids"], batch["targets"], chunk_size=chunk_size)
+    return -losses.sum(-1), (batch["targets"] != IGNORE_INDEX).sum(-1)
+
+
+def reference_dtype(config: TrainerConfig) -> torch.dtype:
+    """The reference's parameter dtype: bf16 where the policy computes with bf16 parameters (bf16-true, or FSDP2's
+    bf16 mixed precision, under which Lightning adds no autocast), else fp32 (autocast covers bf16-mixed)."""
+    bf16 = config.precision == "bf16-true" or (config.strategy == "fsdp" and config.precision == "bf16-mixed")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+class DPOModule(LanguageModelModule):
+    def __init__(
+        self,
+        config: DPOConfig,
+        policy: Transformer,
+        reference: Transformer | None,
+        tokenizer: Any,
+        *,
+        cache_key: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
+        self.model, self.tokenizer = policy, tokenizer
+        self.uses_reference = config.loss.kind != "simpo"
+        if self.uses_reference and reference is None:
+            raise ValueError(f"loss.kind {config.loss.kind} needs a reference model")
+        # out of the module tree: not in state_dict, not sharded, not moved by Lightning (see on_fit_start)
+        self.frozen = {"reference": reference.eval().requires_grad_(False)} if self.uses_reference else {}
+        self.precompute = self.uses_reference and config.loss.reference_logprobs == "precompute"
+        self.cache_key = cache_key  # names the on-disk table; None keeps it in memory only
+        self.reference_table: dict[str, Tensor] = {}  # split -> (pairs, 2) summed log-probs [chosen, rejected]
+
+    # ---- log-probs ----
+
+    def _reference_sums(self, batch: dict[str, Tensor], split: str) -> Tensor:
+        """The reference's summed response log-probs of the batch's 2B rows, from the table or a forward."""
+        if self.precompute:
+            table = self.reference_table[split][batch["pair_index"].clamp(min=0)]  # empty slots read pair 0
+            return torch.cat([table[:, 0], table[:, 1]])
+        return self._reference_forward(batch)
+
+    def _reference_forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """The frozen reference's summed response log-probs, computed where it lives, on the policy's device."""
+        reference = self.frozen["reference"]
+        device = next(reference.parameters()).device
+        with torch.no_grad():
+            sums, _ = response_logprob_sums(
+                reference, {key: value.to(device) for key, value in batch.items()}, self.config.trainer.loss_chunk_size
+            )
+        return sums.to(device=self.device, dtype=torch.float32)
+
+    def pair_terms(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, Tensor]:
+        """(loss sum over the real pairs, with grad; detached [loss sum, correct, margin sum, chosen reward sum,
+        rejected reward sum, pairs])."""
+        loss_config = self.config.loss
+        policy, counts = response_logprob_sums(self.model, batch, self.config.trainer.loss_chunk_size)
+        reference = self._reference_sums(batch, split) if self.uses_reference else None
+        if loss_config.kind != "dpo":  # ipo, simpo: mean log-prob per response token
+            scale = counts.clamp(min=1).to(policy.dtype)
+            policy = policy / scale
+            reference = None if reference is None else reference / scale
+        policy_chosen, policy_rejected = policy.chunk(2)
+        reference_chosen, reference_rejected = (None, None) if reference is None else reference.chunk(2)
+        losses, chosen, rejected = preference_loss(
+            policy_chosen,
+            policy_rejected,
+            reference_chosen,
+            reference_rejected,
+            kind=loss_config.kind,
+            beta=loss_config.beta,
+            label_smoothing=loss_config.label_smoothing,
+            simpo_gamma=loss_config.simpo_gamma,
+        )
+        real = batch["pair_mask"]
+        zero = torch.zeros_like(losses)
+        loss = torch.where(real, losses, zero).sum()
+        margin = torch.where(real, chosen - rejected, zero)
+        # a tie is not a win: with the policy equal to the reference every margin is 0 and accuracy 0 (as TRL)
+        sums = torch.stack(
+            [
+                loss.detach(),
+                (margin > 0).float().sum(),
+                margin.sum(),
+                torch.where(real, chosen, zero).sum(),
+                torch.where(real, rejected, zero).sum(),
+                real.float().sum(),
+            ]
+        )
+        return loss, sums
+
+    # ---- the reference: placed, and with precompute scored once ----
+
+    def on_fit_start(self) -> None:
+        if not self.frozen:
+            return
+        self.frozen["reference"] = self.frozen["reference"].to(
+            device=self.device, dtype=reference_dtype(self.config.trainer)
+        )
+        if self.precompute:
+            self.reference_table = self._reference_tables()
+            self.frozen.clear()  # every log-prob it gives is in the table now: its memory goes back to training
+
+    def _cache_path(self) -> Path | None:
+        if self.cache_key is None:
+            return None
+        return Path(self.trainer.default_root_dir) / f"reference-logprobs-{self.cache_key}.pt"
+
+    def _reference_tables(self) -> dict[str, Tensor]:
+        """{split: (pairs, 2)} from the run folder's cache when every rank finds it, else from one pass."""
+        path = self._cache_path()
+        found = torch.tensor(float(path is not None and path.is_file()), device=self.device)
+        if self.trainer.world_size > 1:  # all ranks load, or all compute: the pass runs collectives
+            found = self.trainer.strategy.reduce(found, reduce_op="min")
+        if found.item() >= 1:
+            saved = torch.load(path, map_location=self.device, weights_only=True)
+            log.info("reference log-probs from %s", path)
+            return saved["tables"]
+        tables = {}
+        for split in ("train", "val"):
+            table = self._score_split(split)
+            if table is not None:
+                tables[split] = table
+        if path is not None and self.trainer.is_global_zero:
+            buffer = io.BytesIO()
+            torch.save({"key": self.cache_key, "tables": {k: v.cpu() for k, v in tables.items()}}, buffer)
+            write_atomically(path, buffer.getvalue(), what="reference log-probs")
+        return tables
+
+    @torch.no_grad()
+    def _score_split(self, split: str) -> Tensor | None:
+        """The reference's summed log-probs of every pair of a split, (pairs, 2); each rank scores its share
+        (equal numbers of batches on every rank) and the shares are summed over ranks."""
+        batches = self.trainer.datamodule.eval_batches(split)
+        if batches is None:
+            return None
+        table = torch.zeros(len(batches.pairs), 2, device=self.device)
+        with self.trainer.precision_plugin.forward_context():  # the numerics of the training steps
+            for batch in batches:
+                batch = {key: value.to(self.device) for key, value in batch.items()}
+                chosen, rejected = self._reference_forward(batch).chunk(2)
+                real = batch["pair_mask"]
+                table[batch["pair_index"][real]] = torch.stack([chosen[real], rejected[real]], dim=1)
+        if self.trainer.world_size > 1:
+            table = self.trainer.strategy.reduce(table, reduce_op="sum")  # each pair was scored on one rank
+        if self.trainer.is_global_zero:
+            log.info("reference log-probs of %d %s pairs computed", len(table), split)
+        return table
+
+    # ---- training ----
+
+    def on_train_start(self) -> None:
+        self._step_totals = torch.zeros(len(METRICS), device=self.device)  # this rank's shares of the step means
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, sums = self.pair_terms(batch, "train")
+        step_pairs = batch["step_pairs"].clamp(min=1)
+        share = loss / step_pairs
+        self.stop_if_not_finite(share)
+        self._step_totals += sums[:5] / step_pairs
+        # Lightning divides by the accumulation count and DDP/FSDP average gradients over ranks; undo both so
+        # the gradient is exactly that of the step loss the shares add up to (as SFT and the reward model do).
+        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # shares summed over micro-batches here and over ranks by the sync: the step's means over all its pairs
+        for name, value in zip(METRICS, self._step_totals.clone()):
+            self.log(
+                f"train/{name}",
+                value,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=name in ("loss", "reward_accuracy"),
+                sync_dist=True,
+                reduce_fx="sum",
+            )
+        self._step_totals.zero_()
+
+    # ---- validation: the same numbers on held-out pairs ----
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals = torch.zeros(len(METRICS) + 1, device=self.device)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._val_totals += self.pair_terms(batch, "val")[1]
+
+    def on_validation_epoch_end(self) -> None:
+        totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
+        pairs = max(totals[-1], 1)
+        for name, total in zip(METRICS, totals):  # already reduced over ranks: the sync averages equal values
+            self.log(f"val/{name}", total / pairs, prog_bar=name in ("loss", "reward_accuracy"), sync_dist=True)
+
+    def export_metadata(self) -> dict[str, Any]:
+        loss = self.config.loss
+        return {"stage": "dpo", "tokenizer": str(self.tokenizer.path), "loss": loss.kind, "beta": loss.beta}

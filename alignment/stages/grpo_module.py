@@ -1,0 +1,150 @@
+"""GRPOModule: critic-free RL. Each rollout samples ``group_size`` responses to each prompt, scores them with the
+stage's reward, and gives every response one advantage from its group: GRPO's (score - group mean) / group std,
+or RLOO's score - mean of the other G - 1. The policy then follows the clipped surrogate (PPO's loss, token-level)
+with the KL to the frozen reference (k3 by default) in the loss rather than in the reward. The stage around it
+is alignment/stages/grpo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
+
+Choices: no critic and no value loss, so one optimiser; the loss of a minibatch is divided by its valid tokens over
+all ranks (the token-level normalisation of DAPO / Dr. GRPO: a long response does not get less weight per token);
+a group of one prompt's responses never splits across ranks (each rank samples whole groups), so the group
+statistics need no communication; old log-probs come from the training pass in the first epoch's micro-batches,
+so the first ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from alignment.schemas.rl import GRPOConfig
+from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
+from alignment.shared.rewards import Checker, Reward
+from alignment.stages.rl_module import RLModule
+from models.model import Transformer
+from trainer.config import to_dict
+from trainer.optim import optimizer_from_config
+
+
+class GRPOModule(RLModule):
+    stage = "grpo"
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        policy: Transformer,
+        reference: Transformer,
+        reward: Reward,
+        tokenizer: Any,
+        *,
+        checker: Checker | None = None,
+    ) -> None:
+        super().__init__(config, config.grpo, policy, reference, reward, tokenizer, checker)
+        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        grpo = self.config.grpo
+        sequences = grpo.prompts_per_rollout * grpo.group_size
+        total_updates = self.config.trainer.max_steps * grpo.epochs * (sequences // grpo.minibatch_size)
+        optimizer, schedule = optimizer_from_config(self.model, self.config.optim, total_updates)
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    def rl_step(self, prompts: list[dict]) -> dict[str, float]:
+        grpo = self.config.grpo
+        start = time.perf_counter()
+        group = [p for p in prompts for _ in range(grpo.group_size)]  # each prompt's responses side by side
+        responses = self.sample([p["prompt_ids"] for p in group])
+        input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
+        with torch.no_grad():
+            old_logp, ref_logp = [], []
+            for rows in self.micro_batches(torch.arange(len(group), device=self.device)):
+                old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
+                ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P))
+            old_logp, ref_logp = torch.cat(old_logp), torch.cat(ref_logp)
+            scores, raw_scores, reward_stats = self.score(group, responses)
+            grouped = scores.view(len(prompts), grpo.group_size)
+            advantages = group_advantages(grouped, baseline=grpo.baseline, scale=grpo.scale_advantages).flatten()
+        rollout_time = time.perf_counter() - start
+        train_stats = self.update(input_ids, real, P, mask, old_logp, ref_logp, advantages)
+        self.write_samples(group, responses.answers, raw_scores)
+        spread = grouped.std(-1)
+        return {
+            "score": self.global_mean(scores),
+            "raw_score": self.global_mean(raw_scores),
+            "solved_groups": self.global_mean((grouped.max(-1).values >= 1.0).float()),
+            "zero_variance_groups": self.global_mean((spread == 0).float()),  # no learning signal from these
+            "score_std_in_group": self.global_mean(spread),
+            "response_length": self.global_mean(mask.sum(1)),
+            "ended_with_eos": self.global_mean(responses.ended),
+            "generation_time": responses.generation_time,
+            "rollout_time": rollout_time,
+            "train_time": time.perf_counter() - start - rollout_time,
+            **reward_stats,
+            **train_stats,
+        }
+
+    def update(
+        self,
+        input_ids: Tensor,
+        real: Tensor,
+        P: int,
+        mask: Tensor,
+        old_logp: Tensor,
+        ref_logp: Tensor,
+        advantages: Tensor,
+    ) -> dict[str, float]:
+        grpo = self.config.grpo
+        optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
+        token_advantages = advantages[:, None].expand_as(mask).float()
+        # what each token's loss is multiplied by before the minibatch's sum is divided by the weights' total
+        if grpo.loss_aggregation == "sequence":
+            token_weights = mask / mask.sum(1, keepdim=True).clamp(min=1)  # each response's tokens sum to 1
+        else:
+            token_weights = mask.float()
+        totals = torch.zeros(8, device=self.device)  # policy loss, kl, entropy, approx-kl, clip, ratio, tokens, weights
+        first_log_ratio = torch.zeros((), device=self.device)
+        batch = mask.shape[0]
+        for epoch in range(grpo.epochs):
+            # the first epoch keeps the rollout's order and micro-batches: its first ratio is exactly 1
+            order = (
+                torch.arange(batch, device=self.device)
+                if epoch == 0
+                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device).to(self.device)
+            )
+            for start in range(0, batch, grpo.minibatch_size):
+                rows = order[start : start + grpo.minibatch_size]
+                weight_total = self.sum_over_ranks(token_weights[rows].sum()).clamp(min=1e-8)
+                for micro in self.micro_batches(rows):
+                    micro_mask, weights = mask[micro], token_weights[micro]
+                    logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], P)
+                    policy_loss, stats = ppo_policy_loss(
+                        logp, old_logp[micro], token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total,
+                        weights,
+                    )  # fmt: skip
+                    # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
+                    kl_tokens = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0)
+                    kl, entropy_sum = kl_tokens.sum(), (entropy * micro_mask).sum()
+                    penalty = ((grpo.kl_coef * kl_tokens - grpo.entropy_coef * entropy) * weights).sum()
+                    loss = policy_loss + penalty / weight_total
+                    # DDP/FSDP average gradients over ranks; weight_total above is already global
+                    self.manual_backward(loss * self.trainer.world_size)
+                    if epoch == 0 and start == 0:
+                        deviation = ((logp - old_logp[micro]).abs() * micro_mask).max().detach()
+                        first_log_ratio = torch.maximum(first_log_ratio, deviation)
+                    totals += torch.stack([
+                        policy_loss.detach() * weight_total, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
+                        stats["clip_fraction"], stats["ratio"], micro_mask.sum().float(), weights.sum(),
+                    ])  # fmt: skip
+                self.step_optimizer(optimizer, schedule, self.model, self.config.optim.grad_clip, "policy")
+        totals = self.sum_over_ranks(totals)
+        tokens = totals[6].clamp(min=1)
+        names = ("kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")
+        stats = {name: float(totals[i] / tokens) for i, name in enumerate(names, start=1)}
+        stats["policy_loss"] = float(totals[0] / totals[7].clamp(min=1e-8))  # weighted as the loss is
+        stats["kl"] = self.global_mean((kl_penalty(old_logp, ref_logp, "k1") * mask).sum(1))  # per sequence, k1
+        stats["first_minibatch_max_log_ratio"] = float(first_log_ratio)
+        stats.update({f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()})
+        return stats

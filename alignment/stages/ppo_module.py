@@ -1,0 +1,227 @@
+"""PPOModule: optimise the SFT policy against a reward (a reward model, a checker, or a weighted sum), with a
+KL penalty to the SFT reference and a critic. The stage around it (checks, model loading, callbacks) is
+alignment/stages/ppo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
+
+Each training step is one rollout: generate responses to a batch of prompts (KV cache, policy in eval mode,
+FSDP weights gathered once), score them, then several PPO epochs over minibatches. Optimisation is manual:
+two optimisers (policy, critic) with their own schedules (constant by default). Lightning's global step counts
+rollouts. Scores are in normalised units (a reward model's by its training mean / std), and so are the critic's
+values: ``load_ppo_models`` rescales a critic copied from the reward model to them.
+
+Rollout, reference and training passes all read log-probs and values through alignment/shared/responses.py (which
+states the position alignment) at the same temperature, so the first PPO ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from alignment.schemas.rl import PPOConfig
+from alignment.shared.losses import (
+    KLController,
+    explained_variance,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
+    token_rewards,
+)
+from alignment.shared.responses import Rollout, response_values
+from alignment.shared.rewards import Checker, Reward
+from alignment.stages.rl_module import RLModule
+from models.heads import ScalarModel
+from models.model import Transformer
+from trainer.config import to_dict
+from trainer.optim import optimizer_from_config
+from trainer.parallel import configure_parallelism
+
+log = logging.getLogger(__name__)
+
+
+class PPOModule(RLModule):
+    stage = "ppo"
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        policy: Transformer,
+        critic: ScalarModel,
+        reference: Transformer,
+        reward: Reward,
+        tokenizer: Any,
+        *,
+        checker: Checker | None = None,
+    ) -> None:
+        super().__init__(config, config.ppo, policy, reference, reward, tokenizer, checker)
+        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
+        self.automatic_optimization = False
+        self.critic = critic
+        ppo = config.ppo
+        self.kl_controller = KLController(
+            ppo.kl_coef, adaptive=ppo.kl_adaptive, target=ppo.kl_target, horizon=ppo.kl_horizon
+        )
+
+    def configure_model(self) -> None:
+        configure_parallelism(self.model, self.trainer, self.config.trainer)
+        configure_parallelism(self.critic, self.trainer, self.config.trainer)
+
+    def configure_optimizers(self) -> list[dict[str, Any]]:
+        ppo = self.config.ppo
+        total_updates = self.config.trainer.max_steps * ppo.epochs * (ppo.rollout_batch_size // ppo.minibatch_size)
+        optimizers = []
+        for module, optim in ((self.model, self.config.optim), (self.critic, self.config.critic_optim)):
+            optimizer, schedule = optimizer_from_config(module, optim, total_updates)
+            optimizers.append({"optimizer": optimizer, "lr_scheduler": schedule})
+        return optimizers
+
+    # ---- one training step = one rollout and its PPO epochs ----
+
+    def rl_step(self, prompts: list[dict]) -> dict[str, float]:
+        start = time.perf_counter()
+        rollout, rollout_stats = self.rollout(prompts)
+        rollout_time = time.perf_counter() - start
+        train_stats = self.update(rollout)
+        train_time = time.perf_counter() - start - rollout_time
+        self.kl_controller.update(rollout_stats["kl"], len(prompts) * self.trainer.world_size)
+        metrics = {
+            **rollout_stats,
+            **train_stats,
+            "kl_coef": self.kl_controller.value,
+            "rollout_time": rollout_time,
+            "train_time": train_time,
+        }
+        metrics["generation_share"] = rollout_stats["generation_time"] / (rollout_time + train_time)
+        return metrics
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[dict]) -> tuple[Rollout, dict[str, float]]:
+        ppo = self.config.ppo
+        responses = self.sample([p["prompt_ids"] for p in prompts])
+        input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
+        # Old log-probs by the training pass itself, in the same micro-batches the first PPO epoch uses:
+        # the first minibatch's ratio is then exactly 1.
+        old_logp, values, ref_logp = [], [], []
+        for rows in self.micro_batches(torch.arange(len(prompts))):
+            old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
+            values.append(response_values(self.critic, input_ids[rows], real[rows], P))
+            ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P))
+        old_logp, values, ref_logp = torch.cat(old_logp), torch.cat(values), torch.cat(ref_logp)
+        scores, raw_scores, reward_stats = self.score(prompts, responses)
+        if ppo.reward_clip is not None:
+            scores = scores.clamp(-ppo.reward_clip, ppo.reward_clip)
+        kl = torch.where(
+            mask, kl_penalty(old_logp, ref_logp, ppo.kl_estimator), 0.0
+        )  # k3's exp could overflow on padding
+        rewards = token_rewards(scores, kl, mask, self.kl_controller.value)
+        if ppo.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=True, reduce_sum=self.sum_over_ranks)
+        advantages, returns = gae(rewards, values, mask, ppo.gamma, ppo.lam)
+        if ppo.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, reduce_sum=self.sum_over_ranks)
+        stats = {
+            "score": self.global_mean(scores),
+            "raw_score": self.global_mean(raw_scores),
+            "kl": self.global_mean(kl.sum(1)),  # per sequence
+            "reward": self.global_mean((rewards * mask).sum(1)),
+            "response_length": self.global_mean(mask.sum(1)),
+            "ended_with_eos": self.global_mean(responses.ended),
+            "generation_time": responses.generation_time,
+            "rollout_tokens_per_second": float(mask.sum()) / responses.generation_time,
+            **reward_stats,
+        }
+        self.write_samples(prompts, responses.answers, raw_scores)
+        return Rollout(input_ids, real, P, mask, old_logp, values, advantages, returns), stats
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        ppo = self.config.ppo
+        policy_optimizer, critic_optimizer = (opt.optimizer for opt in self.optimizers())
+        policy_schedule, critic_schedule = self.lr_schedulers()
+        train_policy = self.global_step >= ppo.critic_warmup_rollouts
+        self.grad_norms: dict[str, float] = {}
+        totals = torch.zeros(7, device=self.device)  # policy loss, value loss, entropy, approx-kl, clip, ratio, tokens
+        # the first minibatch sees the policy the rollout saw: ratio 1, approx-KL 0, clip fraction 0 — or a bug
+        first = torch.zeros(4, device=self.device)
+        batch = rollout.mask.shape[0]
+        for epoch in range(ppo.epochs):
+            # The first epoch keeps the rollout's order (and so its micro-batches): the ratio starts at exactly 1.
+            # randperm's output must be on its generator's device
+            order = (
+                torch.arange(batch, device=self.device)
+                if epoch == 0
+                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device)
+            )
+            for start in range(0, batch, ppo.minibatch_size):
+                rows = order[start : start + ppo.minibatch_size]
+                # normalise by the valid tokens of the whole minibatch on all ranks, whatever its micro-batching
+                token_count = self.sum_over_ranks(rollout.mask[rows].sum().float()).clamp(min=1)
+                for micro in self.micro_batches(rows):
+                    mask = rollout.mask[micro]
+                    logp, entropy = self.policy_logprobs(
+                        self.model, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len
+                    )
+                    values = response_values(
+                        self.critic, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len
+                    )
+                    policy_loss, stats = ppo_policy_loss(
+                        logp, rollout.old_logp[micro], rollout.advantages[micro], mask, ppo.clip_ratio, token_count
+                    )
+                    value_loss = ppo_value_loss(
+                        values, rollout.values[micro], rollout.returns[micro], mask, ppo.clip_value, token_count
+                    )
+                    entropy_sum = (entropy * mask).sum()
+                    loss = value_loss
+                    if train_policy:
+                        loss = loss + policy_loss - ppo.entropy_coef * entropy_sum / token_count
+                    # DDP/FSDP average gradients over ranks; the token_count above is already global
+                    self.manual_backward(loss * self.trainer.world_size)
+                    if epoch == 0 and start == 0:
+                        deviation = ((logp - rollout.old_logp[micro]).abs() * mask).max().detach()
+                        first += torch.stack(
+                            [
+                                stats["approx_kl"],
+                                stats["clip_fraction"],
+                                torch.zeros_like(deviation),
+                                mask.sum().float(),
+                            ]
+                        )
+                        first[2] = torch.maximum(first[2], deviation)
+                    totals += torch.stack([
+                        policy_loss.detach() * token_count, value_loss.detach() * token_count, entropy_sum.detach(),
+                        stats["approx_kl"], stats["clip_fraction"], stats["ratio"], mask.sum().float(),
+                    ])  # fmt: skip
+                self.step_optimizer(
+                    critic_optimizer, critic_schedule, self.critic, self.config.critic_optim.grad_clip, "critic"
+                )
+                if train_policy:
+                    self.step_optimizer(
+                        policy_optimizer, policy_schedule, self.model, self.config.optim.grad_clip, "policy"
+                    )
+                else:
+                    policy_optimizer.zero_grad(set_to_none=True)
+        totals = self.sum_over_ranks(totals)
+        tokens = totals[6].clamp(min=1)
+        first_tokens = self.sum_over_ranks(first[3].clone()).clamp(min=1)
+        first_kl, first_clip = (self.sum_over_ranks(first[:2].clone()) / first_tokens).tolist()
+        return {
+            "policy_loss": float(totals[0] / tokens), "value_loss": float(totals[1] / tokens), "entropy": float(totals[2] / tokens),
+            "approx_kl": float(totals[3] / tokens), "clip_fraction": float(totals[4] / tokens), "ratio": float(totals[5] / tokens),
+            "explained_variance": float(explained_variance(rollout.values, rollout.returns, rollout.mask, self.sum_over_ranks)),
+            "value_mean": float(masked_mean(rollout.values, rollout.mask, self.sum_over_ranks)),
+            **{f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()},
+            "first_minibatch_approx_kl": first_kl, "first_minibatch_clip_fraction": first_clip,
+            "first_minibatch_max_log_ratio": float(first[2]),
+        }  # fmt: skip
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["ppo"] = {"kl_controller": self.kl_controller.state_dict()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.kl_controller.load_state_dict(checkpoint["ppo"]["kl_controller"])

@@ -1,0 +1,351 @@
+"""Rejection sampling (``lantern rejection-sampling``), as a recipe: check the config, load the training
+prompts, sample K responses per prompt from the SFT policy, score them with the reward, keep the best, then
+fine-tune on them with the SFT stage (``run_sft``) from the same policy.
+
+Choices:
+
+- One run folder, ``run.out_dir/run.name``, holds both parts: ``samples.jsonl`` (the kept responses as SFT chat
+  records ``{"messages": [...prompt..., {"role": "assistant", ...}], "score", ...}``), ``sampling.json``
+  (statistics, and the hash of the sampling config and its inputs) and, from ``run_sft``, the SFT run itself
+  (``config.yaml``, ``checkpoints/``, ``final/``, which the pipeline reads).
+- Resume: ``sampling.json`` is written last, after ``samples.jsonl`` (both atomically), and records a hash of
+  what decides the samples (the ``data``, ``reward`` and ``sampling`` sections, ``run.seed``, the prompts
+  as encoded, the tokenizer, and the names / sizes / mtimes of the policy's and reward models' files) and of
+  ``samples.jsonl``. A rerun whose hash matches does not sample again and goes straight to SFT, which resumes
+  from its latest checkpoint (``sft.`` keys are not in the hash: more ``sft.trainer.max_steps`` continues).
+  A changed hash samples again, unless the folder holds SFT checkpoints trained on the old samples: then the
+  run stops before any compute (new ``run.name``, or ``sft.checkpoint.resume=none`` to start SFT over).
+- Selection (``select_best``): per prompt the ``keep_per_prompt`` highest-scoring distinct, non-empty responses
+  that ended with an end of turn (or any, with ``sampling.keep_truncated``); ties go to the shorter, then the
+  first sampled; nothing scoring below ``sampling.min_score`` is ever kept. A prompt longer than
+  ``data.max_prompt_tokens`` is sampled cut (as PPO's are), but its record holds the whole prompt.
+- Processes: sampling runs before ``run_sft``, on global rank 0 (one device). Lightning's launcher (DDP /
+  FSDP2 with ``sft.trainer.devices > 1``) starts the other ranks from inside ``run_sft``, after sampling: they
+  rerun this recipe, find the finished sampling by its hash and skip it. Ranks started together by an outside
+  launcher (torchrun, SLURM) wait for rank 0's ``sampling.json``. If the caller has already initialised
+  ``torch.distributed``, the prompts are sharded over its ranks and gathered on rank 0 instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from alignment.schemas.rejection_sampling import RejectionSamplingConfig
+from alignment.schemas.sft import SFTConfig
+from alignment.shared.rewards import build_reward
+from alignment.shared.sampling import sample_and_score
+from alignment.stages.sft import run_sft
+from data.records.prompts import PromptDataModule, record_to_prompt
+from data.tokenizer.tokenizer import Tokenizer
+from models.atomic import folder_fingerprint, sha256_file, write_atomically
+from models.checkpoint import load_checkpoint, load_model_config
+from models.errors import ConfigError, DataError, LanternError
+from models.model import ModelConfig
+from trainer.build import check_trainer_config, run_directory
+from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
+from trainer.config import RunConfig, to_dict
+from trainer.storage import (
+    claim_run_directory,
+    is_global_rank_zero,
+    latest_checkpoint,
+    lock_run_directory,
+    release_run_directory,
+)
+
+log = logging.getLogger(__name__)
+
+SAMPLES, STATS = "samples.jsonl", "sampling.json"
+FORMAT = 1  # of samples.jsonl and sampling.json; part of the hash
+WAIT_SECONDS = 2.0  # how often a rank waiting for rank 0's sampling looks for it
+
+
+def select_best(
+    scores: Sequence[float | None], lengths: Sequence[int], keep: int, min_score: float | None
+) -> list[int]:
+    """Indices of the ``keep`` best samples of one prompt, best first: the highest score, ties to the shorter,
+    then the first. A score of None (a sample that may not be kept) and any score below ``min_score`` are
+    never chosen, so fewer than ``keep`` (or none) may come back."""
+    eligible = [
+        i
+        for i, score in enumerate(scores)
+        if score is not None and math.isfinite(score) and (min_score is None or score >= min_score)
+    ]
+    return sorted(eligible, key=lambda i: (-scores[i], lengths[i], i))[:keep]
+
+
+def pass_at_k(best: Sequence[float], all_scores: Sequence[float], min_score: float | None) -> float | None:
+    """The share of prompts with at least one passing sample: best >= ``min_score``, or, without one, best == 1
+    when every score is 0 or 1 (a checker's verdicts); None when nothing says what passing is."""
+    if min_score is not None:
+        return sum(b >= min_score for b in best) / len(best)
+    if all(s in (0.0, 1.0) for s in all_scores):
+        return sum(b == 1.0 for b in best) / len(best)
+    return None
+
+
+# ---- config ----
+
+
+def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """Everything checkable before loading weights; returns the policy's ModelConfig."""
+    sampling, sft = config.sampling, config.sft
+    if not config.init.policy:
+        raise ConfigError("init.policy is required: the SFT model folder to sample from and fine-tune")
+    if sampling.keep_per_prompt > sampling.samples_per_prompt:
+        raise ConfigError(
+            f"sampling.keep_per_prompt ({sampling.keep_per_prompt}) exceeds sampling.samples_per_prompt "
+            f"({sampling.samples_per_prompt})"
+        )
+    if sft.init.checkpoint or sft.data.train:
+        raise ConfigError("sft.init.checkpoint and sft.data.train are set by the stage (init.policy, the samples)")
+    if sft.run != RunConfig():
+        raise ConfigError("sft.run is the stage's run section: set run.name / run.out_dir / run.seed instead")
+    if sft.data.tokenizer not in ("default", config.data.tokenizer):
+        raise ConfigError(
+            f"sft.data.tokenizer ({sft.data.tokenizer}) must be data.tokenizer.tokenizer ({config.data.tokenizer})"
+        )
+    try:
+        model = load_model_config(config.init.policy)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"init.policy: {error}") from error
+    check_tokenizer_fits_model(tokenizer, model, model_name=config.init.policy)
+    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer.tokenizer")
+    if config.data.max_prompt_tokens + sampling.response_max_tokens > model.max_seq_len:
+        raise ConfigError(
+            f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + sampling.response_max_tokens "
+            f"({sampling.response_max_tokens}) exceed the policy's max_seq_len ({model.max_seq_len})"
+        )
+    if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
+        log.warning(
+            "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
+            config.data.max_prompt_tokens + sampling.response_max_tokens,
+            sft.data.seq_len,
+            "dropped" if sft.data.too_long == "drop" else "truncated",
+        )
+    return model
+
+
+def sft_config(config: RejectionSamplingConfig, samples: Path, model: ModelConfig) -> SFTConfig:
+    """The SFT section with what the stage sets: the run, the policy to start from, the samples, the tokenizer."""
+    sft = copy.deepcopy(config.sft)
+    sft.run = copy.deepcopy(config.run)
+    sft.init.checkpoint = config.init.policy
+    sft.model = model  # what the checkpoint holds (run_sft would warn that a different model section is ignored)
+    sft.data.train = [str(samples)]
+    sft.data.tokenizer = config.data.tokenizer
+    return sft
+
+
+def load_training_prompts(config: RejectionSamplingConfig) -> list[dict[str, Any]]:
+    """The training prompts (``data``, less its held-out part), or the seeded subset ``sampling.prompts``."""
+    datamodule = PromptDataModule(config.data, batch_size=config.sampling.batch_size)
+    try:
+        datamodule.setup()
+    except LanternError:
+        raise
+    except ValueError as error:
+        raise DataError(f"data.train: {error}") from error
+    prompts = datamodule.train_prompts
+    wanted = config.sampling.prompts
+    if wanted and wanted < len(prompts):
+        chosen = sorted(random.Random(config.run.seed).sample(range(len(prompts)), wanted))
+        prompts = [prompts[i] for i in chosen]
+    elif wanted > len(prompts):
+        log.warning("sampling.prompts=%d but there are %d training prompts: sampling all", wanted, len(prompts))
+    return prompts
+
+
+# ---- resume ----
+
+
+def sampling_digest(config: RejectionSamplingConfig, prompts: list[dict[str, Any]], tokenizer: Tokenizer) -> str:
+    """The hash of what decides the samples (see the module docstring)."""
+    digest = hashlib.sha256()
+    settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling")}
+    digest.update(json.dumps([FORMAT, settings, config.run.seed, tokenizer.fingerprint], sort_keys=True).encode())
+    for path in [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]:
+        digest.update(folder_fingerprint(path).encode())
+    for prompt in prompts:
+        digest.update(json.dumps([prompt["prompt_ids"], prompt["record"]], sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def sampling_done(run_dir: Path, digest: str) -> bool:
+    """Whether ``run_dir`` holds finished samples made with ``digest`` (and samples.jsonl is the file recorded)."""
+    try:
+        stats = json.loads((run_dir / STATS).read_text())
+        return stats.get("hash") == digest and stats.get("samples_sha256") == sha256_file(run_dir / SAMPLES)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def wait_for_rank_zero(run_dir: Path, digest: str) -> None:
+    """A rank started beside rank 0 (torchrun, SLURM) waits until rank 0 has written the samples."""
+    waited = 0.0
+    while not sampling_done(run_dir, digest):
+        if waited % 60 < WAIT_SECONDS:
+            log.info("waiting for global rank 0 to finish sampling into %s", run_dir)
+        time.sleep(WAIT_SECONDS)
+        waited += WAIT_SECONDS
+
+
+# ---- sampling ----
+
+
+@torch.no_grad()
+def keep_best(
+    config: RejectionSamplingConfig, prompts: list[dict[str, Any]], samples: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """SFT chat records of the kept samples (prompt order, best first) and the statistics of the sampling."""
+    sampling, k = config.sampling, config.sampling.samples_per_prompt
+    records, best, prompts_kept = [], [], 0
+    for index, prompt in enumerate(prompts):
+        group = samples[index * k : (index + 1) * k]
+        seen: set[str] = set()
+        scores: list[float | None] = []
+        for sample in group:  # only distinct, non-empty (and, by default, finished) answers may be kept
+            keepable = sample["answer"].strip() and sample["answer"] not in seen
+            keepable = keepable and (sample["ended"] or sampling.keep_truncated)
+            scores.append(sample["score"] if keepable else None)
+            seen.add(sample["answer"])
+        chosen = select_best(scores, [s["tokens"] for s in group], sampling.keep_per_prompt, sampling.min_score)
+        messages = record_to_prompt(prompt["record"], config.data)[0]
+        for place, sample_index in enumerate(chosen):
+            sample = group[sample_index]
+            records.append(
+                {
+                    "messages": [*messages, {"role": "assistant", "content": sample["answer"]}],
+                    "score": sample["score"],
+                    "scores": sample["scores"],
+                    "place": place,  # 0: the best of the prompt's samples
+                    "source": prompt["where"],
+                }
+            )
+        prompts_kept += bool(chosen)
+        best.append(max(s["score"] for s in group))
+    all_scores = [s["score"] for s in samples]
+    stats = {
+        "prompts": len(prompts),
+        "samples": len(samples),
+        "kept": len(records),
+        "prompts_kept": prompts_kept,
+        "mean_best_score": sum(best) / len(best),
+        "mean_score": sum(all_scores) / len(all_scores),
+        "mean_kept_score": sum(r["score"] for r in records) / len(records) if records else None,
+        "samples_per_prompt": k,
+        "pass_at_k": pass_at_k(best, all_scores, sampling.min_score),  # k = samples_per_prompt
+        "ended_share": sum(s["ended"] for s in samples) / len(samples),
+        "mean_response_tokens": sum(s["tokens"] for s in samples) / len(samples),
+        "term_means": {name: sum(s["scores"][name] for s in samples) / len(samples) for name in samples[0]["scores"]},
+    }
+    return records, stats
+
+
+def run_sampling(
+    config: RejectionSamplingConfig, tokenizer: Tokenizer, prompts: list[dict], run_dir: Path, digest: str
+) -> dict[str, Any]:
+    """Load the policy and the reward, sample and score (sharded when torch.distributed is initialised), keep the
+    best and, on rank 0, write samples.jsonl then sampling.json. Returns the statistics."""
+    started = time.perf_counter()
+    reward = build_reward(config.reward.terms)
+    on_gpu = torch.cuda.is_available() and config.sft.trainer.accelerator != "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu and config.sft.trainer.precision.startswith("bf16") else torch.float32
+    policy = load_checkpoint(config.init.policy, device=device, dtype=dtype)
+    reward.place(device, dtype)
+    sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    mine = list(range(rank, len(prompts), world))
+    sampling = config.sampling
+    samples = sample_and_score(
+        policy, tokenizer, reward, [prompts[i] for i in mine], samples_per_prompt=sampling.samples_per_prompt,
+        response_max_tokens=sampling.response_max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, batch_size=sampling.batch_size, seed=config.run.seed,
+        compile=config.sft.trainer.compile, rank=rank,
+    )  # fmt: skip
+    unjudged = reward.unjudged  # samples a checker could not judge (scored 0)
+    del policy, reward
+    if on_gpu:
+        torch.cuda.empty_cache()
+    if sharded:  # back into prompt order: rank r sampled prompts r, r + world, ...
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (mine, samples, unjudged))
+        k, ordered = config.sampling.samples_per_prompt, [{}] * (len(prompts) * config.sampling.samples_per_prompt)
+        unjudged = sum(part[2] for part in gathered)
+        for indices, part, _ in gathered:
+            for position, index in enumerate(indices):
+                ordered[index * k : (index + 1) * k] = part[position * k : (position + 1) * k]
+        samples = ordered
+    records, stats = keep_best(config, prompts, samples)
+    if not records:
+        raise DataError(
+            f"no sample of the {len(prompts)} prompts can be kept (min_score {config.sampling.min_score}, "
+            f"mean best score {stats['mean_best_score']:.3f}, {stats['ended_share']:.0%} ended with an end of turn): "
+            "lower sampling.min_score, raise sampling.samples_per_prompt or sampling.response_max_tokens"
+        )
+    stats["unjudged"] = unjudged
+    stats["wall_seconds"] = time.perf_counter() - started
+    if rank == 0:
+        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        write_atomically(run_dir / SAMPLES, text, what="rejection samples")
+        stats["samples_file"] = str(run_dir / SAMPLES)
+        summary = {"format": FORMAT, "hash": digest, **stats}
+        summary["samples_sha256"] = sha256_file(run_dir / SAMPLES)
+        summary["config"] = to_dict(config)
+        write_atomically(run_dir / STATS, json.dumps(summary, indent=2) + "\n", what="sampling statistics")
+    if sharded:
+        dist.barrier()
+    log.info(
+        "kept %d samples of %d prompts (mean best score %.3f, mean score %.3f, pass@%d %s) in %.0f s",
+        stats["kept"], stats["prompts"], stats["mean_best_score"], stats["mean_score"],
+        stats["samples_per_prompt"], stats["pass_at_k"], stats["wall_seconds"],
+    )  # fmt: skip
+    return stats
+
+
+# ---- the recipe ----
+
+
+def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
+    """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
+    returns the run folder on rank 0, else None."""
+    check_trainer_config(config.sft.trainer)  # before anything is created
+    tokenizer = Tokenizer.load(config.data.tokenizer)
+    model = check_config(config, tokenizer)
+    prompts = load_training_prompts(config)
+    digest = sampling_digest(config, prompts, tokenizer)
+    run_dir = run_directory(config.run.out_dir, config.run.name)
+    sharded = dist.is_available() and dist.is_initialized()
+    leader = dist.get_rank() == 0 if sharded else is_global_rank_zero()
+    claim_run_directory(run_dir, "rejection_sampling")  # before anything is written into it
+    if leader:
+        lock_run_directory(run_dir)  # held on through run_sft (same process), released by its fit_stage
+    try:
+        if sampling_done(run_dir, digest):
+            log.info("sampling in %s is finished with this config and these inputs: not sampling again", run_dir)
+        elif leader or sharded:
+            if config.sft.checkpoint.resume == "auto" and latest_checkpoint(run_dir / "checkpoints") is not None:
+                raise ConfigError(
+                    f"{run_dir} holds SFT checkpoints trained on samples made with another sampling config or "
+                    "other inputs: set run.name to a new folder, or sft.checkpoint.resume=none to sample again and "
+                    "fine-tune from the start"
+                )
+            run_sampling(config, tokenizer, prompts, run_dir, digest)
+        else:
+            wait_for_rank_zero(run_dir, digest)
+    except BaseException:
+        release_run_directory(run_dir)
+        raise
+    return run_sft(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")

@@ -1,0 +1,317 @@
+"""What every RL stage's LightningModule shares (PPO in ppo_module.py, GRPO/RLOO in grpo_module.py): sampling
+responses, the frozen reference and reward, held-out evaluation, and the bookkeeping of manual optimisation.
+
+Owns: the frozen models (kept out of the module tree: never checkpointed, sharded or moved by Lightning; placed by
+``frozen_device`` / ``frozen_dtype``), the sampler (a generator on the device that samples, part of the
+checkpoint), ``sample`` (prompt + response rows through ``models.generation.generate``), ``score`` (the one
+``alignment.shared.rewards.Reward``, with the missing end-of-turn penalty), the reference's log-probs, one training step
+= one rollout (``rl_step``, the subclass's) counted as one global step, held-out evaluation (greedy pass@1 with
+its standard error per task, pass@k before and after, the reward of the greedy answers) written to ``eval.csv``,
+``eval.png`` and ``heldout.json`` beside the run.
+Choices: evaluation samples with its own generator (seeded by run.seed and the step), so how often one evaluates
+never changes the training samples; each rank answers its share of the held-out prompts and the per-prompt
+scores are gathered, so a multi-rank run reports what a single process would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
+from alignment.shared.responses import response_logprobs
+from alignment.shared.rewards import Checker, Reward
+from models.atomic import write_atomically
+from models.errors import CheckpointError
+from models.generation import generate, left_pad
+from models.model import Transformer
+from trainer.callbacks import write_curves
+from trainer.lm_module import LanguageModelModule
+from trainer.parallel import grad_norm_and_clip, unsharded_for_generation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Responses:
+    """Sampled responses to a batch of prompts, as rows of left-padded prompt + right-padded response."""
+
+    input_ids: Tensor  # (B, P + N)
+    real: Tensor  # (B, P + N) bool, real tokens
+    prompt_len: int  # P
+    mask: Tensor  # (B, N) bool, real response tokens
+    ended: Tensor  # (B,) bool, the response ended with an end-of-turn token
+    answers: list[str]  # decoded responses, end-of-turn removed
+    generation_time: float
+
+
+class RLModule(LanguageModelModule):
+    """Subclasses set ``self.hp`` (their hyperparameter section) and implement ``rl_step(prompts) -> metrics``."""
+
+    stage = "rl"
+
+    def __init__(
+        self,
+        config: Any,
+        hyperparameters: Any,
+        policy: Transformer,
+        reference: Transformer,
+        reward: Reward,
+        tokenizer: Any,
+        checker: Checker | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.hp = hyperparameters
+        self.model, self.tokenizer, self.reward = policy, tokenizer, reward
+        self.frozen = {"reference": reference.eval().requires_grad_(False)}
+        self.checker = checker  # the ground truth of held-out answers (alignment/shared/rewards.py); None: not measured
+        self.eval_history: dict[str, list[tuple[int, float]]] = {}
+        self.grad_norms: dict[str, float] = {}
+        self.heldout: dict[str, Any] = {}  # "before" / "after": summaries written to heldout.json
+        # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
+        # on another device), which is only known once Lightning has placed the module: see on_fit_start.
+        self.sampler: torch.Generator | None = None
+        self._pending_sampler_state: tuple[str, Tensor, int] | None = None  # from a checkpoint: _apply_sampler_state
+
+    # ---- setup ----
+
+    def on_fit_start(self) -> None:
+        device = torch.device("cpu") if self.hp.frozen_device == "cpu" else self.device
+        dtype = torch.bfloat16 if self.hp.frozen_dtype == "bfloat16" else torch.float32
+        self.frozen = {name: model.to(device=device, dtype=dtype) for name, model in self.frozen.items()}
+        self.reward.place(device, dtype)
+        self.sampler = torch.Generator(self.device).manual_seed(self.config.run.seed)
+        self._apply_sampler_state()
+
+    def _apply_sampler_state(self) -> None:
+        """Restore the checkpoint's sampler state once both the sampler and the state exist: single-process and DDP
+        runs restore the checkpoint before on_fit_start, FSDP (ModelParallelStrategy) after it."""
+        if self.sampler is None or self._pending_sampler_state is None:
+            return
+        device_type, state, step = self._pending_sampler_state
+        if device_type == self.sampler.device.type:
+            self.sampler.set_state(state)
+        else:  # CPU and CUDA generator states are different things: resume reproducibly, not identically
+            log.warning(
+                "the checkpoint's sampler state is for %s, this run samples on %s: reseeding with run.seed + step",
+                device_type, self.sampler.device.type,
+            )  # fmt: skip
+            self.sampler.manual_seed(self.config.run.seed + step)
+        self._pending_sampler_state = None
+
+    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum") if self.trainer.world_size > 1 else tensor
+
+    def global_mean(self, values: Tensor) -> float:
+        """The mean of ``values`` over every rank's elements."""
+        pair = self.sum_over_ranks(
+            torch.stack([values.float().sum(), torch.tensor(float(values.numel()), device=self.device)])
+        )
+        return float(pair[0] / pair[1]) if pair[1] > 0 else float("nan")
+
+    def micro_batches(self, rows: Tensor) -> list[Tensor]:
+        size = self.hp.micro_batch_size
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    # ---- one training step = one rollout ----
+
+    def training_step(self, prompts: list[dict], batch_idx: int) -> None:
+        if self.global_step == 0:
+            self.evaluate(pass_k=True)  # the "before" numbers
+        start = time.perf_counter()
+        metrics = self.rl_step(prompts)
+        metrics["step_time"] = time.perf_counter() - start
+        for name, value in metrics.items():
+            shown = name in ("score", "kl", "accuracy")
+            self.log(f"{self.stage}/{name}", float(value), on_step=True, prog_bar=shown, rank_zero_only=True)
+        self._count_rollout()
+        last = self.global_step >= self.trainer.max_steps
+        if self.global_step % self.config.eval.every_n_rollouts == 0 or last:
+            self.evaluate(pass_k=last)
+
+    def rl_step(self, prompts: list[dict]) -> dict[str, float]:
+        raise NotImplementedError(f"{type(self).__name__} must implement rl_step")
+
+    def _count_rollout(self) -> None:
+        """Lightning counts a global step per optimiser.step() under manual optimisation; RL steps its torch
+        optimisers many times per rollout and counts the rollout here, so trainer.max_steps, checkpoint
+        intervals and plots are all in rollouts."""
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]]) -> Responses:
+        """One response per prompt (repeat a prompt to sample it several times), with the policy's weights
+        gathered once under FSDP."""
+        hp, tokenizer = self.hp, self.tokenizer
+        start = time.perf_counter()
+        with unsharded_for_generation(self.model):
+            out = generate(
+                self.model, prompt_ids, max_new_tokens=hp.response_max_tokens, temperature=hp.temperature,
+                top_k=hp.top_k, top_p=hp.top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                generator=self.sampler,
+                compile=self.config.trainer.compile and self.device.type == "cuda",  # CUDA graphs; CPU stays eager
+            )  # fmt: skip
+        generation_time = time.perf_counter() - start
+        prompts, prompt_real = left_pad(prompt_ids, tokenizer.pad_id, self.device)
+        tokens, mask = out.tokens.to(self.device), out.mask.to(self.device)
+        last_token = tokens.gather(1, (mask.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
+        ended = torch.isin(last_token, torch.tensor(sorted(tokenizer.stop_ids), device=self.device)) & mask.any(1)
+        answers = [tokenizer.decode([t for t in row[m].tolist() if t not in tokenizer.stop_ids]) for row, m in zip(tokens, mask)]  # fmt: skip
+        return Responses(
+            torch.cat([prompts, tokens], dim=1), torch.cat([prompt_real, mask], dim=1), prompts.shape[1], mask,
+            ended, answers, generation_time,
+        )  # fmt: skip
+
+    def score(self, prompts: list[dict], responses: Responses) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """(the reward the stage optimises, the reward before the end-of-turn penalty, statistics) per response:
+        ``Reward.score`` minus ``missing_eos_penalty`` for a response cut off before its end-of-turn."""
+        raw, parts = self.reward.score(prompts, responses.answers, responses.input_ids, responses.real)
+        scores = raw
+        if self.hp.missing_eos_penalty is not None:
+            scores = torch.where(responses.ended, raw, raw - self.hp.missing_eos_penalty)
+        stats = {f"reward/{name}": self.global_mean(values) for name, values in parts.items()}
+        return scores, raw, stats
+
+    def policy_logprobs(self, model, input_ids: Tensor, real: Tensor, P: int) -> tuple[Tensor, Tensor]:
+        return response_logprobs(model, input_ids, real, P, self.hp.temperature)
+
+    def reference_logprobs(self, input_ids: Tensor, real: Tensor, P: int) -> Tensor:
+        """The frozen reference's log-probs, computed where it lives (frozen_device may be cpu while the policy
+        is on a GPU) and returned on the policy's device in fp32."""
+        reference = self.frozen["reference"]
+        device = next(reference.parameters()).device
+        logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]
+        return logp.to(device=self.device, dtype=torch.float32)
+
+    def step_optimizer(self, optimizer, schedule, module, max_norm: float | None, name: str) -> None:
+        """Clip, step, zero and advance the schedule; ``grad_norms[name]`` keeps the rollout's last norm."""
+        self.grad_norms[name] = float(grad_norm_and_clip(module.parameters(), max_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+
+    def write_samples(self, prompts: list[dict], answers: list[str], scores: Tensor) -> None:
+        """A W&B table of the rollout's first ``eval.table_rows`` responses and their scores."""
+        if not self.trainer.is_global_zero or not hasattr(self.logger, "log_table"):
+            return
+        rows = [
+            [self.global_step, self.tokenizer.decode(p["prompt_ids"]), answer, float(score)]
+            for p, answer, score in list(zip(prompts, answers, scores.tolist()))[: self.config.eval.table_rows]
+        ]
+        self.logger.log_table(
+            key=f"{self.stage}/samples", columns=["rollout", "prompt", "response", "score"], data=rows
+        )
+
+    # ---- evaluation: held-out prompts ----
+
+    def _gather(self, values: list[Any]) -> list[Any]:
+        """Every rank's list, concatenated in rank order (ranks hold prompts rank, rank + world, ...)."""
+        if self.trainer.world_size == 1 or not dist.is_initialized():
+            return values
+        gathered: list[list[Any]] = [[] for _ in range(self.trainer.world_size)]
+        dist.all_gather_object(gathered, values)
+        return [item for part in gathered for item in part]
+
+    def _judge(self, prompt: dict, answer: str) -> float | None:
+        return None if self.checker is None else self.checker(prompt["record"], answer)
+
+    @torch.no_grad()
+    def evaluate(self, pass_k: bool = False) -> None:
+        """Greedy answers to this rank's share of the held-out prompts: ground-truth accuracy (``eval.checker``)
+        with its SE, the reward of those answers, and (``pass_k``) pass@k of k samples per prompt."""
+        eval_config = self.config.eval
+        prompts = self.trainer.datamodule.val_prompts
+        prompts = prompts[: eval_config.generations] if eval_config.generations else prompts
+        mine = prompts[self.global_rank :: self.trainer.world_size]
+        answers = [
+            a[0]
+            for a in sample_answers(
+                self.model, self.tokenizer, [p["prompt_ids"] for p in mine],
+                max_new_tokens=self.hp.response_max_tokens, batch_size=eval_config.batch_size,
+            )
+        ]  # fmt: skip
+        rewards: list[float] = []
+        if mine:
+            ids = [p["prompt_ids"] + self.tokenizer.encode(a) + [self.tokenizer.eot_id] for p, a in zip(mine, answers)]
+            input_ids, real = left_pad(ids, self.tokenizer.pad_id, self.device)
+            rewards = self.reward.score(mine, answers, input_ids, real)[0].tolist()
+        scores = self._gather([(p["where"], self._judge(p, a)) for p, a in zip(mine, answers)])
+        order = {p["where"]: i for i, p in enumerate(prompts)}
+        scores.sort(key=lambda item: order[item[0]])
+        summary = heldout_summary(prompts, [s for _, s in scores])
+        metrics = {"eval/reward": self._mean_over_ranks(rewards)}
+        if summary["n"]:
+            metrics.update({"eval/gt_score": summary["accuracy"], "eval/gt_score_se": summary["se"]})
+            metrics.update({f"eval/gt_score/{task}": v["accuracy"] for task, v in summary["per_task"].items()})
+        if pass_k and eval_config.pass_k and self.checker is not None:
+            summary["pass_at_k"] = self._pass_at_k(prompts)
+            metrics[f"eval/pass_at_{eval_config.pass_k}"] = summary["pass_at_k"]["pass_at_k"]
+        self.heldout["before" if self.global_step == 0 else "after"] = {
+            **summary, "step": self.global_step, "scores": [s for _, s in scores], "where": [w for w, _ in scores],
+        }  # fmt: skip
+        for name, value in metrics.items():
+            self.eval_history.setdefault(name, []).append((self.global_step, value))
+            self.log(name, value, on_step=True, rank_zero_only=True)
+
+    def _mean_over_ranks(self, values: list[float]) -> float:
+        # every rank joins the reduction, one with no held-out prompts too (skipping it would hang the others)
+        return self.global_mean(torch.tensor(values, device=self.device, dtype=torch.float32))
+
+    def _pass_at_k(self, prompts: list[dict]) -> dict[str, Any]:
+        k, limit = self.config.eval.pass_k, self.config.eval.pass_k_prompts
+        prompts = prompts[:limit] if limit else prompts
+        mine = prompts[self.global_rank :: self.trainer.world_size]
+        generator = torch.Generator(self.device).manual_seed(self.config.run.seed * 1000 + self.global_step)
+        samples = sample_answers(
+            self.model, self.tokenizer, [p["prompt_ids"] for p in mine], max_new_tokens=self.hp.response_max_tokens,
+            batch_size=self.config.eval.batch_size, samples=k, temperature=1.0, generator=generator,
+        )  # fmt: skip
+        scored = self._gather([(p["where"], [self._judge(p, a) for a in answers]) for p, answers in zip(mine, samples)])
+        order = {p["where"]: i for i, p in enumerate(prompts)}
+        scored.sort(key=lambda item: order[item[0]])
+        return pass_at_k_summary(prompts, [s for _, s in scored], k)
+
+    def on_train_end(self) -> None:
+        """eval.png and eval.csv (metric,step,value) and heldout.json beside the run: the before/after numbers."""
+        if not self.trainer.is_global_zero:
+            return
+        run_dir = Path(self.trainer.default_root_dir)
+        if self.eval_history:
+            curves = {k: v for k, v in self.eval_history.items() if k.count("/") == 1 and not k.endswith("_se")}
+            title, axes = f"{self.stage.upper()}: greedy answers to held-out prompts", {"xlabel": "rollout", "ylabel": "score"}  # fmt: skip
+            write_curves(curves, run_dir / "eval.csv", run_dir / "eval.png", title=title, **axes)
+        if self.heldout:
+            write_atomically(
+                run_dir / "heldout.json", json.dumps(self.heldout, indent=1) + "\n", what="held-out results"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["rl"] = {
+            "eval_history": self.eval_history, "heldout": self.heldout,
+            "sampler": self.sampler.get_state(), "sampler_device": self.sampler.device.type,  # get_state is a CPU tensor
+        }  # fmt: skip
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if "rl" not in checkpoint:
+            raise CheckpointError(
+                "the checkpoint has no RL state (written by an older Lantern, or by another stage): start the run "
+                "afresh with checkpoint.resume=none or a new run.name"
+            )
+        state = checkpoint["rl"]
+        step = int(checkpoint.get("global_step", 0))
+        self._pending_sampler_state = (state.get("sampler_device", "cpu"), state["sampler"], step)
+        self._apply_sampler_state()
+        self.eval_history = {k: [tuple(p) for p in v] for k, v in state["eval_history"].items()}
+        self.heldout = state.get("heldout", {})

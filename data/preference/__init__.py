@@ -1,0 +1,2 @@
+"""Preference pairs (chosen / rejected) for the reward model and DPO: records, encoding, batches, and the
+datamodules."""

@@ -1,0 +1,337 @@
+"""
+Pretraining data preparation: text / JSON / Parquet / hub dataset -> memory-mapped token shards.
+
+Layout of `out_dir` (read by data/streams/packed.py):
+
+    manifest.json               written last: its presence means the data is complete
+    train/shard-00000.bin       raw little-endian uint16 (vocab <= 65536) or uint32 token ids
+    train/doc_offsets.npy       int64 start of every document in the split's token stream, plus the end
+    val/...                     same, for the held-out documents
+
+Documents are the rows of the input (a line / paragraph / file for text inputs, a record for
+JSON and Parquet). Each gets BOS/EOS as configured and the splits are the concatenation of their
+documents in input order; which documents go to val is a seeded random choice.
+
+`prepare()` is idempotent: the manifest records the tokenizer fingerprint, the settings and the
+inputs (size, mtime and sha256), so re-running with nothing changed returns at once, and any change
+(a new tokenizer, an edited file, another val_fraction) is named in the log and rebuilds.
+
+Owns: prepare() (the orchestration), tokenization (_tokenize_batch), the seeded val choice (choose_val, also
+SFT's hold-out), shard writing and the swap of a finished build into place. It writes only into a folder that is
+empty or Lantern's prepared data (data/pretrain/prepared_folder.py says what it may replace), one prepare at a time (a
+lock, as run folders have).
+Does not own: the config (data/pretrain/config.py), reading and validating inputs (data/pretrain/sources.py), the
+manifest and staleness checks (data/pretrain/manifest.py), reading shards (data/streams/packed.py).
+Choices: everything is built in a private `.prepare-<pid>-*` dir next to the output and moved into place
+only when complete; tokenizing runs as a batched `datasets` map (num_proc processes, one tokenizer thread each)
+that returns Arrow list columns, so no per-document Python work happens while writing shards. `datasets` and
+pyarrow (most of a second to import) are imported inside the functions that use them, as in data/pretrain/sources.py:
+data that is up to date returns without them, and data/records/chat.py imports this module for choose_val
+alone, so loading any stage's config (trainer/config.py, through data/records/prompts.py) would pay for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from data.pretrain.config import PrepareConfig, normalize_prepare_config
+from data.pretrain.manifest import MANIFEST_NAME, MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
+from data.pretrain.prepared_folder import (
+    BUILD_KIND,
+    PREPARED_KIND,
+    SPLIT_LISTING,
+    SPLITS,
+    check_replaceable,
+    check_sources_outside,
+    clean_stale_build_dirs,
+    disk_failure,
+    lantern_manifest,
+    prepared_by_lantern,
+)
+from data.pretrain.sources import check_utf8, load_source, resolve_inputs, validate_dataset
+from data.tokenizer.tokenizer import Tokenizer
+from models.atomic import storage_error
+from models.folders import claim_folder, lock_folder, release_folder
+
+log = logging.getLogger("lantern.prepare")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest little-endian unsigned dtype that holds every id."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+# -----------------------------------------------------------------------------
+# tokenization and shard writing
+
+
+def _tokenize_batch(batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, strip_newlines: bool):
+    """Arrow batch of texts -> Arrow table with one `ids` list per non-empty document."""
+    import pyarrow as pa  # deferred: heavy (see the module docstring)
+
+    # Whitespace-only documents would add nothing but BOS/EOS pairs: drop them (a batched map may
+    # return fewer rows than it got).
+    texts = [t for t in batch.column(text_field).to_pylist() if t and not t.isspace()]
+    if strip_newlines:
+        # Paragraph splitting on "\n\n" leaves stray newlines at a file's end or after 3+ blank
+        # lines; without stripping, identical paragraphs would tokenize differently by position.
+        texts = [t.strip("\n") for t in texts]
+    # One thread: parallelism comes from num_proc, and a thread pool per ~1000-document batch
+    # costs more than it gains.
+    encoded = tokenizer.encode_batch(texts, num_threads=1)
+    # Build the Arrow list column from flat values + offsets (letting Arrow convert nested Python
+    # lists costs about as much as tokenizing), and place BOS/EOS with numpy rather than by
+    # concatenating a Python list per document.
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + int(bos) + int(eos)
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    is_text = np.ones(len(values), dtype=bool)
+    if bos:
+        values[offsets[:-1]] = tokenizer.bos_id
+        is_text[offsets[:-1]] = False
+    if eos:
+        values[offsets[1:] - 1] = tokenizer.eos_id
+        is_text[offsets[1:] - 1] = False
+    values[is_text] = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(is_text.sum()))
+    ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return pa.table({"ids": ids})
+
+
+class _ShardWriter:
+    """Appends documents to fixed-size raw shard files and records document offsets."""
+
+    def __init__(self, split_dir: Path, dtype: np.dtype, shard_tokens: int):
+        self.dir, self.dtype, self.shard_tokens = split_dir, dtype, shard_tokens
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shards: list[dict] = []
+        self.lengths: list[np.ndarray] = []
+        self._file = None
+        self.tokens = 0
+
+    def add(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        self.lengths.append(lengths.astype(np.int64, copy=False))
+        values = values.astype(self.dtype, copy=False)
+        while len(values):
+            if self._file is None or self.shards[-1]["tokens"] == self.shard_tokens:
+                self._open_next()
+            room = self.shard_tokens - self.shards[-1]["tokens"]
+            part, values = values[:room], values[room:]
+            part.tofile(self._file)
+            self.shards[-1]["tokens"] += len(part)
+            self.tokens += len(part)
+
+    def _open_next(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        name = f"shard-{len(self.shards):05d}.bin"
+        self._file = open(self.dir / name, "wb")  # noqa: SIM115 - stays open across appends; closed by close()
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> dict:
+        if self._file is not None:
+            self._file.close()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        np.save(self.dir / "doc_offsets.npy", offsets)
+        return {"tokens": int(offsets[-1]), "documents": len(lengths), "shards": self.shards}
+
+
+def choose_val(num_docs: int, config: PrepareConfig) -> np.ndarray:
+    """Boolean mask of held-out documents: a seeded choice, so the same inputs give the same split."""
+    n_val = round(num_docs * config.val_fraction)
+    if config.val_fraction > 0:
+        n_val = max(n_val, 1)  # a requested validation split is never silently empty
+    if n_val >= num_docs:
+        raise ValueError(
+            f"cannot hold out {n_val} of {num_docs} documents for validation and keep any for training: "
+            "lower val_fraction (0 disables validation), add data, or use a finer sample_by (line/paragraph)"
+        )
+    mask = np.zeros(num_docs, dtype=bool)
+    mask[np.random.default_rng(config.seed).choice(num_docs, size=n_val, replace=False)] = True
+    return mask
+
+
+def _write_splits(tokens_ds, config: PrepareConfig, dtype: np.dtype, build_dir: Path) -> dict:
+    import pyarrow.compute as pc  # deferred: heavy (see the module docstring)
+    from datasets.utils.logging import is_progress_bar_enabled
+
+    table = tokens_ds.data.table if hasattr(tokens_ds.data, "table") else tokens_ds.data
+    num_docs = table.num_rows
+    if num_docs == 0:
+        raise ValueError(f"empty corpus: no non-empty documents in {config.source}")
+    is_val = choose_val(num_docs, config)
+    writers = {s: _ShardWriter(build_dir / s, dtype, config.shard_tokens) for s in SPLITS}
+    row = 0
+    # One switch for all bars: datasets.disable_progress_bars() also silences this one.
+    with tqdm(total=num_docs, unit="doc", desc="writing shards", disable=not is_progress_bar_enabled()) as bar:
+        # Arrow list columns are already (flat values, offsets): no per-document Python work here.
+        for batch in table.to_batches(max_chunksize=65536):
+            ids = batch.column(0)
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+            values = ids.flatten().to_numpy(zero_copy_only=False)
+            val_docs = is_val[row : row + len(lengths)]
+            val_tokens = np.repeat(val_docs, lengths)
+            writers["train"].add(values[~val_tokens], lengths[~val_docs])
+            writers["val"].add(values[val_tokens], lengths[val_docs])
+            row += len(lengths)
+            bar.update(len(lengths))
+    return {s: w.close() for s, w in writers.items()}
+
+
+def _install(build_dir: Path, out_dir: Path, manifest: dict) -> None:
+    """Swap the new splits into place; the manifest goes last so a crash never leaves one that looks complete."""
+    for split in SPLITS:  # each split lists its files, so a later rebuild knows them even without the manifest
+        files = sorted(p.name for p in (build_dir / split).iterdir())
+        write_json_atomic(build_dir / split / SPLIT_LISTING, {"files": files})
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # from here the old data is no longer valid
+    for split in SPLITS:
+        target = out_dir / split
+        if target.exists():
+            target.rename(build_dir / f"old-{split}")
+        (build_dir / split).rename(target)
+    write_json_atomic(out_dir / MANIFEST_NAME, manifest)
+
+
+def prepare(config: PrepareConfig | dict) -> dict:
+    """Tokenize `config.source` into `config.out_dir` (see module docstring). Returns the manifest.
+    Does nothing if the data there is already up to date."""
+    config = normalize_prepare_config(config)
+    tokenizer = Tokenizer.load(config.tokenizer)
+    fmt, files = resolve_inputs(config)  # FileNotFoundError before anything is loaded
+    out_dir = Path(config.out_dir)
+
+    if fmt != "hub":
+        check_sources_outside(out_dir, files)
+    # nothing to be up to date with: a mis-encoded input is named before the folder is made (and read only once)
+    utf8_checked = fmt in ("text", "json") and not out_dir.exists()
+    if utf8_checked:
+        for path in files:
+            check_utf8(path)
+    # Only a folder Lantern prepared (or an empty one) is written into, by one prepare at a time.
+    claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
+    lock_folder(out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one")
+    try:
+        return _prepare_locked(config, tokenizer, fmt, files, out_dir, utf8_checked)
+    finally:
+        release_folder(out_dir)
+
+
+def _prepare_locked(
+    config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files: list[str], out_dir: Path, utf8_checked: bool
+) -> dict:
+    if (out_dir / MANIFEST_NAME).exists() and lantern_manifest(out_dir) is None:
+        check_replaceable(out_dir)  # a manifest.json Lantern did not write: refused, never read as stale data
+    reason, old = stale_reason(config, tokenizer, None if fmt == "hub" else files)
+    if reason is None and fmt != "hub":
+        log.info(
+            "prepared data in %s is up to date (%s train tokens); nothing to do",
+            out_dir,
+            f"{old['splits']['train']['tokens']:,}",
+        )
+        return old
+
+    check_replaceable(out_dir)
+    if fmt in ("text", "json") and not utf8_checked:  # a mis-encoded input is named before anything is loaded
+        for path in files:
+            check_utf8(path)
+    clean_stale_build_dirs(out_dir)
+    build_dir = out_dir / f".prepare-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        claim_folder(build_dir, BUILD_KIND, key="data.out_dir")
+    except OSError as error:
+        raise storage_error(error, build_dir, "prepared data", kept="nothing was changed") from error
+    try:
+        t0 = time.perf_counter()
+        # Stat and hash the inputs before reading them: a file edited while we work then looks
+        # changed on the next run instead of silently matching stale shards.
+        inputs = describe_inputs(files) if fmt != "hub" else []
+        ds = load_source(fmt, files, config, cache_dir=str(build_dir / "hf-cache"), utf8_checked=True)
+        if fmt == "hub":
+            # A hub dataset has no file stats: its identity is the datasets fingerprint of the cached build.
+            inputs = [{"path": files[0], "fingerprint": ds._fingerprint}]
+            if reason is None and old["inputs"] == inputs:
+                log.info("prepared data in %s is up to date; nothing to do", out_dir)
+                return old
+            reason = reason or f"inputs changed: {old['inputs']} → {inputs}"
+        log.info("preparing %s: %s", out_dir, reason)
+
+        text_field = "text" if fmt == "text" else config.text_field  # the text builder always names it "text"
+        non_empty = validate_dataset(ds, fmt, files, text_field)
+        if config.val_fraction > 0 and non_empty < 2:
+            choose_val(non_empty, config)  # raises the "cannot hold out" error before tokenizing
+
+        from datasets import Features, List, Value  # deferred: heavy, and only needed when there is work
+
+        tokens_ds = ds.with_format("arrow").map(
+            _tokenize_batch,
+            batched=True,
+            batch_size=1000,
+            num_proc=config.num_proc if config.num_proc > 1 and len(ds) > 1 else None,
+            remove_columns=ds.column_names,
+            features=Features({"ids": List(Value("int32"))}),
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                text_field=text_field,
+                bos=config.add_bos,
+                eos=config.add_eos,
+                strip_newlines=fmt == "text" and config.sample_by == "paragraph",
+            ),
+            cache_file_name=str(build_dir / "hf-cache" / "tokens.arrow"),
+            # An explicit fingerprint spares datasets from hashing the tokenizer's rank table.
+            new_fingerprint=hashlib.sha256(
+                f"{ds._fingerprint}|{tokenizer.fingerprint}|{text_field}|{config}".encode()
+            ).hexdigest()[:32],
+            desc="tokenizing",
+        )
+        dtype = token_dtype(tokenizer.vocab_size)
+        splits = _write_splits(tokens_ds, config, dtype, build_dir)
+        del ds, tokens_ds  # release the memory maps before the cache is deleted
+
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "tokenizer": {
+                "spec": config.tokenizer,
+                "fingerprint": tokenizer.fingerprint,
+                "vocab_size": tokenizer.vocab_size,
+            },
+            "inputs": inputs,
+            "settings": dataclasses.asdict(config),
+            "dtype": dtype.name,
+            "splits": splits,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+        _install(build_dir, out_dir, manifest)
+    except (OSError, ValueError) as error:
+        full = disk_failure(error)
+        if full is None:
+            raise
+        kept = "the data there before is unchanged" if (out_dir / MANIFEST_NAME).exists() else "nothing was kept"
+        raise storage_error(full, full.filename or build_dir, "prepared data", kept=kept) from error
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    train, val = splits["train"], splits["val"]
+    log.info(
+        "wrote %s: train %s tokens / %s docs, val %s tokens / %s docs (%s) in %.1fs",
+        out_dir,
+        f"{train['tokens']:,}",
+        f"{train['documents']:,}",
+        f"{val['tokens']:,}",
+        f"{val['documents']:,}",
+        dtype.name,
+        manifest["seconds"],
+    )
+    return manifest

@@ -1,0 +1,231 @@
+"""
+Reading pretraining (and SFT / preference) inputs: which files, in what format, decoded how.
+
+Owns: resolving sources (globs, directories, missing files, formats by extension, hub names), loading them
+with Hugging Face `datasets` (load_source), UTF-8 checking with file / line / byte-offset errors (check_utf8),
+reading JSON / JSON lines rows for diagnosis (json_rows), and validating the text column before anything is
+tokenized (validate_dataset).
+Does not own: the settings (data/pretrain/config.py), the manifest and input fingerprints (data/pretrain/manifest.py),
+tokenizing and shard writing (data/pretrain/prepare.py).
+Choices: every problem is raised before tokenizing and names its file and row (or line and byte offset):
+`datasets` only logs which file failed, so on its error path the inputs are re-read here to find it. UTF-8 is
+checked by us because pyarrow's JSON reader passes bad bytes through. `datasets` and pyarrow are imported
+inside the functions that use them: they are heavy and only needed when there is work to do.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.pretrain.config import PrepareConfig
+from models.errors import DataError
+from models.resources import shipped_path
+
+_EXTENSIONS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets decompresses these on the fly
+_GLOB_CHARS = set("*?[")
+
+
+def _format_of(path: str) -> str | None:
+    name = path.lower()
+    for ext in _COMPRESSION:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+            break
+    return _EXTENSIONS.get(os.path.splitext(name)[1])
+
+
+def resolve_inputs(config: PrepareConfig) -> tuple[str, list[str]]:
+    """(format, files): expand globs, check every file exists, pick the format. Hub: (hub, [name])."""
+    if config.format == "hub":
+        if len(config.source) != 1:
+            raise ValueError(f"format 'hub' takes one dataset name in `source`, got {config.source}")
+        return "hub", list(config.source)
+
+    files: list[str] = []
+    for pattern in config.source:
+        expanded = os.path.expanduser(pattern)
+        if _GLOB_CHARS & set(expanded):
+            matches = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise FileNotFoundError(f"no files match {pattern!r}")
+            files.extend(matches)
+        elif os.path.isdir(expanded):
+            raise ValueError(f"input {pattern!r} is a directory; give files or a glob such as '{pattern}/*.txt'")
+        else:
+            found = shipped_path(expanded)  # data/corpus/... names the bundled copy after a plain pip install
+            if not found.is_file():
+                hint = ""
+                if config.format == "auto" and "/" in pattern and not os.path.splitext(pattern)[1]:
+                    hint = " (for a Hugging Face hub dataset, set format: hub)"
+                raise FileNotFoundError(f"input file not found: {pattern}{hint}")
+            files.append(str(found))
+    files = [os.path.abspath(f) for f in dict.fromkeys(files)]  # drop duplicates, keep order
+
+    if config.format != "auto":
+        return config.format, files
+    formats = {f: _format_of(f) for f in files}
+    unknown = [f for f, fmt in formats.items() if fmt is None]
+    if unknown:
+        raise ValueError(
+            f"cannot tell the format of {unknown[0]} from its extension; set format to text, json or parquet"
+        )
+    kinds = sorted(set(formats.values()))
+    if len(kinds) > 1:
+        raise ValueError(f"inputs mix formats ({', '.join(kinds)}); prepare each format separately or set format")
+    return kinds[0], files
+
+
+def load_source(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str, utf8_checked: bool = False):
+    from datasets import load_dataset  # deferred: heavy, only when there is work to do (see the docstring)
+    from datasets.exceptions import DatasetGenerationError
+
+    if fmt == "hub":
+        name, _, subset = files[0].partition(":")  # "owner/name:subset" picks a configuration
+        # Hub downloads go to the regular HF cache (worth keeping); only derived files go to cache_dir.
+        return load_dataset(name, subset or None, split="train")
+    # Multiple processes only help when there are several files to convert.
+    num_proc = min(config.num_proc, len(files)) if len(files) > 1 else None
+    kwargs: dict[str, Any] = {}
+    if fmt == "text":
+        kwargs["sample_by"] = config.sample_by
+    if all(os.path.getsize(f) == 0 for f in files):  # datasets would fail with a schema-inference error
+        where = files[0] if len(files) == 1 else f"all {len(files)} input files ({files[0]}, ...)"
+        raise ValueError(f"empty corpus: no non-empty documents in {where} (0 bytes)")
+    if fmt in ("text", "json") and not utf8_checked:  # pyarrow's JSON reader passes bad bytes through
+        for path in files:
+            check_utf8(path)
+    try:
+        return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
+    except (DatasetGenerationError, UnicodeDecodeError) as error:
+        # datasets names the failing file only in its log; find it ourselves where we can.
+        located = _diagnose_json(files, config.text_field) if fmt == "json" else None
+        cause = error.__cause__ or error
+        raise ValueError(f"cannot read the {fmt} input: {located or f'{type(cause).__name__}: {cause}'}") from error
+
+
+def check_utf8(path: str | Path) -> None:
+    """Raise a DataError naming the file, line and byte offset of the first byte sequence that is not UTF-8
+    (a gzip file is checked after decompression; its offsets count decompressed bytes)."""
+    opener: Callable[..., Any] = open
+    if str(path).endswith(".gz"):
+        opener = gzip.open
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:  # the common, valid case at C speed: 16 MiB blocks, nothing kept
+        with opener(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    offset = 0
+    with opener(path, "rb") as f:
+        # "\n" never occurs inside a multi-byte UTF-8 sequence, so lines can be decoded one at a time
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                bad = raw[error.start : error.start + 4]
+                raise DataError(
+                    f"{path}: line {lineno}, byte offset {offset + error.start}: not valid UTF-8 ({bad!r}: "
+                    f"{error.reason}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            offset += len(raw)
+    raise DataError(f"{path}: not valid UTF-8 (it ends inside a multi-byte character at byte offset {offset})")
+
+
+def json_rows(path: str):
+    """(location, record or JSONDecodeError) for each record of a JSON array / JSON lines file."""
+    opener = open
+    if path.endswith(".gz"):
+        opener = gzip.open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    try:  # a JSON document: a list of records, or a dict holding one
+        records = json.loads(text)
+        if isinstance(records, dict):
+            records = next((v for v in records.values() if isinstance(v, list)), [records])
+        if isinstance(records, list):
+            yield from ((f"{path}, record {i + 1}", r) for i, r in enumerate(records))
+            return
+    except json.JSONDecodeError:
+        pass
+    for lineno, line in enumerate(text.splitlines(), start=1):  # JSON lines
+        if line.strip():
+            try:
+                yield f"{path}, line {lineno}", json.loads(line)
+            except json.JSONDecodeError as error:
+                yield f"{path}, line {lineno}", error
+
+
+def _diagnose_json(files: list[str], text_field: str) -> str | None:
+    """Error path only: the first JSON row that is malformed or lacks a string `text_field`, with its
+    file and line (the datasets error does not say where)."""
+    for path in files:
+        for where, record in json_rows(path):
+            if isinstance(record, json.JSONDecodeError):
+                return f"{where}: invalid JSON ({record.msg})"
+            if not isinstance(record, dict):
+                return f"{where}: expected an object with a {text_field!r} field, got {type(record).__name__}"
+            if text_field not in record:
+                return f"{where}: row has no {text_field!r} field (keys: {sorted(record)})"
+            if not isinstance(record[text_field], str):
+                return f"{where}: {text_field!r} is {type(record[text_field]).__name__}, not a string"
+    return None
+
+
+def _locate_row(files: list[str], fmt: str, row: int) -> str:
+    """Map a global row index to 'file, row N' (1-based) for error messages."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq  # deferred: heavy (see the module docstring)
+
+        for path in files:
+            n = pq.ParquetFile(path).metadata.num_rows
+            if row < n:
+                return f"{path}, row {row + 1}"
+            row -= n
+    return f"row {row + 1} of {files}"
+
+
+def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
+    """Check the text column before spending time on tokenization. Returns the non-empty document count."""
+    import pyarrow as pa  # deferred: heavy (see the module docstring)
+    import pyarrow.compute as pc
+
+    where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+    if text_field not in ds.column_names:
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
+        raise ValueError(
+            f"no {text_field!r} field in {located or where}; available fields: {ds.column_names}; set text_field"
+        )
+    column = ds.data.column(text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
+        raise ValueError(f"field {text_field!r} must hold text: {located or f'{where} holds {column.type}'}")
+    if column.null_count:
+        first_null = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        located = _diagnose_json(files, text_field) if fmt == "json" else None
+        located = located or _locate_row(files, fmt, first_null)
+        raise ValueError(f"{column.null_count} row(s) without a {text_field!r} string; the first: {located}")
+    non_empty = pc.sum(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0)).as_py() or 0
+    if non_empty == 0:
+        raise ValueError(f"empty corpus: no non-empty documents in {where}")
+    return non_empty

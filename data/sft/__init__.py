@@ -1,0 +1,1 @@
+"""SFT data: conversations encoded with the prompt masked, packed into rows, and the SFT datamodule."""

@@ -1,0 +1,154 @@
+"""
+SFT rows: encoded examples laid out in rows of exactly seq_len tokens.
+
+Owns: first-fit-decreasing packing (pack_first_fit_decreasing), SFTRows (row i built on demand: inputs,
+targets, document ids, example kinds; per-row token and example totals; a layout fingerprint) and make_rows.
+Does not own: encoding and upsampling (data/sft/examples.py), which rank reads which rows when
+(data/sft/batches.py).
+Choices: with packing, whole examples are packed (never split across rows), by decreasing length into the
+first row with room; without it, one example per row. Inputs are padded with pad_id, targets with -100;
+document_ids number a row's examples 0, 1, ... and padding gets the next id, a document of its own. Rows are
+built on demand from one flat array of inputs and targets, so upsampled copies cost no memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from data.sft.examples import Example
+from models.loss import IGNORE_INDEX
+
+KIND_IDS = {"short": 0, "long": 1}  # example_kinds values in validation batches; padding is -1
+
+
+def pack_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each holding at most `capacity`: items by decreasing length (ties by index) go
+    into the first bin with room. O(n log n) via a max-tree over the bins' free space."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return []
+    if lengths.min() < 1 or lengths.max() > capacity:
+        raise ValueError(f"item lengths must be in [1, {capacity}], got [{lengths.min()}, {lengths.max()}]")
+    order = np.argsort(-lengths, kind="stable")
+    size = 1 << max(0, (len(lengths) - 1).bit_length())  # leaves: at most one bin per item
+    free = [capacity] * (2 * size)  # free[node] = most free space in the node's bins
+    bins: list[list[int]] = []
+    for item in order.tolist():
+        need = int(lengths[item])
+        node = 1
+        while node < size:  # leftmost bin with room (a new, empty bin at worst)
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        index = node - size
+        if index == len(bins):
+            bins.append([])
+        bins[index].append(item)
+        free[node] -= need
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return bins
+
+
+class SFTRows:
+    """Examples laid out in rows of exactly seq_len tokens; row i is built on demand by row(i).
+
+    Row i holds examples rows[i] (indices into `examples`; an index may repeat after upsampling) back to
+    back: inputs ids[:-1], targets ids[1:] (-100 where not supervised), document ids 0, 1, ..., then
+    padding (pad_id / -100 / document id = number of examples). Row index -1 is an all-padding row."""
+
+    def __init__(self, examples: Sequence[Example], rows: Sequence[Sequence[int]], seq_len: int, pad_id: int):
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.num_examples = len(examples)
+        sizes = np.array([e.num_inputs for e in examples], dtype=np.int64)
+        self.offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.offsets[1:])
+        pairs = [e.inputs_targets() for e in examples]
+        self.inputs = np.concatenate([p[0] for p in pairs]) if pairs else np.zeros(0, np.int64)
+        self.targets = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0, np.int64)
+        self.kinds = np.array([KIND_IDS[e.kind] for e in examples], dtype=np.int64)
+        example_targets = np.array([e.num_targets for e in examples], dtype=np.int64)
+
+        self.row_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=self.row_offsets[1:])
+        self.row_items = np.array([i for r in rows for i in r], dtype=np.int64)
+        row_of_item = np.repeat(np.arange(len(rows)), np.diff(self.row_offsets))
+        self.row_lengths = np.bincount(row_of_item, weights=sizes[self.row_items], minlength=len(rows)).astype(np.int64)
+        if len(rows) and self.row_lengths.max() > seq_len:
+            raise ValueError(f"a row holds {self.row_lengths.max()} tokens, more than seq_len={seq_len}")
+        # Per row: supervised targets and examples with at least one (the step totals add these up).
+        self.row_tokens = np.bincount(row_of_item, weights=example_targets[self.row_items], minlength=len(rows)).astype(
+            np.int64
+        )
+        self.row_examples = np.bincount(
+            row_of_item, weights=(example_targets[self.row_items] > 0), minlength=len(rows)
+        ).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.row_offsets) - 1
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.row_lengths.sum())
+
+    @property
+    def supervised_tokens(self) -> int:
+        return int(self.row_tokens.sum())
+
+    @property
+    def efficiency(self) -> float:
+        """Real (non-padding) tokens over rows x seq_len."""
+        return self.real_tokens / (len(self) * self.seq_len) if len(self) else 0.0
+
+    def examples_in(self, row: int) -> list[int]:
+        return self.row_items[self.row_offsets[row] : self.row_offsets[row + 1]].tolist()
+
+    def fingerprint(self) -> str:
+        """Identifies the row layout, so a resumed stream can tell its rows changed."""
+        digest = hashlib.sha256()
+        for array in (self.row_offsets, self.row_lengths, self.row_tokens):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()[:16]
+
+    def row(self, index: int) -> dict[str, np.ndarray]:
+        T = self.seq_len
+        input_ids = np.full(T, self.pad_id, dtype=np.int64)
+        targets = np.full(T, IGNORE_INDEX, dtype=np.int64)
+        document_ids = np.zeros(T, dtype=np.int64)
+        kinds = np.full(T, -1, dtype=np.int64)
+        pos = doc = 0
+        if index >= 0:
+            for doc, example in enumerate(self.examples_in(index)):
+                lo, hi = self.offsets[example], self.offsets[example + 1]
+                n = int(hi - lo)
+                input_ids[pos : pos + n] = self.inputs[lo:hi]
+                targets[pos : pos + n] = self.targets[lo:hi]
+                document_ids[pos : pos + n] = doc
+                kinds[pos : pos + n] = self.kinds[example]
+                pos += n
+            doc = len(self.examples_in(index))
+        document_ids[pos:] = doc  # padding: a document of its own
+        return {"input_ids": input_ids, "targets": targets, "document_ids": document_ids, "example_kinds": kinds}
+
+    def batch(self, indices: Sequence[int], with_kinds: bool = False) -> dict[str, torch.Tensor]:
+        rows = [self.row(int(i)) for i in indices]
+        keys = ("input_ids", "targets", "document_ids") + (("example_kinds",) if with_kinds else ())
+        return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in keys}
+
+
+def make_rows(
+    examples: Sequence[Example], copies: np.ndarray | None, seq_len: int, pad_id: int, packing: bool
+) -> SFTRows:
+    """Rows of `examples` (each repeated copies[i] times): first-fit-decreasing packed, or one per row."""
+    copies = np.ones(len(examples), dtype=np.int64) if copies is None else copies
+    items = np.repeat(np.arange(len(examples)), copies)
+    if packing:
+        lengths = np.array([examples[i].num_inputs for i in items], dtype=np.int64)
+        rows = [items[b].tolist() for b in pack_first_fit_decreasing(lengths, seq_len)]
+    else:
+        rows = [[int(i)] for i in items]
+    return SFTRows(examples, rows, seq_len, pad_id)

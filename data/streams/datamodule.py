@@ -1,0 +1,95 @@
+"""
+The stream bookkeeping every Lantern datamodule shares (pretraining, SFT, preference pairs, PPO prompts).
+
+Each datamodule shards its data itself: the training sampler is ONE global, seeded stream that every rank reads
+its share of (data/streams/packed.py's StreamSampler, or data/sft/batches.py's SFTBatchPlan over it). Build the Trainer with
+`use_distributed_sampler=False` (Lightning would otherwise wrap the sampler in a DistributedSampler and lose the
+resumable stream), and call `mark_consumed()` once per micro-batch, inside training_step (trainer.callbacks.
+DataProgress does), before any checkpoint of that step is written, so the checkpointed position is exactly the
+next unseen sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+
+class StreamDataModule(L.LightningDataModule):
+    """Rank and world size from the attached trainer, the stream position (mark_consumed / consumed_samples) and
+    the checkpoint state, kept pending until train_dataloader() builds the sampler.
+
+    Subclasses set `seq_len` and `micro_batch_size` and hand the sampler they build in train_dataloader() to
+    `_attach_sampler`. The sampler needs advance(), consumed, state_dict() and load_state_dict().
+    The state is saved in Lightning checkpoints under the subclass's name."""
+
+    seq_len: int
+    micro_batch_size: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_sampler: Any = None
+        # Sampler state restored before the sampler exists (Lightning restores checkpoints after
+        # setup() but before train_dataloader()); applied when the sampler is built.
+        self._pending_state: dict | None = None
+
+    # --- distributed ---------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.global_rank) if trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.world_size) if trainer is not None else 1
+
+    # --- stream position -------------------------------------------------------
+
+    def _attach_sampler(self, sampler: Any) -> Any:
+        """Make `sampler` the training stream, at the position of the one it replaces or of a restored checkpoint."""
+        if self.train_sampler is not None:  # rebuilt (e.g. reload_dataloaders_every_n_epochs): keep the position
+            sampler.load_state_dict(self.train_sampler.state_dict())
+        if self._pending_state is not None:
+            sampler.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.train_sampler = sampler
+        return sampler
+
+    def mark_consumed(self, micro_batches: int = 1) -> None:
+        """Report that every rank trained on `micro_batches` more micro-batches."""
+        if self.train_sampler is None:
+            raise RuntimeError("mark_consumed() before train_dataloader(): there is no stream to advance")
+        self.train_sampler.advance(micro_batches * self.micro_batch_size * self.world_size)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples trained on so far (summed over ranks)."""
+        if self.train_sampler is not None:
+            return self.train_sampler.consumed
+        return int(self._pending_state["consumed"]) if self._pending_state else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints under this class's name."""
+        if self.train_sampler is not None:
+            sampler_state = self.train_sampler.state_dict()
+        elif self._pending_state is not None:
+            sampler_state = dict(self._pending_state)
+        else:
+            return {}  # nothing trained yet; Lightning stores nothing for an empty dict
+        return {"sampler": sampler_state, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "sampler" not in state_dict:
+            return
+        if state_dict.get("seq_len", self.seq_len) != self.seq_len:
+            raise ValueError(
+                f"checkpoint data stream was built with seq_len {state_dict['seq_len']}, now {self.seq_len}: "
+                "the stream position cannot be carried over"
+            )
+        if self.train_sampler is not None:
+            self.train_sampler.load_state_dict(state_dict["sampler"])
+        else:
+            self._pending_state = dict(state_dict["sampler"])

@@ -1,0 +1,216 @@
+"""
+Reading prepared token shards (data/pretrain/prepare.py) for pretraining.
+
+- TokenStream: one split's shards as a single memory-mapped token stream, plus document offsets.
+- PackedDataset: fixed windows of seq_len + 1 tokens over that stream (documents packed back to
+  back), with window-local document ids so the model attends only within a document.
+- StreamSampler: one infinite, seeded, globally ordered stream of sample indices, sharded across
+  ranks, that resumes exactly (even on a different number of ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from data.pretrain.manifest import read_manifest
+from models.loss import IGNORE_INDEX  # F.cross_entropy's default ignore_index
+
+log = logging.getLogger("lantern.data")
+
+
+class TokenStream:
+    """Memory-mapped view of a split's shard files as one token stream.
+
+    The shards are opened lazily, so a TokenStream is cheap to pickle into DataLoader workers
+    (each worker maps the files itself instead of receiving copies of the data)."""
+
+    def __init__(self, split_dir: str | Path):
+        self.split_dir = Path(split_dir)
+        self.split = self.split_dir.name
+        manifest = read_manifest(self.split_dir.parent)
+        if self.split not in manifest["splits"]:
+            raise ValueError(f"{self.split_dir.parent} has no split {self.split!r}; it has {list(manifest['splits'])}")
+        info = manifest["splits"][self.split]
+        self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+        self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
+        self._files = [self.split_dir / shard["file"] for shard in info["shards"]]
+        sizes = [shard["tokens"] for shard in info["shards"]]
+        for path, tokens in zip(self._files, sizes):
+            actual = path.stat().st_size if path.is_file() else None
+            if actual != tokens * self.dtype.itemsize:
+                raise ValueError(
+                    f"shard {path} is missing or truncated ({actual} bytes, expected {tokens * self.dtype.itemsize}); "
+                    "re-run `lantern prepare`"
+                )
+        # starts[k] = stream offset of shard k's first token; starts[-1] = total tokens.
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        self.doc_offsets: np.ndarray = np.load(self.split_dir / "doc_offsets.npy", mmap_mode="r")
+        if self.doc_offsets[-1] != self.starts[-1]:
+            raise ValueError(
+                f"{self.split_dir}/doc_offsets.npy ends at {self.doc_offsets[-1]} but the shards hold "
+                f"{self.starts[-1]} tokens; re-run `lantern prepare`"
+            )
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    def _shards(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [np.memmap(path, dtype=self.dtype, mode="r") for path in self._files]
+        return self._maps
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_maps"] = None  # re-mapped on first read in the receiving process
+        return state
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as a new array (crossing shard boundaries as needed)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"read({start}, {stop}) out of range for a stream of {len(self)} tokens")
+        shards = self._shards()
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts = []
+        k, pos = first, start
+        while pos < stop:
+            lo = pos - self.starts[k]
+            hi = min(stop, self.starts[k + 1]) - self.starts[k]
+            parts.append(shards[k][lo:hi])
+            pos = int(self.starts[k] + hi)
+            k += 1
+        if not parts:
+            return np.empty(0, dtype=self.dtype)
+        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+
+    def document_index(self, positions: np.ndarray) -> np.ndarray:
+        """Index of the document each stream position belongs to."""
+        return np.searchsorted(self.doc_offsets, positions, side="right") - 1
+
+
+class PackedDataset(Dataset):
+    """Sample i = tokens [i*seq_len, i*seq_len + seq_len + 1): inputs are the first seq_len tokens,
+    targets the last seq_len (shifted by one). Windows do not overlap except for that one token,
+    so one pass over the samples sees every token once as an input."""
+
+    def __init__(self, split_dir: str | Path, seq_len: int, document_masking: bool = True):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.stream = TokenStream(split_dir)
+        self.seq_len = seq_len
+        self.document_masking = document_masking
+        n_tokens = len(self.stream)
+        if n_tokens < seq_len + 1:
+            raise ValueError(
+                f"split {self.stream.split!r} in {self.stream.split_dir.parent} has {n_tokens} tokens, fewer than "
+                f"one sequence of seq_len+1={seq_len + 1}; lower loader.seq_len or add data"
+            )
+        self.num_samples = (n_tokens - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        index %= self.num_samples
+        start = index * self.seq_len
+        window = torch.from_numpy(self.stream.read(start, start + self.seq_len + 1).astype(np.int64))
+        sample = {"input_ids": window[:-1], "targets": window[1:].clone()}
+        if self.document_masking:
+            docs = self.stream.document_index(np.arange(start, start + self.seq_len + 1))
+            docs = torch.from_numpy(docs - docs[0])  # window-local: 0 for the first document in view
+            # The token after a document's last token starts another document the model cannot see
+            # (it is masked out of attention): predicting it would only teach noise.
+            sample["targets"][docs[1:] != docs[:-1]] = IGNORE_INDEX
+            sample["document_ids"] = docs[:-1].contiguous()
+        return sample
+
+
+class StreamSampler(Sampler[int]):
+    """Sample indices as ONE infinite global stream shared by all ranks.
+
+    Global position g maps to epoch e = g // num_samples and sample perm_e[g % num_samples], where
+    perm_e is a permutation seeded by (seed, e) (the identity without shuffle). Rank r of W reads
+    positions consumed + r, consumed + r + W, ... . Because the order depends only on the global
+    position, resuming from `consumed` continues with exactly the next samples on any world size.
+
+    Iterating does not move `consumed` (loaders prefetch ahead of training); the training loop reports
+    what it actually trained on with advance(). len() is one pass's worth per rank, which is what
+    Lightning calls an epoch; the next iter() simply continues the stream.
+    """
+
+    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+        if num_samples < world_size:
+            raise ValueError(f"{num_samples} samples cannot be shared by {world_size} ranks; add data or lower seq_len")
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.consumed = 0
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+        self._last_iter_start: int | None = None
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm_cache = (epoch, rng.permutation(self.num_samples))
+        return self._perm_cache[1]
+
+    def index_at(self, position: int) -> int:
+        """Sample index at global stream position `position`."""
+        epoch, offset = divmod(position, self.num_samples)
+        return int(self._perm(epoch)[offset]) if self.shuffle else offset
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.consumed  # fixed now, not at the first next(): the generator body runs lazily
+        if start == self._last_iter_start:
+            log.warning(
+                "StreamSampler: a new pass starts at the same stream position %d as the previous one; "
+                "report consumed samples (PretrainDataModule.mark_consumed) or every epoch repeats the same data",
+                start,
+            )
+        self._last_iter_start = start
+        return self._iterate(start)
+
+    def _iterate(self, start: int) -> Iterator[int]:
+        for k in range(len(self)):
+            yield self.index_at(start + self.rank + k * self.world_size)
+
+    def advance(self, global_samples: int) -> None:
+        """Mark `global_samples` more positions (summed over all ranks) as trained on."""
+        if global_samples < 0:
+            raise ValueError(f"cannot advance by {global_samples}")
+        self.consumed += int(global_samples)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(
+                f"cannot resume the data stream: the checkpoint was taken with {state['num_samples']} samples per "
+                f"epoch, now there are {self.num_samples} (the prepared data or seq_len changed)"
+            )
+        self.consumed = int(state["consumed"])
+        self.seed = int(state["seed"])
+        self._perm_cache = None
+        self._last_iter_start = None

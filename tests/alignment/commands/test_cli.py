@@ -1,0 +1,121 @@
+"""The ``lantern`` command as a user types it (in-process through ``main`` unless a subprocess is needed)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignment.commands.cli import main
+from data.tokenizer.tokenizer import Tokenizer
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.model import ModelConfig, Transformer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_help_lists_every_stage(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in (
+        "tokenizer",
+        "generate",
+        "convert",
+        "prepare",
+        "pretrain",
+        "sft",
+        "rm",
+        "ppo",
+        "pipeline",
+        "export",
+        "demo-data",
+    ):
+        assert command in out
+
+
+def test_tokenizer_train_writes_a_loadable_tokenizer(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "data/corpus/tinyshakespeare.txt").read_text()[:200_000])
+    out = tmp_path / "tok.tiktoken"
+    assert main(["tokenizer", "train", "--corpus", str(corpus), "--vocab-size", "1024", "--out", str(out)]) == 0
+    tokenizer = Tokenizer.load(str(out))
+    assert tokenizer.vocab_size == 1024
+    assert tokenizer.decode(tokenizer.encode("ROMEO: good night")) == "ROMEO: good night"
+
+
+def test_generate_from_random_preset(capsys):
+    assert (
+        main(["generate", "--preset", "tiny", "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path) -> Path:
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=64)
+    )
+    return save_checkpoint(model, tmp_path / "native", tokenizer_path=Tokenizer.load("default").path)
+
+
+def test_generate_from_checkpoint_uses_its_tokenizer_and_is_deterministic_greedy(small_checkpoint, capsys):
+    args = [
+        "generate",
+        "--checkpoint",
+        str(small_checkpoint),
+        "--prompt",
+        "KING:",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_generate_rejects_prompt_longer_than_max_seq_len(small_checkpoint, capsys):
+    assert (
+        main(["generate", "--checkpoint", str(small_checkpoint), "--prompt", "word " * 100, "--max-new-tokens", "4"])
+        == 2
+    )
+    assert "max_seq_len 64" in capsys.readouterr().err
+
+
+def test_tokenizer_larger_than_model_vocab_is_a_clear_error(small_checkpoint, capsys):
+    code = main(["generate", "--checkpoint", str(small_checkpoint), "--tokenizer", "cl100k_base", "--prompt", "hi"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "100512 tokens" in err and "vocab_size 4096" in err
+
+
+def test_convert_native_to_hf_and_back(small_checkpoint, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main(["convert", "--from", "native", str(small_checkpoint), "--to", "hf", str(hf)]) == 0
+    assert (hf / "config.json").is_file()
+    back = tmp_path / "back"
+    assert main(["convert", str(hf), "--to", "native", str(back)]) == 0
+    ids = torch.randint(0, 4096, (1, 12))
+    torch.testing.assert_close(load_checkpoint(back)(ids), load_checkpoint(small_checkpoint)(ids))
+
+
+def test_config_error_is_one_line_and_exit_code_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "alignment.commands.cli", "pretrain", "configs/pretrain/tiny.yaml", "loader.seq_lenn=8"],
+        cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "loader.seq_lenn" in result.stderr and "seq_len" in result.stderr
+
+
+def test_help_does_not_import_torch() -> None:
+    """`lantern --help` stays instant: the CLI imports torch only once a command runs."""
+    code = "import sys; from alignment.commands.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout

@@ -1,0 +1,240 @@
+"""The end-to-end pipeline (prepare → pretrain → SFT → RM → PPO, GRPO, DPO, rejection sampling → report) on the
+tiny preset: what it leaves
+behind, incremental re-runs (skip, changed config, interrupted stage) and starting from a given checkpoint.
+
+The full run happens once per module (about a minute on 2 cores); the other slow tests build on its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from alignment.commands.pipeline import Pipeline, load_pipeline_config, run_pipeline
+from alignment.commands.pipeline_records import RECORD
+from models import load_checkpoint
+from models.errors import ConfigError, DataError
+from models.heads import load_scalar_model
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")
+MODEL_STAGES = ("pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling")
+POLICIES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # every stage whose final/ is an LM
+PROMPTS = 4  # report.prompts in tiny.yaml
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> dict:
+    """One full pipeline run; the presets name repository-relative files, so it runs from the repo root."""
+    out = tmp_path_factory.mktemp("pipeline") / "tiny"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        start = time.perf_counter()
+        returned = run_pipeline(TINY, [f"out_dir={out}"])
+        seconds = time.perf_counter() - start
+    finally:
+        os.chdir(cwd)
+    return {"out": out, "returned": returned, "seconds": seconds}
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _statuses(caplog) -> dict[str, str]:
+    """stage -> status from the pipeline's "STAGE: STATUS in Ns" log lines."""
+    found = {}
+    for record in caplog.records:
+        match = re.match(r"(\w+): (ran|resumed|skipped: up to date) in ", record.getMessage())
+        if record.name == "lantern.pipeline" and match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def _table_rows(report: str) -> list[list[str]]:
+    """Numbered rows of the answer table, split into cells."""
+    return [
+        [c.strip() for c in line.strip("|").split(" | ")]
+        for line in report.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    ]
+
+
+def test_stage_list_is_checked_before_anything_runs(tmp_path, in_repo):
+    for stages in ("[sft,pretrain]", "[pretrain,distill]", "[sft,sft]"):
+        with pytest.raises(ConfigError, match="stages must be"):
+            run_pipeline(TINY, [f"out_dir={tmp_path}", f"stages={stages}"])
+    with pytest.raises(ConfigError, match="report"):
+        run_pipeline(TINY, [f"out_dir={tmp_path}", "report.prompt=3"])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs" / "pipeline").glob("*.yaml")))
+def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_repo):
+    """Every stage of every shipped pipeline loads with its overrides (a mistyped key or YAML quoting fails here, not
+    minutes into a run); the default demo's RL stages are rewarded by the checker on the miscounted task alone."""
+    pipeline = Pipeline(
+        load_pipeline_config(str(ROOT / "configs" / "pipeline" / f"{preset}.yaml"), [f"out_dir={tmp_path}"])
+    )
+    pipeline.write_demo()
+    configs = {stage: pipeline.load_stage_config(stage)[0] for stage in pipeline.config.stages if stage != "prepare"}
+    if preset == "default":
+        assert pipeline.config.demo.line_count_miscount > 0.5  # most demonstrations wrong: SFT's greedy answer too
+        train = [json.loads(line) for line in (pipeline.demo / "train.jsonl").read_text().splitlines()]
+        miscounted = [r for r in train if r.get("miscounted")]
+        line_count = [r for r in train if r["task"] == "line_count"]
+        assert len(miscounted) == round(pipeline.config.demo.line_count_miscount * len(line_count))
+        for stage in ("ppo", "grpo"):
+            assert configs[stage].data.train_tasks == ["line_count"]
+            assert [(t.kind, t.path) for t in configs[stage].reward.terms] == [
+                ("checker", "data.demo.scoring:score_example")
+            ]
+        assert configs["ppo"].init.critic == "zeros"  # not a copy of the reward model, whose units the checker's aren't
+
+
+def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
+    """The scoring tools (score_sft) never rewrite a pipeline's demo data under its models: written with other
+    demo.* settings than the config's, it is refused in one line naming the keys, and left as it was."""
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo()
+    demo = tmp_path / "data" / "demo"
+    before = {p.name: p.read_bytes() for p in demo.iterdir()}
+    other = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", "demo.seed=7", "demo.line_count_miscount=0.5"]))
+    with pytest.raises(DataError, match=r"other settings \(line_count_miscount, seed\)"):
+        other.write_demo(only_if_current=True)
+    assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)  # the same: fine
+    (demo / "pairs.jsonl").unlink()  # the same settings with a file missing: rebuilt, not refused
+    Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"])).write_demo(only_if_current=True)
+    assert {p.name: p.read_bytes() for p in demo.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
+    out = tiny_run["out"]
+    assert tiny_run["returned"] == out
+    report = (out / "report.md").read_text()
+    for stage in ("prepare", *MODEL_STAGES):
+        assert f"**{stage}**" in report
+        assert (out / ("data" if stage == "prepare" else stage) / RECORD).is_file()
+    for number in ("val/loss", "val/accuracy", "eval/gt_score", "eval/reward", "ppo/kl", "grpo/kl", "reward_accuracy"):
+        assert number in report
+
+    links = re.findall(r"!\[[^\]]*\]\((report/[^)]+\.png)\)", report)
+    expected_plots = {"pretrain-loss", "sft-accuracy", "rm-accuracy", "ppo-eval", "grpo-eval", "dpo-accuracy"}
+    assert "report/overview.png" in links and expected_plots <= {Path(p).stem for p in links}
+    for link in links:
+        data = (out / link).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024, link
+
+    for stage in POLICIES:
+        assert load_checkpoint(out / stage / "final").config.dim == 128
+    _reward_model, metadata = load_scalar_model(out / "rm" / "final")
+    assert metadata["stage"] == "rm" and "reward_std" in metadata
+
+    # the wiring: each stage started from the previous stage's final/ and logged into one group
+    sft, ppo = (out / "sft" / "config.yaml").read_text(), (out / "ppo" / "config.yaml").read_text()
+    assert f"checkpoint: {out / 'pretrain' / 'final'}" in sft and "group: tiny" in sft
+    assert f"policy: {out / 'sft' / 'final'}" in ppo and f"reward_model: {out / 'rm' / 'final'}" in ppo
+    for stage in ("grpo", "dpo"):  # each alternative starts from the SFT model
+        assert f"policy: {out / 'sft' / 'final'}" in (out / stage / "config.yaml").read_text()
+    # rejection sampling's run folder holds the config of its fine-tuning, which starts from the SFT model too
+    assert f"checkpoint: {out / 'sft' / 'final'}" in (out / "rejection_sampling" / "config.yaml").read_text()
+    assert (out / "rejection_sampling" / "samples.jsonl").is_file()
+    grpo = (out / "grpo" / "config.yaml").read_text()
+    assert (
+        str(out / "data" / "demo" / "train_prompts.jsonl") in grpo
+        and str(out / "data" / "demo" / "prompts.jsonl") in grpo
+    )
+
+    rows = _table_rows(report)
+    # #, task, prompt, reference + one answer per model
+    assert len(rows) == PROMPTS and all(len(row) == 4 + len(POLICIES) for row in rows)
+    assert "| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) |" in report
+    assert "Per task, sampled (mean score of 2 samples at temperature 1 ± SE):" in report
+
+    # report.json: the same numbers for other tools, every held-out prompt, one entry per stage
+    results = json.loads((out / "report.json").read_text())["stages"]
+    assert list(results) == list(MODEL_STAGES)
+    for stage in POLICIES:
+        heldout = results[stage]["heldout"]
+        assert set(heldout) == {"accuracy", "se", "n", "per_task"} and heldout["n"] == 16  # demo n_val
+        assert (
+            0.0 <= heldout["accuracy"] <= 1.0 and heldout["se"] >= 0.0 and isinstance(results[stage]["seconds"], float)
+        )
+        assert (results[stage]["kl"] is None) == (stage in ("pretrain", "sft"))
+        assert stage == "sft" or results[stage]["vs_sft"]["verdict"] in ("gain", "loss", "no clear difference")
+        if stage != "pretrain":  # sampled: the mean score of the pass@k samples, paired with SFT's like greedy
+            sampled = results[stage]["sampled"]
+            assert sampled["samples"] == 2 and sampled["n"] == results[stage]["pass_at_k"]["n"]
+            assert 0.0 <= sampled["accuracy"] <= 1.0 and sampled["se"] >= 0.0
+            assert stage == "sft" or results[stage]["vs_sft_sampled"]["n"] == sampled["n"]
+    assert results["rm"]["heldout"] is None  # not a policy: its own measure is pairwise accuracy
+    assert results["sft"]["pass_at_k"]["k"] == 2
+
+
+@pytest.mark.slow
+def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, caplog, in_repo):
+    out = tiny_run["out"]
+    caplog.set_level(logging.INFO, logger="lantern.pipeline")
+    before = {stage: _mtimes(out / stage) for stage in MODEL_STAGES}
+
+    start = time.perf_counter()
+    run_pipeline(TINY, [f"out_dir={out}"])
+    assert time.perf_counter() - start < tiny_run["seconds"] / 2
+    assert _statuses(caplog) == {stage: "skipped: up to date" for stage in ("prepare", *MODEL_STAGES)}
+    assert {stage: _mtimes(out / stage) for stage in MODEL_STAGES} == before
+
+    caplog.clear()
+    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])  # appended to the preset's sft overrides
+    assert _statuses(caplog) == {
+        "prepare": "skipped: up to date",
+        "pretrain": "skipped: up to date",
+        **{stage: "ran" for stage in MODEL_STAGES[1:]},  # SFT and everything after it
+    }
+    assert _mtimes(out / "pretrain") == before["pretrain"]
+    assert json.loads((out / "sft" / "final" / "lantern.json").read_text())["metadata"]["step"] == 3
+    assert (out / "sft.previous" / "final").is_dir()  # the old run moved aside, not resumed from
+    assert "**sft** (ran" in (out / "report.md").read_text()
+
+    # interrupted: no record but a pending marker with the same hash → the stage resumes from its checkpoints
+    (out / "ppo" / RECORD).rename(out / "ppo" / "pipeline_stage.pending.json")
+    caplog.clear()
+    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])
+    assert _statuses(caplog)["ppo"] == "resumed" and _statuses(caplog)["sft"] == "skipped: up to date"
+    assert (out / "ppo" / RECORD).is_file() and not (out / "ppo" / "pipeline_stage.pending.json").exists()
+
+    # interrupted after its last checkpoint but before the export: the resumed run has nothing left to train
+    # and exports the model from that checkpoint
+    (out / "ppo" / RECORD).rename(out / "ppo" / "pipeline_stage.pending.json")
+    shutil.rmtree(out / "ppo" / "final")
+    caplog.clear()
+    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])
+    assert _statuses(caplog)["ppo"] == "resumed" and "exported no final model" not in caplog.text
+    assert load_checkpoint(out / "ppo" / "final").config.dim == 128
+
+
+@pytest.mark.slow
+def test_alignment_stages_from_a_start_checkpoint(tiny_run, tmp_path, caplog, in_repo):
+    caplog.set_level(logging.INFO, logger="lantern.pipeline")
+    start = tiny_run["out"] / "pretrain" / "final"
+    out = run_pipeline(TINY, [f"out_dir={tmp_path / 'aligned'}", "stages=[sft,rm,ppo]", f"start_checkpoint={start}"])
+    assert _statuses(caplog) == {"sft": "ran", "rm": "ran", "ppo": "ran"}
+    assert not (out / "pretrain").exists()
+    assert f"checkpoint: {start}" in (out / "sft" / "config.yaml").read_text()
+    report = (out / "report.md").read_text()
+    assert "**sft**" in report and "**pretrain**" not in report
+    rows = _table_rows(report)
+    assert len(rows) == PROMPTS and all(len(row) == 4 + 3 for row in rows)  # base (the start checkpoint), SFT, PPO
