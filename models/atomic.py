@@ -252,15 +252,3 @@ def manifest_mismatch(root: PathLike, expected: dict[str, str]) -> str | None:
     if changed:
         return f"checksum mismatch in {changed[:3]} (truncated or corrupted)"
     return None
-
-
-def folder_fingerprint(path: PathLike) -> str:
-    """A hash of a folder's file names, sizes and mtimes (or one file's): enough to notice a replaced checkpoint
-    without reading gigabytes. The pipeline keys re-runs on it, rejection sampling its samples."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root] if root.is_file() else []
-    parts = [str(root.resolve())]
-    parts += [
-        f"{p.relative_to(root) if p != root else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -213,7 +213,9 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
     (SFT, reward model): the tokenizer fits the model and is the one the checkpoint carries, and the sequences
     fit its max_seq_len. ``config.model`` is set to the model really built, so that config.yaml and the
     checkpoints record it (a preset's ``model: tiny`` is only the fallback when there is no checkpoint)."""
-    if config.init.checkpoint and config.model != model:
+    # Only a model section someone set is worth a warning: a stage preset that names none (the pipeline's, which
+    # start from the previous stage's model) carries the schema's default, which nobody asked for.
+    if config.init.checkpoint and config.model != model and config.model != ModelConfig():
         log.warning(
             "model section ignored: the model is %s's (dim %d, %d layers, vocab %d), not the configured "
             "(dim %d, %d layers, vocab %d); config.yaml records the checkpoint's",
@@ -225,10 +227,18 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
             config.model.n_layers,
             config.model.vocab_size,
         )
-        config.model = model
     source = config.init.checkpoint or "the model (model.vocab_size)"
     check_tokenizer_fits_model(tokenizer, model, model_name=source)
     if config.init.checkpoint:
-        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer.tokenizer")
-    if config.data.seq_len > model.max_seq_len:
-        raise ConfigError(f"data.seq_len ({config.data.seq_len}) exceeds the model's max_seq_len ({model.max_seq_len})")
+        check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
+        config.model = model
+    check_context_length({"data.seq_len": config.data.seq_len}, model.max_seq_len, "the model's")
+
+
+def check_context_length(lengths: dict[str, int], max_seq_len: int, whose: str) -> None:
+    """The one context check every stage makes before any compute: the tokens a row can hold (``lengths``, config
+    key -> tokens, summed: e.g. a prompt budget plus a response budget) fit ``whose`` max_seq_len."""
+    if sum(lengths.values()) > max_seq_len:
+        needed = " + ".join(f"{key} ({tokens})" for key, tokens in lengths.items())
+        verb = "exceeds" if len(lengths) == 1 else "exceed"
+        raise ConfigError(f"{needed} {verb} {whose} max_seq_len ({max_seq_len})")

@@ -32,7 +32,6 @@ from alignment.commands.pipeline_records import (
     RECORD,
     data_hash,
     read_json,
-    sha,
     stage_state,
     write_record,
 )
@@ -55,7 +54,7 @@ from data.demo.tasks import write_demo_dataset
 from data.pretrain.prepare import prepare
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import folder_fingerprint
+from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError
 from models.folders import claim_folder
 from trainer.config import load_config, to_yaml
@@ -236,7 +235,7 @@ class Pipeline:
         tools): a folder written with other demo settings is refused, not rewritten under the pipeline's models."""
         arguments = {f.name: getattr(self.config.demo, f.name) for f in fields(DemoDataSection)}
         paths = write_demo_dataset(self.demo, refuse_other_settings=only_if_current, key="out_dir", **arguments)
-        self.demo_hash = sha(paths["manifest"].read_text())
+        self.demo_hash = content_key(paths["manifest"].read_text())
         self.check_heldout_disjoint()
 
     def run(self) -> None:
@@ -279,7 +278,7 @@ class Pipeline:
 
     def model_stage(self, stage: str) -> None:
         config, inputs = self.load_stage_config(stage)
-        digest = sha(to_yaml(config), json.dumps(inputs, sort_keys=True))  # before resume is set: not part of it
+        digest = content_key(to_yaml(config), inputs)  # before resume is set: not part of it
         run_dir, final = self.stage_dir(stage), self.stage_dir(stage) / "final"
         state = stage_state(run_dir, digest)
         if state == "up to date":

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from alignment.commands.pipeline_records import read_json, sha
+from alignment.commands.pipeline_records import read_json
 from alignment.shared.evaluation import (
     heldout_summary,
     json_safe,
@@ -34,6 +34,7 @@ from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import write_atomically
 from models.checkpoint import load_checkpoint
+from models.digests import content_key
 from models.errors import ConfigError
 
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports the report, which imports this module
@@ -119,9 +120,7 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     results = {}
     for stage, (path, digest) in finals.items():
         cache = pipeline.root / "report" / f"eval-{stage}.json"
-        key = sha(
-            json.dumps([spec, pipeline.demo_hash, str(pipeline.config.report), digest, finals.get("sft", ("", ""))[1]])
-        )
+        key = content_key(spec, pipeline.demo_hash, str(pipeline.config.report), digest, finals.get("sft", ("", ""))[1])
         if (cached := read_json(cache)) and cached.get("key") == key:
             results[stage] = cached["result"]
             continue

@@ -4,22 +4,19 @@ A stage that starts writes ``pipeline_stage.pending.json`` (``PENDING``) with th
 one writes ``pipeline_stage.json`` (``RECORD``): the hash of its fully resolved config and of its inputs' hashes.
 ``stage_state`` reads them back for a stage about to run: up to date (skip it), interrupted with the same hash
 (resume it), or neither (train it from scratch). Inputs are identified cheaply: prepared data by its manifest, a
-checkpoint folder from outside the pipeline by its files' names, sizes and mtimes (``models.atomic.folder_fingerprint``).
+checkpoint folder from outside the pipeline by its files' names, sizes and mtimes (``models.digests.folder_fingerprint``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
 
+from models.digests import content_key
+
 RECORD, PENDING = "pipeline_stage.json", "pipeline_stage.pending.json"
 StageState = Literal["up to date", "interrupted", "new"]
-
-
-def sha(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -30,7 +27,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def data_hash(manifest: dict[str, Any]) -> str:
-    return sha(json.dumps(manifest, sort_keys=True))  # the manifest names inputs (sha256), tokenizer, settings
+    return content_key(manifest)  # the manifest names inputs (sha256), tokenizer, settings
 
 
 def write_record(folder: Path, record: dict[str, Any], name: str = RECORD) -> None:

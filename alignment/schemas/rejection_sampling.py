@@ -5,7 +5,7 @@ Choices: the reward is the one section every sampling stage shares (``RewardConf
 checker, as GRPO's); the fine-tuning is the whole SFT schema embedded as the ``sft`` section, so every SFT key
 works under ``sft.`` (``sft.optim.lr``, ``sft.trainer.strategy``, ``sft.data.val`` ...), except what the stage
 sets itself: ``sft.init.checkpoint`` (= ``init.policy``), ``sft.data.train`` (the kept samples),
-``sft.data.tokenizer`` (= ``data.tokenizer.tokenizer``) and ``sft.run`` (= ``run``). There is no separate trainer for
+``sft.data.tokenizer`` (= ``data.tokenizer``) and ``sft.run`` (= ``run``). There is no separate trainer for
 sampling: it runs on the device ``sft.trainer`` names (a GPU unless ``sft.trainer.accelerator=cpu``).
 """
 

@@ -196,7 +196,7 @@ def _check_model(config: DPOConfig, tokenizer: Tokenizer, model: Transformer, ke
         check_same_tokenizer(
             tokenizer,
             path,
-            key="data.tokenizer.tokenizer" if key == "policy" else "data.tokenizer.tokenizer (init.reference's)",
+            key="data.tokenizer" if key == "policy" else "data.tokenizer (init.reference's)",
         )
     if config.data.seq_len > model.config.max_seq_len:
         raise ConfigError(

@@ -52,9 +52,9 @@ def run_grpo(config: GRPOConfig, extra_callbacks: list | None = None) -> Path | 
     tokenizer = Tokenizer.load(config.data.tokenizer)
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
     check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer.tokenizer")
+    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
     for scorer in reward.models:
-        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer.tokenizer (the reward model's)")
+        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer (the reward model's)")
     if config.data.max_prompt_tokens + config.grpo.response_max_tokens > policy.config.max_seq_len:
         raise ConfigError(
             f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + grpo.response_max_tokens "

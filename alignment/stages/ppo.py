@@ -77,7 +77,7 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[s
     """Policy and reference (the SFT model) and the critic, checked to agree with the reward before any compute."""
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
     check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer.tokenizer")
+    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
     if config.data.max_prompt_tokens + config.ppo.response_max_tokens > policy.config.max_seq_len:
         raise ConfigError(
             f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + ppo.response_max_tokens "
@@ -89,7 +89,7 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[s
                 f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
                 f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
             )
-        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer.tokenizer (the reward model's)")
+        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer (the reward model's)")
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
     models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy)}
     if config.init.critic == "reward_model" and (reward.models or config.init.reward_model):

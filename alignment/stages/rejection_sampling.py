@@ -29,7 +29,6 @@ Choices:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import math
@@ -49,12 +48,13 @@ from alignment.shared.sampling import sample_and_score
 from alignment.stages.sft import run_sft
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import folder_fingerprint, sha256_file, write_atomically
+from models.atomic import sha256_file, write_atomically
 from models.checkpoint import load_checkpoint, load_model_config
+from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError, DataError, LanternError
 from models.model import ModelConfig
 from trainer.build import check_trainer_config, run_directory
-from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
+from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
 from trainer.config import RunConfig, to_dict
 from trainer.storage import (
     claim_run_directory,
@@ -113,20 +113,21 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
     if sft.run != RunConfig():
         raise ConfigError("sft.run is the stage's run section: set run.name / run.out_dir / run.seed instead")
     if sft.data.tokenizer not in ("default", config.data.tokenizer):
-        raise ConfigError(
-            f"sft.data.tokenizer ({sft.data.tokenizer}) must be data.tokenizer.tokenizer ({config.data.tokenizer})"
-        )
+        raise ConfigError(f"sft.data.tokenizer ({sft.data.tokenizer}) must be data.tokenizer ({config.data.tokenizer})")
     try:
         model = load_model_config(config.init.policy)
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
     check_tokenizer_fits_model(tokenizer, model, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer.tokenizer")
-    if config.data.max_prompt_tokens + sampling.response_max_tokens > model.max_seq_len:
-        raise ConfigError(
-            f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + sampling.response_max_tokens "
-            f"({sampling.response_max_tokens}) exceed the policy's max_seq_len ({model.max_seq_len})"
-        )
+    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
+    check_context_length(
+        {
+            "data.max_prompt_tokens": config.data.max_prompt_tokens,
+            "sampling.response_max_tokens": sampling.response_max_tokens,
+        },
+        model.max_seq_len,
+        "the policy's",
+    )
     if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
         log.warning(
             "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
@@ -171,15 +172,14 @@ def load_training_prompts(config: RejectionSamplingConfig) -> list[dict[str, Any
 
 
 def sampling_digest(config: RejectionSamplingConfig, prompts: list[dict[str, Any]], tokenizer: Tokenizer) -> str:
-    """The hash of what decides the samples (see the module docstring)."""
-    digest = hashlib.sha256()
+    """The key of what decides the samples (see the module docstring)."""
     settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling")}
-    digest.update(json.dumps([FORMAT, settings, config.run.seed, tokenizer.fingerprint], sort_keys=True).encode())
-    for path in [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]:
-        digest.update(folder_fingerprint(path).encode())
-    for prompt in prompts:
-        digest.update(json.dumps([prompt["prompt_ids"], prompt["record"]], sort_keys=True, default=str).encode())
-    return digest.hexdigest()
+    models = [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]
+    return content_key(
+        [FORMAT, settings, config.run.seed, tokenizer.fingerprint],
+        [folder_fingerprint(path) for path in models],
+        [[prompt["prompt_ids"], prompt["record"]] for prompt in prompts],
+    )
 
 
 def sampling_done(run_dir: Path, digest: str) -> bool:

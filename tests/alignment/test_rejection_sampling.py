@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment import rejection_sampling, sampling
 from alignment.schemas.rejection_sampling import RejectionSamplingConfig
+from alignment.shared import sampling
+from alignment.stages import rejection_sampling
 from alignment.stages.rejection_sampling import (
     SAMPLES,
     STATS,

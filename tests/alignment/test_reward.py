@@ -203,7 +203,7 @@ def test_separable_pairs_are_learned_and_the_export_scores_the_same(toy_pairs, t
 
 
 def test_a_tokenizer_larger_than_the_model_is_an_error_before_compute(toy_pairs, tmp_path):
-    config = rm_config(toy_pairs, tmp_path, "data.tokenizer.tokenizer=cl100k_base")
+    config = rm_config(toy_pairs, tmp_path, "data.tokenizer=cl100k_base")
     with pytest.raises(ValueError, match=r"100512 tokens but the model \(model.vocab_size\) has vocab_size 4096"):
         run_rm(config)
     assert not (tmp_path / config.run.name).exists()
@@ -228,8 +228,8 @@ def test_initial_model_is_the_sft_checkpoint_and_its_tokenizer_is_enforced(toy_p
     other.write_bytes(
         b"".join(lines[:-2]) + second[0] + b" " + first[1] + first[0] + b" " + second[1]
     )  # two tokens swap ids
-    with pytest.raises(ValueError, match="set data.tokenizer.tokenizer="):
-        run_rm(rm_config(toy_pairs, tmp_path, f"init.checkpoint={folder}", f"data.tokenizer.tokenizer={other}"))
+    with pytest.raises(ValueError, match="set data.tokenizer="):
+        run_rm(rm_config(toy_pairs, tmp_path, f"init.checkpoint={folder}", f"data.tokenizer={other}"))
 
 
 def test_presets_load():

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from data import demo_corpus
-from data import demo_examples as examples
-from data import demo_scoring as scoring
-from data import demo_tasks as dt
+from data.demo import corpus as demo_corpus
+from data.demo import examples, scoring
+from data.demo import tasks as dt
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n_train=600, n_val=120, n_pairs=400)

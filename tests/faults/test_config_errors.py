@@ -237,7 +237,7 @@ def unknown_keys(text: str) -> list[str]:
 def test_every_key_named_in_an_error_exists():
     bad, checked = [], 0
     for package in ("trainer", "alignment", "data", "models"):
-        for module in sorted((ROOT / package).glob("*.py")):
+        for module in sorted((ROOT / package).rglob("*.py")):
             for line, text in error_strings(module):
                 checked += len(KEY_TOKEN.findall(text))
                 bad += [f"{module.relative_to(ROOT)}:{line}: {name}" for name in unknown_keys(text)]

@@ -280,23 +280,21 @@ def byte_tokenizer(swap: bool = False) -> tuple[dict[bytes, int], bytes]:
 def test_a_checkpoint_must_be_used_with_the_tokenizer_it_carries(tmp_path):
     ranks, raw = byte_tokenizer()
     tokenizer = Tokenizer(ranks, path="mine.model")
-    check_same_tokenizer(
-        tokenizer, tmp_path, key="data.tokenizer.tokenizer"
-    )  # the folder carries none: nothing to compare
+    check_same_tokenizer(tokenizer, tmp_path, key="data.tokenizer")  # the folder carries none: nothing to compare
     (tmp_path / "original").mkdir()
     (tmp_path / "original" / "tokenizer.model").write_bytes(raw)  # Meta's layout
-    check_same_tokenizer(tokenizer, tmp_path, key="data.tokenizer.tokenizer")  # the same ranks: same fingerprint
+    check_same_tokenizer(tokenizer, tmp_path, key="data.tokenizer")  # the same ranks: same fingerprint
 
     other_ranks, _ = byte_tokenizer(swap=True)
     other = Tokenizer(other_ranks, path="other.model")
     assert other.vocab_size == tokenizer.vocab_size and other.fingerprint != tokenizer.fingerprint
     with pytest.raises(ValueError) as caught:
-        check_same_tokenizer(other, tmp_path, key="data.tokenizer.tokenizer")
-    assert f"set data.tokenizer.tokenizer={tmp_path / 'original' / 'tokenizer.model'}" in str(caught.value)
+        check_same_tokenizer(other, tmp_path, key="data.tokenizer")
+    assert f"set data.tokenizer={tmp_path / 'original' / 'tokenizer.model'}" in str(caught.value)
     assert "other.model" in str(caught.value)
 
     (tmp_path / "tokenizer.model").write_bytes(byte_tokenizer(swap=True)[1])  # the top-level file is read first
-    check_same_tokenizer(other, tmp_path, key="data.tokenizer.tokenizer")
+    check_same_tokenizer(other, tmp_path, key="data.tokenizer")
 
 
 def stage_config(model: ModelConfig, seq_len: int, checkpoint: str | None = None) -> SimpleNamespace:
