@@ -62,6 +62,13 @@ class ScalarModel(nn.Module):
         model.head = ScalarHead(backbone.config.dim, init).to(backbone.tok_embeddings.weight.device)
         return model
 
+    def freeze_lm_head(self) -> ScalarModel:
+        """Freeze the LM head nothing reads (untied only: a tied one is the embedding, which trains): it gets no
+        optimizer state, and DDP does not wait for a gradient it never receives. Returns the model."""
+        if not self.config.tie_embeddings:
+            self.backbone.output.weight.requires_grad_(False)
+        return self
+
     def forward(
         self, input_ids: Tensor, *, position_ids: Tensor | None = None, document_ids: Tensor | None = None
     ) -> Tensor:

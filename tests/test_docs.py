@@ -25,7 +25,7 @@ def prose(text: str) -> str:
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: its rendered text lower-cased, punctuation dropped, spaces made hyphens."""
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading anchors on its text
-    text = re.sub(r"[`*_~]|<[^>]+>", "", text) if "_" not in re.sub(r"`[^`]*`", "", text) else text.replace("`", "")
+    text = re.sub(r"<[^>]+>", "", text)  # as do HTML tags' contents
     return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
 
 

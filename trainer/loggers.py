@@ -84,6 +84,13 @@ def _wandb_base_url() -> str:
 class SafeWandbLogger(WandbLogger):
     """A W&B logger whose failures are warnings: a full disk or a dropped connection never stops training."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning passes anonymous=None to wandb.init, and wandb >= 0.19 warns about the setting whatever its
+        # value: a warning the user did not cause and cannot act on. Only an explicit value is passed on.
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
+
     def _guard(self, action: str, function, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "_lantern_broken", False):
             return None

@@ -322,6 +322,17 @@ def test_initial_model_from_a_checkpoint_replaces_the_configured_one(tmp_path, c
         check_initial_model(config, SimpleNamespace(vocab_size=600, path="big.model"), built)
 
 
+def test_a_model_section_nobody_set_is_replaced_without_a_warning(tmp_path, caplog):
+    """The pipeline's stage presets name no model (they start from the previous stage's): the schema's default
+    section then stands for nothing the user asked for, and a default run prints no warning about it."""
+    built = small_model(n_layers=2)
+    config = stage_config(ModelConfig(), seq_len=32, checkpoint=str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        check_initial_model(config, SimpleNamespace(vocab_size=512), built)
+    assert config.model is built
+    assert "model section ignored" not in caplog.text
+
+
 def test_initial_model_without_a_checkpoint_keeps_the_config_and_names_model_vocab_size(caplog):
     configured = small_model()
     config = stage_config(configured, seq_len=32)

@@ -1,4 +1,4 @@
-"""trainer/loggers.py: the CSV logger that keeps a resumed run's history."""
+"""trainer/loggers.py: the CSV logger that keeps a resumed run's history, and W&B started without noise."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, tiny_config
-from trainer.loggers import HistoryCSVLogger
+from trainer.config import LoggerConfig
+from trainer.loggers import HistoryCSVLogger, close_logger, make_logger
 from trainer.plots import read_csv_rows
 
 wandb = pytest.importorskip("wandb")
@@ -58,3 +59,18 @@ def test_a_stage_that_fails_after_wandb_started_leaves_no_run_open(data_dir, tmp
         run_pretrain(config)
     assert list((tmp_path / "runs" / RUN_NAME / "wandb").glob("offline-run-*")), "W&B never started: no test"
     assert wandb.run is None
+
+
+def test_wandb_starts_offline_without_a_warning_the_user_did_not_cause(tmp_path, monkeypatch, capfd):
+    """Lightning hands wandb.init anonymous=None, which wandb warns about ("The anonymous setting has no effect")
+    on every stage of a default run; nothing the user set causes it, so nothing is printed."""
+    isolate_wandb(monkeypatch, tmp_path)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    logger = make_logger(LoggerConfig(kind="wandb", mode="offline"), tmp_path, "quiet", {"seed": 1})
+    try:
+        assert logger.experiment is not None and list((tmp_path / "wandb").glob("offline-run-*"))
+    finally:
+        close_logger(logger)
+    captured = capfd.readouterr()
+    assert "anonymous" not in captured.err + captured.out
+    assert "WARNING" not in captured.err + captured.out
