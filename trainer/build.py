@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from models.atomic import StorageError, storage_error, write_atomically
 from models.checkpoint_io import architecture_differences
+from models.config_checks import check_ranges
 from models.errors import CheckpointError, LanternError
 from models.model import ModelConfig
 from trainer.callbacks import (
@@ -56,12 +57,6 @@ def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | No
     trainer.storage), with the resolved config written to config.yaml and, when given, the datamodule's loading
     statistics to data_stats.json. A folder holding what Lantern did not write, another stage's run, or
     checkpoints of another model is refused before anything in it changes. ``fit_stage`` releases the lock."""
-    if config.optim.warmup_steps > config.trainer.max_steps:
-        log.warning(
-            "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
-            config.optim.warmup_steps,
-            config.trainer.max_steps,
-        )
     run_dir = run_directory(config.run.out_dir, config.run.name)
     try:
         claim_run_directory(run_dir, stage)
@@ -118,21 +113,7 @@ def check_trainer_config(config: TrainerConfig) -> None:
             f"trainer.strategy 'single' runs one process, but trainer.devices={config.devices} and "
             f"trainer.num_nodes={config.num_nodes}: use 'ddp' or 'fsdp' for more"
         )
-    for key in (
-        "devices",
-        "num_nodes",
-        "max_steps",
-        "accumulate_grad_batches",
-        "val_every_n_steps",
-        "log_every_n_steps",
-    ):
-        if getattr(config, key) < 1:
-            raise ConfigError(f"trainer.{key} must be >= 1, got {getattr(config, key)}")
-    if config.max_nonfinite_steps < 0:
-        raise ConfigError(
-            "trainer.max_nonfinite_steps must be >= 0 (0 stops at the first NaN/Inf loss), "
-            f"got {config.max_nonfinite_steps}"
-        )
+    check_ranges(config, prefix="trainer.")  # a config built in code never went through load_config's check
     if config.cpu_offload and config.strategy != "fsdp":
         raise ConfigError("trainer.cpu_offload needs trainer.strategy 'fsdp'")
     if config.cpu_offload and (config.accelerator == "cpu" or not torch.cuda.is_available()):

@@ -17,9 +17,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from models.config_checks import check_ranges
 from models.errors import ConfigError, one_line
 from models.resources import model_preset_path, model_presets, shipped_path
-from trainer.checks import check_ranges
 
 Strategy = Literal["single", "ddp", "fsdp"]
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.pretrain.config import check_data_config, normalize_dataclass
+from models.errors import ConfigError
 
 SCHEMAS = ("auto", "pairs", "implicit_prompt", "hh")  # hh: implicit_prompt's former name
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
@@ -56,11 +57,5 @@ def validate_config(config: PreferenceDataConfig) -> None:
         "train",
         {"format": FORMATS, "schema": SCHEMAS, "too_long": TOO_LONG, "on_bad_row": ON_BAD_ROW},
     )
-
-    def bad(message: str) -> ValueError:
-        return ValueError(f"preference data config: {message}")
-
-    if config.seq_len < 2:
-        raise bad(f"seq_len must be >= 2, got {config.seq_len}")
-    if config.num_proc < 1:
-        raise bad(f"num_proc must be >= 1, got {config.num_proc}")
+    if config.seq_len < 2:  # a prompt token and a response token: stricter than the seq_len every config shares
+        raise ConfigError(f"preference data config: seq_len must be >= 2 but got {config.seq_len}")

@@ -5,8 +5,9 @@ Owns: PrepareConfig, its allowed values (FORMATS, SAMPLE_BY) and their validatio
 the SFT and preference configs (data/sft/config.py, data/preference/config.py) use as well.
 Does not own: what the settings do: reading the inputs is data/pretrain/sources.py's, the manifest and staleness
 data/pretrain/manifest.py's, tokenizing and writing shards data/pretrain/prepare.py's.
-Choices: plain dataclasses checked once, up front (a ValueError names the bad setting before any file is
-touched); only the standard library is imported, so a config can be built without numpy, datasets or a tokenizer.
+Choices: plain dataclasses checked once, up front, the way every config is (models/config_checks.py: a ConfigError
+names the bad setting before any file is touched); nothing heavy is imported, so a config can be built without
+numpy, datasets or a tokenizer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from models.config_checks import check_choices, check_ranges
+from models.errors import ConfigError
 
 FORMATS = ("auto", "text", "json", "parquet", "hub")
 SAMPLE_BY = ("line", "paragraph", "document")
@@ -55,19 +59,14 @@ def normalize_dataclass(
     return config
 
 
-def check_data_config(
-    config: Any, where: str, inputs: str, choices: Mapping[str, Sequence[str]], val_fraction: bool = True
-) -> None:
+def check_data_config(config: Any, where: str, inputs: str, choices: Mapping[str, Sequence[str]]) -> None:
     """The checks every data config shares: a non-empty input list (field ``inputs``), each field of
-    ``choices`` holding one of its allowed values, and ``val_fraction`` in [0, 1). One ValueError per
-    problem, prefixed with ``where`` and naming the field."""
+    ``choices`` holding one of its allowed values, and every numeric field in its range (``RANGES``). One
+    ConfigError per problem, prefixed with ``where`` and naming the field."""
     if not getattr(config, inputs):
-        raise ValueError(f"{where}: `{inputs}` is empty; give at least one file, glob or hub dataset name")
-    for key, allowed in choices.items():
-        if getattr(config, key) not in allowed:
-            raise ValueError(f"{where}: {key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}")
-    if val_fraction and not 0.0 <= config.val_fraction < 1.0:
-        raise ValueError(f"{where}: val_fraction must be in [0, 1), got {config.val_fraction}")
+        raise ConfigError(f"{where}: `{inputs}` is empty; give at least one file, glob or hub dataset name")
+    check_choices(config, choices, where)
+    check_ranges(config, where)
 
 
 def normalize_prepare_config(config: PrepareConfig | dict) -> PrepareConfig:
@@ -77,7 +76,3 @@ def normalize_prepare_config(config: PrepareConfig | dict) -> PrepareConfig:
 
 def _validate_config(config: PrepareConfig) -> None:
     check_data_config(config, "prepare", "source", {"format": FORMATS, "sample_by": SAMPLE_BY})
-    if config.shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be >= 1, got {config.shard_tokens}")
-    if config.num_proc < 1:
-        raise ValueError(f"num_proc must be >= 1, got {config.num_proc}")

@@ -21,6 +21,7 @@ from data.records.files import read_records
 from data.streams.datamodule import StreamDataModule
 from data.streams.packed import StreamSampler
 from data.tokenizer.tokenizer import Tokenizer
+from models.config_checks import check_choices
 from models.errors import DataError
 
 log = logging.getLogger("lantern.prompts")
@@ -125,8 +126,7 @@ class PromptDataModule(StreamDataModule):
 
     def __init__(self, config: PromptDataConfig, *, batch_size: int) -> None:
         super().__init__()
-        if config.too_long not in ("truncate", "drop") or config.on_bad_row not in ("error", "skip"):
-            raise ValueError("data.too_long must be truncate|drop and data.on_bad_row error|skip")
+        check_choices(config, {"too_long": ("truncate", "drop"), "on_bad_row": ("error", "skip")}, prefix="data.")
         if batch_size < 1:
             raise ValueError(f"rollout batch size must be >= 1, got {batch_size}")
         self.config = config

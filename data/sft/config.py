@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.pretrain.config import check_data_config, normalize_dataclass
+from models.errors import ConfigError
 
 SCHEMAS = ("auto", "messages", "sharegpt", "prompt_response", "prompt_completion", "alpaca")
 FORMATS = ("auto", "json", "jsonl", "parquet", "hub")
@@ -64,21 +65,5 @@ def validate_config(config: SFTDataConfig) -> None:
         "train",
         {"format": FORMATS, "schema": SCHEMAS, "too_long": TOO_LONG, "on_bad_row": ON_BAD_ROW},
     )
-
-    def bad(message: str) -> ValueError:
-        return ValueError(f"SFT data config: {message}")
-
-    if config.seq_len < 1:
-        raise bad(f"seq_len must be >= 1, got {config.seq_len}")
-    if config.short_answer_max_tokens < 1:
-        raise bad(f"short_answer_max_tokens must be >= 1, got {config.short_answer_max_tokens}")
-    if config.short_answer_factor < 1:
-        raise bad(f"short_answer_factor must be >= 1, got {config.short_answer_factor}")
-    share = config.short_answer_target_share
-    if share is not None:
-        if not 0.0 <= share < 1.0:
-            raise bad(f"short_answer_target_share must be in [0, 1) or null, got {share}")
-        if config.short_answer_factor != 1:
-            raise bad("set short_answer_factor or short_answer_target_share, not both")
-    if config.num_proc < 1:
-        raise bad(f"num_proc must be >= 1, got {config.num_proc}")
+    if config.short_answer_target_share is not None and config.short_answer_factor != 1:
+        raise ConfigError("SFT data config: set short_answer_factor or short_answer_target_share, not both")

@@ -27,10 +27,10 @@ from data.sft.config import SFTDataConfig
 from data.sft.dataset import build_sft_data
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
+from models.config_checks import numeric_fields, range_rule
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
 from tests.helpers import run_cli
-from trainer.checks import numeric_fields, range_rule
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,9 +25,10 @@ from alignment.schemas.sft import SFTConfig
 from alignment.stages.sft import check_generation_budgets, plan_generations
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import save_checkpoint
+from models.config_checks import RANGES, numeric_fields, range_rule
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
-from trainer.checks import RANGES, check_initial_model, numeric_fields, range_rule
+from trainer.checks import check_initial_model
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
