@@ -12,7 +12,7 @@ from data.tokenizer.bpe import train_bpe
 from data.tokenizer.files import CL100K_SHA256, DEFAULT_TOKENIZER_PATH
 from data.tokenizer.tokenizer import NUM_SPECIAL_TOKENS, Tokenizer, _split_long_runs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CORPUS = REPO / "data" / "corpus" / "tinyshakespeare.txt"
 if not CORPUS.is_file():
     CORPUS = Path("/work/shared/data/tinyshakespeare.txt")

@@ -17,7 +17,7 @@ from data.demo import corpus as demo_corpus
 from data.demo import examples, scoring
 from data.demo import tasks as dt
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = dict(n_train=600, n_val=120, n_pairs=400)
 
 
