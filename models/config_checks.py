@@ -171,8 +171,7 @@ def range_rule(path: str) -> tuple[float | None, float | None, bool, bool] | Non
 
 def check_ranges(config: Any, source: str = "", prefix: str = "") -> None:
     """Raise a ConfigError naming the key path of the first numeric field outside its range (after ``source``,
-    the file, when there is one), and refuse min_lr > lr (the schedule would climb). A warmup longer than the run
-    is allowed, with a warning: the learning rate never reaches its peak."""
+    the file, when there is one), and refuse min_lr > lr (the schedule would climb)."""
     for item in fields(config):
         value, path = getattr(config, item.name), f"{prefix}{item.name}"
         if is_dataclass(value):
@@ -188,15 +187,6 @@ def check_ranges(config: Any, source: str = "", prefix: str = "") -> None:
     names = {item.name for item in fields(config)}
     if {"lr", "min_lr"} <= names and config.min_lr > config.lr:
         raise ConfigError(f"{_at(source)}{prefix}min_lr ({config.min_lr}) must be <= {prefix}lr ({config.lr})")
-    if {"optim", "trainer"} <= names and config.optim.warmup_steps > config.trainer.max_steps:
-        log.warning(
-            "%s%soptim.warmup_steps (%d) exceeds %strainer.max_steps (%d): the learning rate never reaches optim.lr",
-            _at(source),
-            prefix,
-            config.optim.warmup_steps,
-            prefix,
-            config.trainer.max_steps,
-        )
 
 
 def check_choices(config: Any, choices: Mapping[str, Sequence[str]], source: str = "", prefix: str = "") -> None:

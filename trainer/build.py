@@ -106,6 +106,21 @@ def peak_flops(config: TrainerConfig) -> float:
     return device_peak_flops(device, dtype, config.peak_tflops)
 
 
+def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> None:
+    """What every stage checks first, before anything is created: every numeric key in its range (a config built
+    in code, or changed after loading, never passed load_config's check), then the trainer section
+    (``trainer``: the config's own unless given). A warmup longer than the run is allowed, with a warning."""
+    check_ranges(config)
+    check_trainer_config(config.trainer if trainer is None else trainer)
+    optim, trainer = getattr(config, "optim", None), config.trainer if trainer is None else trainer
+    if optim is not None and optim.warmup_steps > trainer.max_steps:
+        log.warning(
+            "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
+            optim.warmup_steps,
+            trainer.max_steps,
+        )
+
+
 def check_trainer_config(config: TrainerConfig) -> None:
     """The checks Lightning would only make after launching processes, made up front with key names."""
     if config.strategy == "single" and (config.devices != 1 or config.num_nodes != 1):

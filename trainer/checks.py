@@ -66,13 +66,14 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
     if config.init.checkpoint:
         check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
         config.model = model
-    check_context_length({"data.seq_len": config.data.seq_len}, model.max_seq_len, "the model's")
+    check_context_length({"data.seq_len": config.data.seq_len}, model.max_seq_len, "the model's max_seq_len")
 
 
-def check_context_length(lengths: dict[str, int], max_seq_len: int, whose: str) -> None:
+def check_context_length(lengths: dict[str, int], max_seq_len: int, limit: str) -> None:
     """The one context check every stage makes before any compute: the tokens a row can hold (``lengths``, config
-    key -> tokens, summed: e.g. a prompt budget plus a response budget) fit ``whose`` max_seq_len."""
+    key -> tokens, summed: e.g. a prompt budget plus a response budget) fit the context ``max_seq_len``, named
+    ``limit`` in the error (a key such as "model.max_seq_len", or "the policy's max_seq_len")."""
     if sum(lengths.values()) > max_seq_len:
         needed = " + ".join(f"{key} ({tokens})" for key, tokens in lengths.items())
         verb = "exceeds" if len(lengths) == 1 else "exceed"
-        raise ConfigError(f"{needed} {verb} {whose} max_seq_len ({max_seq_len})")
+        raise ConfigError(f"{needed} {verb} {limit} ({max_seq_len})")

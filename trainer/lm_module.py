@@ -1,7 +1,8 @@
 """What every stage's LightningModule shares: parallelism, optimiser and schedule, gradient clipping with a
-logged norm, the NaN/Inf stop, RNG state in checkpoints, and checkpoints whose parameter names are the plain
-model names whatever wraps the blocks (activation checkpointing, torch.compile, FSDP2), so a checkpoint saved
-under one combination of wrappers resumes under any other. Stages subclass it and write their steps."""
+logged norm, the NaN/Inf stop, the per-step and validation accounting, RNG state in checkpoints, and checkpoints
+whose parameter names are the plain model names whatever wraps the blocks (activation checkpointing,
+torch.compile, FSDP2), so a checkpoint saved under one combination of wrappers resumes under any other. Stages
+subclass it and write their steps."""
 
 from __future__ import annotations
 
@@ -23,7 +24,22 @@ log = logging.getLogger(__name__)
 
 class LanguageModelModule(L.LightningModule):
     """``config`` has ``optim`` (OptimConfig) and ``trainer`` (TrainerConfig) sections; ``self.model`` is the
-    module that is trained (built by the subclass, or on the meta device in ``build_model``)."""
+    module that is trained (built by the subclass, or on the meta device in ``build_model``).
+
+    The accounting, declared by the subclass and kept here:
+
+    - ``step_metrics``: what a training step adds up over its micro-batches, each micro-batch its share of the
+      step's mean (``step_share``); zeroed at train start, logged as ``train/NAME`` before each optimizer step,
+      where the log's sync sums the ranks' shares (one all-reduce per metric).
+    - ``validation_sums``: what validation adds up over its batches (``add_validation_sums``); summed over ranks in
+      one all-reduce at the epoch's end and divided into ``val/NAME`` by ``validation_metrics`` (by default each
+      sum over the last one, a count).
+    - ``progress_bar``: the metric names (train and val alike) the progress bar shows.
+    """
+
+    step_metrics: tuple[str, ...] = ()
+    validation_sums: tuple[str, ...] = ()
+    progress_bar: tuple[str, ...] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -73,6 +89,61 @@ class LanguageModelModule(L.LightningModule):
             count,
             allowed,
         )
+
+    # ---- the step's metrics: this rank's shares, summed over micro-batches here and over ranks by the log ----
+
+    def on_train_start(self) -> None:
+        self._step_sums = torch.zeros(len(self.step_metrics), device=self.device)
+
+    def step_share(self, share: Tensor, metrics: Tensor | None = None) -> Tensor:
+        """A micro-batch's share of its optimizer step's loss (``share``, with grad) and of the step's metrics
+        (``metrics``, detached, in ``step_metrics`` order; the loss share alone by default): stops on a NaN/Inf
+        share, adds the metrics to the step's sums, and returns what to backpropagate: Lightning divides it by the
+        accumulation count and DDP/FSDP average gradients over ranks, and it is scaled to undo both, so the
+        gradient is exactly that of the step loss the shares add up to."""
+        self.stop_if_not_finite(share)
+        self._step_sums += share.detach() if metrics is None else metrics
+        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.step_metrics:
+            return
+        # shares summed over micro-batches here and over ranks by the sync: the step's means over all of it
+        for name, value in zip(self.step_metrics, self._step_sums.clone()):
+            self.log(
+                f"train/{name}",
+                value,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=name in self.progress_bar,
+                sync_dist=True,
+                reduce_fx="sum",
+            )
+        self._step_sums.zero_()
+
+    # ---- validation: sums over batches, one all-reduce, then the division ----
+
+    def on_validation_epoch_start(self) -> None:
+        # sums and counts, not a mean of batch means, so that a reported mean is the true one
+        self._validation_totals = torch.zeros(len(self.validation_sums), device=self.device)
+
+    def add_validation_sums(self, sums: Tensor) -> None:
+        """Add a batch's sums, in ``validation_sums`` order."""
+        self._validation_totals += sums
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.validation_sums:
+            return
+        totals = self.trainer.strategy.reduce(self._validation_totals, reduce_op="sum").tolist()
+        metrics = self.validation_metrics(dict(zip(self.validation_sums, totals)))
+        for name, value in metrics.items():  # already reduced over ranks: the sync averages equal values
+            self.log(f"val/{name}", value, prog_bar=name in self.progress_bar, sync_dist=True)
+
+    def validation_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The ``val/NAME`` metrics (by NAME) from ``validation_sums``' totals over all ranks: by default every sum
+        but the last divided by the last (a count, at least 1)."""
+        *sums, count = self.validation_sums
+        return {name: totals[name] / max(totals[count], 1) for name in sums}
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)

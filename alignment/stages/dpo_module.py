@@ -1,5 +1,5 @@
 """DPOModule: direct preference optimisation of a policy against a frozen reference (DPO, IPO) or none (SimPO).
-The stage around it (checks, models, data, callbacks) is alignment/stages/dpo.py.
+The stage around it (checks, models, callbacks) is alignment/stages/dpo.py, its data data/preference/dpo.py.
 
 One forward per micro-batch: the preference batch's rows are [chosen_0 .. chosen_{B-1}, rejected_0 ..
 rejected_{B-1}] (data/preference/pairs.py), and ``response_logprob_sums`` scores all 2B rows at once through the
@@ -69,6 +69,10 @@ def reference_dtype(config: TrainerConfig) -> torch.dtype:
 
 
 class DPOModule(LanguageModelModule):
+    step_metrics = METRICS  # the step's means over all its pairs
+    validation_sums = (*METRICS, "pairs")  # pair_terms' sums
+    progress_bar = ("loss", "reward_accuracy")
+
     def __init__(
         self,
         config: DPOConfig,
@@ -208,46 +212,15 @@ class DPOModule(LanguageModelModule):
 
     # ---- training ----
 
-    def on_train_start(self) -> None:
-        self._step_totals = torch.zeros(len(METRICS), device=self.device)  # this rank's shares of the step means
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, sums = self.pair_terms(batch, "train")
         step_pairs = batch["step_pairs"].clamp(min=1)
-        share = loss / step_pairs
-        self.stop_if_not_finite(share)
-        self._step_totals += sums[:5] / step_pairs
-        # Lightning divides by the accumulation count and DDP/FSDP average gradients over ranks; undo both so
-        # the gradient is exactly that of the step loss the shares add up to (as SFT and the reward model do).
-        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # shares summed over micro-batches here and over ranks by the sync: the step's means over all its pairs
-        for name, value in zip(METRICS, self._step_totals.clone()):
-            self.log(
-                f"train/{name}",
-                value,
-                on_step=True,
-                on_epoch=False,
-                prog_bar=name in ("loss", "reward_accuracy"),
-                sync_dist=True,
-                reduce_fx="sum",
-            )
-        self._step_totals.zero_()
+        return self.step_share(loss / step_pairs, sums[:5] / step_pairs)
 
     # ---- validation: the same numbers on held-out pairs ----
 
-    def on_validation_epoch_start(self) -> None:
-        self._val_totals = torch.zeros(len(METRICS) + 1, device=self.device)
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._val_totals += self.pair_terms(batch, "val")[1]
-
-    def on_validation_epoch_end(self) -> None:
-        totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        pairs = max(totals[-1], 1)
-        for name, total in zip(METRICS, totals):  # already reduced over ranks: the sync averages equal values
-            self.log(f"val/{name}", total / pairs, prog_bar=name in ("loss", "reward_accuracy"), sync_dist=True)
+        self.add_validation_sums(self.pair_terms(batch, "val")[1])
 
     def export_metadata(self) -> dict[str, Any]:
         loss = self.config.loss

@@ -1,56 +1,31 @@
-"""The PPO stage (RLHF), as a recipe: check the config, build the reward (a reward model, a checker, or a weighted
-sum: alignment/shared/rewards.py), load the policy and frozen reference from SFT and the critic, build the prompts data
-(held-out prompts disjoint from the training ones), then fit ``PPOModule`` (alignment/stages/ppo_module.py,
-which owns the rollouts and the PPO update) with the callbacks every stage has.
+"""The PPO stage (RLHF): what PPO brings to the RL recipe (alignment/stages/rl.py, ``run_rl``). Its reward is the
+reward model of ``init.reward_model`` unless ``reward.terms`` name one (a reward model, a checker, or a weighted sum:
+alignment/shared/rewards.py); beyond the policy and its frozen reference it trains a critic, copied from the reward
+model (in its normalised units) or a fresh value head on the policy's backbone. ``PPOModule``
+(alignment/stages/ppo_module.py) owns the rollouts and the PPO update.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
-from typing import Any
 
+import lightning as L
 import torch
 
 from alignment.schemas.rl import PPOConfig
-from alignment.shared.evaluation import check_disjoint
 from alignment.shared.responses import RewardFunction
-from alignment.shared.rewards import Reward, RewardTerm, build_reward, load_checker, load_reward_model_score
+from alignment.shared.rewards import Reward, RewardTerm, build_reward, load_reward_model_score
 from alignment.stages.ppo_module import PPOModule
-from data.records.prompts import PromptDataModule
-from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint
+from alignment.stages.rl import RLAlgorithm, run_rl
 from models.errors import ConfigError
 from models.heads import ScalarModel
-from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from models.model import Transformer
 from trainer.callbacks import LossPlot
-from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
-
-log = logging.getLogger(__name__)
 
 
-def check_ppo_config(config: PPOConfig) -> None:
-    """What PPO needs beyond each key's range: batch sizes that divide, no Lightning accumulation, a policy."""
-    ppo = config.ppo
-    if ppo.rollout_batch_size % ppo.minibatch_size or ppo.minibatch_size % ppo.micro_batch_size:
-        raise ConfigError(
-            f"ppo.rollout_batch_size ({ppo.rollout_batch_size}) must be a multiple of ppo.minibatch_size "
-            f"({ppo.minibatch_size}), and that of ppo.micro_batch_size ({ppo.micro_batch_size})"
-        )
-    if config.trainer.accumulate_grad_batches != 1:
-        raise ConfigError(
-            "trainer.accumulate_grad_batches must be 1 for PPO: accumulate with ppo.minibatch_size / ppo.micro_batch_size"
-        )
-    if not config.init.policy:
-        raise ConfigError("init.policy is required: the SFT model folder PPO starts from")
-
-
-def ppo_reward(config: PPOConfig, reward_fn: RewardFunction | None) -> Reward:
-    """``reward.terms`` if any, else the reward model of ``init.reward_model``; ``reward_fn`` (tests, or a
-    programmatic reward over token rows) replaces both."""
-    if reward_fn is not None:
-        return Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
+def ppo_reward(config: PPOConfig) -> Reward:
+    """``reward.terms`` if any, else the reward model of ``init.reward_model``."""
     if config.reward.terms:
         return build_reward(config.reward.terms)
     if not config.init.reward_model:
@@ -73,25 +48,14 @@ def normalised_critic(reward_model: ScalarModel, stats: dict[str, float]) -> Sca
     return critic
 
 
-def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[str, Any]:
-    """Policy and reference (the SFT model) and the critic, checked to agree with the reward before any compute."""
-    policy = load_checkpoint(config.init.policy, dtype=torch.float32)
-    check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
-    if config.data.max_prompt_tokens + config.ppo.response_max_tokens > policy.config.max_seq_len:
-        raise ConfigError(
-            f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + ppo.response_max_tokens "
-            f"({config.ppo.response_max_tokens}) exceed the policy's max_seq_len ({policy.config.max_seq_len})"
-        )
+def ppo_models(config: PPOConfig, policy: Transformer, reward: Reward) -> dict[str, ScalarModel]:
+    """The critic, once the reward models are checked to share the policy's vocabulary."""
     for scorer in reward.models:
         if scorer.model.config.vocab_size != policy.config.vocab_size:
             raise ConfigError(
                 f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
                 f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
             )
-        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer (the reward model's)")
-    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
-    models: dict[str, Any] = {"policy": policy, "reference": copy.deepcopy(policy)}
     if config.init.critic == "reward_model" and (reward.models or config.init.reward_model):
         if reward.models:  # the reward is (partly) this model, in its normalised units: so are the critic's values
             critic = normalised_critic(reward.models[0].model, reward.models[0].stats)
@@ -99,33 +63,11 @@ def load_ppo_models(config: PPOConfig, tokenizer: Any, reward: Reward) -> dict[s
             critic = normalised_critic(load_reward_model_score(config.init.reward_model, "init.reward_model").model, {})
     else:
         critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
-    if not critic.config.tie_embeddings:
-        critic.backbone.output.weight.requires_grad_(
-            False
-        )  # the critic never uses an LM head; DDP needs every trained weight used
-    models["critic"] = critic
-    return models
+    return {"critic": critic.freeze_lm_head()}
 
 
-def run_ppo(
-    config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None
-) -> Path | None:
-    """Check everything that can be checked, then run PPO; returns the run folder on rank 0, else None.
-
-    ``reward_fn`` replaces the configured reward (tests, or a programmatic reward over token rows)."""
-    check_trainer_config(config.trainer)  # before anything is created
-    check_ppo_config(config)
-    checker = load_checker(config.eval.checker, "eval.checker")
-    tokenizer = Tokenizer.load(config.data.tokenizer)
-    reward = ppo_reward(config, reward_fn)
-    models = load_ppo_models(config, tokenizer, reward)
-    datamodule = PromptDataModule(config.data, batch_size=config.ppo.rollout_batch_size)
-    datamodule.setup("fit")
-    check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
-
-    run_dir = start_run_directory(config, "ppo")
-    callbacks = [
-        *stage_callbacks(config, run_dir, tokenizer, metadata={"stage": "ppo", "tokenizer": str(tokenizer.path)}),
+def ppo_plots(config: PPOConfig, run_dir: Path) -> list[L.Callback]:
+    return [
         LossPlot(
             run_dir,
             metrics=("ppo/score", "ppo/reward"),
@@ -141,9 +83,22 @@ def run_ppo(
             ylabel="KL (nats)",
         ),
         LossPlot(run_dir, metrics=("ppo/policy_loss", "ppo/value_loss"), title="PPO losses", filename="loss.png"),
-        *(extra_callbacks or []),
     ]
-    module = PPOModule(
-        config, models["policy"], models["critic"], models["reference"], reward, tokenizer, checker=checker
-    )
-    return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False)
+
+
+PPO = RLAlgorithm(
+    stage="ppo",
+    title="PPO",
+    rollout=("rollout_batch_size",),
+    module=PPOModule,
+    reward=ppo_reward,
+    plots=ppo_plots,
+    extra_models=ppo_models,
+)
+
+
+def run_ppo(
+    config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None
+) -> Path | None:
+    """PPO through the RL recipe (``run_rl``); ``reward_fn`` replaces the configured reward."""
+    return run_rl(config, PPO, extra_callbacks, reward_fn)

@@ -17,19 +17,21 @@ from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint
-from models.errors import ConfigError
 from models.generation import complete
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
-from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_tokenizer_fits_model
+from trainer.checks import check_context_length, check_tokenizer_fits_model
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import token_mean_over_ranks
 
 
 class PretrainModule(LanguageModelModule):
+    validation_sums = ("loss", "tokens")  # sum and count: the reported loss is the true token average
+    progress_bar = ("loss", "perplexity")
+
     def __init__(self, config: PretrainConfig) -> None:
         super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config)})
@@ -56,19 +58,13 @@ class PretrainModule(LanguageModelModule):
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
 
-    def on_validation_epoch_start(self) -> None:
-        # Sum and count, not a mean of batch means, so the reported loss is the true token average.
-        self._val_totals = torch.zeros(2, device=self.device)
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         losses = self._losses(batch)
-        self._val_totals += torch.stack([losses.sum(), (batch["targets"] != IGNORE_INDEX).sum().float()])
+        self.add_validation_sums(torch.stack([losses.sum(), (batch["targets"] != IGNORE_INDEX).sum().float()]))
 
-    def on_validation_epoch_end(self) -> None:
-        total, count = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        loss = total / max(count, 1.0)
-        # already reduced over ranks; sync_dist only averages identical values
-        self.log_dict({"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}, prog_bar=True, sync_dist=True)
+    def validation_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        loss = super().validation_metrics(totals)["loss"]
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
 def pretrain_datamodule(config: PretrainConfig):
@@ -91,13 +87,10 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
     repeated per rank and must be idempotent.
     """
-    check_trainer_config(config.trainer)  # before anything is created
+    check_stage_config(config)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
-    if config.loader.seq_len > config.model.max_seq_len:
-        raise ConfigError(
-            f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
-        )
+    check_context_length({"loader.seq_len": config.loader.seq_len}, config.model.max_seq_len, "model.max_seq_len")
     check_manifest(config.data.out_dir, tokenizer)
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch

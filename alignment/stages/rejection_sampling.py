@@ -53,7 +53,7 @@ from models.checkpoint import load_checkpoint, load_model_config
 from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError, DataError, LanternError
 from models.model import ModelConfig
-from trainer.build import check_trainer_config, run_directory
+from trainer.build import check_stage_config, run_directory
 from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
 from trainer.config import RunConfig, to_dict
 from trainer.storage import (
@@ -126,7 +126,7 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
             "sampling.response_max_tokens": sampling.response_max_tokens,
         },
         model.max_seq_len,
-        "the policy's",
+        "the policy's max_seq_len",
     )
     if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
         log.warning(
@@ -321,7 +321,7 @@ def run_sampling(
 def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
     returns the run folder on rank 0, else None."""
-    check_trainer_config(config.sft.trainer)  # before anything is created
+    check_stage_config(config, config.sft.trainer)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = check_config(config, tokenizer)
     prompts = load_training_prompts(config)

@@ -24,13 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignment.schemas.reward import RMConfig
+from alignment.shared.initial_model import load_initial_model
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
-from alignment.stages.sft import load_initial_model
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
-from models.errors import ConfigError
 from models.heads import ScalarModel
-from trainer.build import check_trainer_config, fit_stage, run_directory, stage_callbacks, start_run_directory
+from trainer.build import check_stage_config, fit_stage, run_directory, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.checks import check_initial_model
 from trainer.config import to_dict
@@ -63,6 +62,10 @@ def normalization_from_moments(moments: Tensor) -> dict[str, float]:
 
 
 class RewardModule(LanguageModelModule):
+    step_metrics = ("loss", "accuracy", "margin")  # the step's means over all its pairs
+    validation_sums = ("loss", "accuracy", "margin", "pairs")  # loss sum, correct, margin sum, pairs
+    progress_bar = ("loss", "accuracy")
+
     def __init__(self, config: RMConfig, model: ScalarModel, tokenizer: Any) -> None:
         super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config), "model": model.config.to_dict()})
@@ -89,47 +92,15 @@ class RewardModule(LanguageModelModule):
 
     # ---- training ----
 
-    def on_train_start(self) -> None:
-        self._step_totals = torch.zeros(3, device=self.device)  # this rank's shares of loss, accuracy, margin
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, sums = self._pair_sums(batch)
         step_pairs = batch["step_pairs"].clamp(min=1)
-        share = loss / step_pairs
-        self.stop_if_not_finite(share)
-        self._step_totals += sums[:3] / step_pairs
-        # Lightning divides by the accumulation count and DDP/FSDP average gradients over ranks; undo both so
-        # the gradient is exactly that of the step loss the shares add up to (as SFTModule does).
-        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # shares summed over micro-batches here and over ranks by the sync: the step's means over all its pairs
-        for name, value in zip(("loss", "accuracy", "margin"), self._step_totals.clone()):
-            self.log(
-                f"train/{name}",
-                value,
-                on_step=True,
-                on_epoch=False,
-                prog_bar=name != "margin",
-                sync_dist=True,
-                reduce_fx="sum",
-            )
-        self._step_totals.zero_()
+        return self.step_share(loss / step_pairs, sums[:3] / step_pairs)
 
     # ---- validation: pairwise accuracy on held-out pairs ----
 
-    def on_validation_epoch_start(self) -> None:
-        self._val_totals = torch.zeros(4, device=self.device)  # loss sum, correct, margin sum, pairs
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._val_totals += self._pair_sums(batch)[1]
-
-    def on_validation_epoch_end(self) -> None:
-        loss, correct, margin, pairs = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        pairs = max(pairs, 1)
-        metrics = {"val/loss": loss / pairs, "val/accuracy": correct / pairs, "val/margin": margin / pairs}
-        for name, value in metrics.items():  # already reduced over ranks: the sync averages equal values
-            self.log(name, value, prog_bar=name != "val/margin", sync_dist=True)
+        self.add_validation_sums(self._pair_sums(batch)[1])
 
     # ---- reward normalisation, for the exported metadata ----
 
@@ -170,12 +141,7 @@ def load_initial_reward_model(config: RMConfig) -> ScalarModel:
     """The SFT model of ``init.checkpoint`` (or a seeded ``model``) with a freshly initialised scalar head."""
     backbone = load_initial_model(config)
     torch.manual_seed(config.run.seed)  # the same head on every rank and every run
-    model = ScalarModel.from_backbone(backbone, init="normal")
-    if not model.config.tie_embeddings:
-        # The LM head is kept so the backbone stays a loadable Transformer, but nothing reads it: frozen, it gets
-        # no optimizer state, and DDP does not wait for a gradient it never receives.
-        model.backbone.output.weight.requires_grad_(False)
-    return model
+    return ScalarModel.from_backbone(backbone, init="normal").freeze_lm_head()
 
 
 def preference_data(config: Any, datamodule_class: type = PreferenceDataModule) -> PreferenceDataModule:
@@ -207,9 +173,7 @@ def preference_stage_callbacks(config: Any, run_dir: Path, tokenizer: Any, datam
 
 def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
-    check_trainer_config(config.trainer)
-    if config.loss.normalization_pairs < 1:
-        raise ConfigError(f"loss.normalization_pairs must be >= 1, got {config.loss.normalization_pairs}")
+    check_stage_config(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)

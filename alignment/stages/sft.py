@@ -19,14 +19,14 @@ from torch import Tensor
 
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
+from alignment.shared.initial_model import load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
-from trainer.build import check_trainer_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.checks import check_initial_model
 from trainer.config import to_dict
@@ -39,6 +39,17 @@ KINDS = ("short", "long")
 
 
 class SFTModule(LanguageModelModule):
+    step_metrics = ("loss",)
+    # token-loss sum and count overall, short, long; then example-mean sum and example count
+    validation_sums = (
+        "loss",
+        "tokens",
+        *(f"{total}_{kind}" for kind in KINDS for total in ("loss", "tokens")),
+        "example_loss",
+        "examples",
+    )
+    progress_bar = ("loss", "accuracy")  # the two headline numbers
+
     def __init__(self, config: SFTConfig, model: Transformer, tokenizer: Any) -> None:
         super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config), "model": model.config.to_dict()})
@@ -54,9 +65,6 @@ class SFTModule(LanguageModelModule):
             chunk_size=self.config.trainer.loss_chunk_size,
         )
 
-    def on_train_start(self) -> None:
-        self._step_loss = torch.zeros((), device=self.device)
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         share = sft_loss_contribution(
             self._token_losses(batch),
@@ -66,29 +74,9 @@ class SFTModule(LanguageModelModule):
             step_tokens=batch["step_tokens"],
             step_examples=batch["step_examples"],
         )
-        self.stop_if_not_finite(share)
-        self._step_loss += share.detach()
-        # Lightning divides by the accumulation count and DDP/FSDP average gradients over ranks; undo both so
-        # the gradient is exactly that of the step loss the shares add up to.
-        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.log(
-            "train/loss",
-            self._step_loss.clone(),
-            on_step=True,
-            on_epoch=False,
-            prog_bar=True,
-            sync_dist=True,
-            reduce_fx="sum",
-        )
-        self._step_loss.zero_()
+        return self.step_share(share)
 
     # ---- validation: loss by answer length, then greedy answers ----
-
-    def on_validation_epoch_start(self) -> None:
-        # [token sum, token count] overall, short, long; then [example-mean sum, example count]
-        self._val_totals = torch.zeros(8, device=self.device)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         losses = self._token_losses(batch)
@@ -99,20 +87,21 @@ class SFTModule(LanguageModelModule):
             totals += [losses[in_kind].sum(), in_kind.sum()]
         example_means = per_example_mean(losses, batch["targets"], batch["document_ids"])
         totals += [example_means.sum(), torch.tensor(example_means.numel(), device=self.device)]
-        self._val_totals += torch.stack([t.float() for t in totals])
+        self.add_validation_sums(torch.stack([t.float() for t in totals]))
 
-    def on_validation_epoch_end(self) -> None:
-        totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum").tolist()
-        metrics = {"val/loss": totals[0] / max(totals[1], 1), "val/example_loss": totals[6] / max(totals[7], 1)}
-        for index, kind in enumerate(KINDS):
-            if totals[3 + 2 * index]:
-                metrics[f"val/loss_{kind}"] = totals[2 + 2 * index] / totals[3 + 2 * index]
-        metrics.update(self._generation_metrics())
-        for name, value in metrics.items():  # the progress bar shows the two headline numbers
-            self.log(name, value, prog_bar=name in ("val/loss", "val/accuracy"), sync_dist=True)
+    def validation_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        metrics = {
+            "loss": totals["loss"] / max(totals["tokens"], 1),
+            "example_loss": totals["example_loss"] / max(totals["examples"], 1),
+        }
+        for kind in KINDS:
+            if totals[f"tokens_{kind}"]:
+                metrics[f"loss_{kind}"] = totals[f"loss_{kind}"] / totals[f"tokens_{kind}"]
+        return {**metrics, **self._generation_metrics()}
 
     def _generation_metrics(self) -> dict[str, float]:
-        """Exact match of greedy answers on validation examples with a reference, each rank its share."""
+        """Exact match of greedy answers on validation examples with a reference, each rank its share; keyed by
+        the names logged under ``val/``."""
         budget = self.config.eval.generations
         examples = self.trainer.datamodule.val_examples[:budget]
         mine = examples[self.global_rank :: self.trainer.world_size]
@@ -142,12 +131,12 @@ class SFTModule(LanguageModelModule):
         counts = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         counts, cut = counts[:-1], counts[-1]
         self._write_samples(mine, answers)
-        metrics = {"val/cut_references": cut}
+        metrics = {"cut_references": cut}
         if sum(counts[1::2]):
-            metrics["val/accuracy"] = sum(counts[0::2]) / sum(counts[1::2])
+            metrics["accuracy"] = sum(counts[0::2]) / sum(counts[1::2])
         for index, kind in enumerate(KINDS):
             if counts[2 * index + 1]:
-                metrics[f"val/accuracy_{kind}"] = counts[2 * index] / counts[2 * index + 1]
+                metrics[f"accuracy_{kind}"] = counts[2 * index] / counts[2 * index + 1]
         return metrics
 
     def _write_samples(self, examples: list[dict], answers: list[str]) -> None:
@@ -222,18 +211,10 @@ def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer:
     return cut
 
 
-def load_initial_model(config: SFTConfig) -> Transformer:
-    """The model SFT starts from: ``init.checkpoint`` (native, Hugging Face or Meta), else a seeded ``model``."""
-    if config.init.checkpoint:
-        return load_checkpoint(config.init.checkpoint, dtype=torch.float32)
-    torch.manual_seed(config.run.seed)
-    return Transformer(config.model)
-
-
 def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``
     is what the run folder records (rejection sampling fine-tunes in its own folder)."""
-    check_trainer_config(config.trainer)  # before anything is created
+    check_stage_config(config)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)

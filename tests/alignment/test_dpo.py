@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.losses import preference_loss
-from alignment.stages.dpo import ChatMarkers, DPODataModule, answered_masks, run_dpo
+from alignment.stages.dpo import run_dpo
 from alignment.stages.dpo_module import DPOModule, response_logprob_sums
 from data.demo.tasks import write_demo_dataset
+from data.preference.dpo import ChatMarkers, DPODataModule, answered_masks
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import ConfigError

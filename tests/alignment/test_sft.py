@@ -86,7 +86,7 @@ def test_per_example_mean_ignores_packing():
 
 def test_packed_and_unpacked_example_loss_are_equal_on_a_model(demo, tmp_path):
     """Validation's example-averaged loss of one model on the same examples, packed vs padded rows."""
-    from alignment.stages.sft import load_initial_model
+    from alignment.shared.initial_model import load_initial_model
     from data.sft.datamodule import SFTDataModule
 
     config = sft_config(demo, tmp_path)

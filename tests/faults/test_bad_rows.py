@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from alignment.stages.dpo import DPODataModule
 from data.preference.config import PreferenceDataConfig
 from data.preference.datamodule import PreferenceDataModule
+from data.preference.dpo import DPODataModule
 from data.preference.records import load_chats
 from data.records.chat import load_conversations
 from data.records.prompts import PromptDataConfig, load_prompts

@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from alignment.schemas.pretrain import PretrainConfig
-from trainer.build import start_run_directory
+from trainer.build import check_stage_config
 from trainer.config import load_config
-from trainer.storage import release_run_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +18,5 @@ def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, caplog):
         ROOT / "configs/pretrain/tiny.yaml",
         [f"run.out_dir={tmp_path}", "optim.warmup_steps=100", "trainer.max_steps=50"],
     )
-    start_run_directory(config, "pretrain")
-    release_run_directory(tmp_path / config.run.name)
+    check_stage_config(config)
     assert "optim.warmup_steps (100) exceeds trainer.max_steps (50)" in caplog.text
