@@ -342,7 +342,11 @@ def fit_stage(
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
         resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+        with warnings.catch_warnings():
+            # Lightning 2.6's own pytree code builds torch's deprecated LeafSpec, and torch >= 2.10 warns about it
+            # once a stage: nothing the user did or can change (Lightning's issue), so it is not shown.
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     except (StorageError, FileExistsError) as error:  # a full or read-only disk, or final/ not Lantern's: one line
         raise LanternError(str(error)) from error
     finally:

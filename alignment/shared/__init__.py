@@ -1,2 +1,2 @@
 """What the stages share and is not Lightning: the alignment losses and RL maths, response log-probs, rewards
-and checkers, sampling, and held-out statistics."""
+and checkers, sampling, held-out statistics, and the model a stage starts from."""

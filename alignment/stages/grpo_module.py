@@ -2,7 +2,7 @@
 stage's reward, and gives every response one advantage from its group: GRPO's (score - group mean) / group std,
 or RLOO's score - mean of the other G - 1. The policy then follows the clipped surrogate (PPO's loss, token-level)
 with the KL to the frozen reference (k3 by default) in the loss rather than in the reward. The stage around it
-is alignment/stages/grpo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
+is the RL recipe of alignment/stages/rl.py (GRPO's reward and plots: alignment/stages/grpo.py); sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
 
 Choices: no critic and no value loss, so one optimiser; the loss of a minibatch is divided by its valid tokens over
 all ranks (the token-level normalisation of DAPO / Dr. GRPO: a long response does not get less weight per token);

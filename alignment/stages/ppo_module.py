@@ -1,6 +1,6 @@
 """PPOModule: optimise the SFT policy against a reward (a reward model, a checker, or a weighted sum), with a
-KL penalty to the SFT reference and a critic. The stage around it (checks, model loading, callbacks) is
-alignment/stages/ppo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
+KL penalty to the SFT reference and a critic. The stage around it (checks, model loading, callbacks) is the RL
+recipe of alignment/stages/rl.py, with PPO's models and reward from alignment/stages/ppo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
 
 Each training step is one rollout: generate responses to a batch of prompts (KV cache, policy in eval mode,
 FSDP weights gathered once), score them, then several PPO epochs over minibatches. Optimisation is manual:

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -422,3 +423,15 @@ def test_cli_config_error_is_one_clean_line(tmp_path):
     assert lines[0].startswith("lantern pretrain: error:")
     assert "trainer.max_stepz" in lines[0] and "max_steps" in lines[0]
     assert not any(tmp_path.iterdir()), "a config error must not create a run folder"
+
+
+def test_a_default_run_shows_no_warning_the_user_did_not_cause(data_dir, tmp_path, monkeypatch):
+    """A newcomer's run prints no third-party warning they can do nothing about (Lightning's pytree code calling
+    torch's deprecated LeafSpec, W&B's anonymous setting): every warning left must have a cause in the config."""
+    isolate_wandb(monkeypatch, tmp_path)
+    config = tiny_config(data_dir, tmp_path / "runs", "trainer.max_steps=2", "trainer.val_every_n_steps=2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_pretrain(config)
+    shown = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
+    assert shown == []
