@@ -28,7 +28,7 @@ from models.generation import generate
 from models.model import ModelConfig, Transformer
 
 MODES = {
-    "eager": {},
+    "eager": {"decode": "eager"},  # explicit: the default, auto, is compiled on CUDA
     "static": {"static_cache": True},
     "compiled": {"compile": True},
     "recompute": {"use_cache": False},

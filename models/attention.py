@@ -10,6 +10,7 @@ fwd+bwd measured on an H100, 1B shapes, 4 x 2048 tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,17 +85,33 @@ def document_block_mask(document_ids: Tensor) -> BlockMask:
     """FlexAttention BlockMask (B, 1, T, T): causal and within one document, built once and shared by all layers.
 
     Building it costs ~10 ms eagerly on an H100 at T=2048, more than one layer's attention, hence once per
-    forward; on CUDA the builder is compiled (fully masked 128x128 blocks are then skipped by the kernel).
+    forward; on CUDA the builder is compiled (``block_mask_builder``; fully masked 128x128 blocks are then
+    skipped by the kernel).
     """
     batch, seq_len = document_ids.shape
 
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-    on_cuda = document_ids.device.type == "cuda"
-    return create_block_mask(
-        document_causal, batch, None, seq_len, seq_len, device=document_ids.device, _compile=on_cuda
-    )
+    build = block_mask_builder(document_ids.device.type)
+    return build(document_causal, batch, None, seq_len, seq_len, device=document_ids.device)
+
+
+_compiled_create_block_mask = None
+
+
+def block_mask_builder(device_type: str) -> Callable[..., BlockMask]:
+    """``create_block_mask``, compiled on CUDA (built once, lazily) and eager elsewhere.
+
+    torch 2.13 deprecates ``create_block_mask(_compile=True)`` in favour of compiling the function itself; on
+    CPU compiling would cost the tests far more than the eager build it saves.
+    """
+    global _compiled_create_block_mask
+    if device_type != "cuda":
+        return create_block_mask
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+    return _compiled_create_block_mask
 
 
 _compiled_flex = None

@@ -55,6 +55,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "loss_chunk_size": AT_LEAST_1,
     "peak_tflops": POSITIVE,
     "max_nonfinite_steps": AT_LEAST_0,
+    "collective_timeout_s": POSITIVE,
     "every_n_steps": AT_LEAST_1,
     "keep_last": AT_LEAST_1,
     "seq_len": AT_LEAST_1,

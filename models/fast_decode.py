@@ -1,34 +1,54 @@
 """Static-shape decoding: the one-token decode step over a fixed-size KV cache, optionally compiled.
 
-Owns the fast path of ``models.generation.generate(static_cache=True / compile=True)``. The eager cached
-path reads ``keys[:, :, :length]``, so every step has a new shape and a compiled step would recompile (and
-CUDA graphs could not be replayed). Here each step reads the WHOLE preallocated cache and masks the positions
-not yet written, so all steps share one shape: ``torch.compile(mode="reduce-overhead")`` turns the step into
-a CUDA graph on CUDA. The cache buffers are kept per (model, batch, length bucket) and reused across calls, so
-the compiled code and graphs are reused too (PPO rollouts call generate with the same batch every step).
+Owns the fast path of ``models.generation.generate`` (``decode="static"`` / ``"compiled"``, and ``"auto"`` on
+CUDA). The eager cached path reads ``keys[:, :, :length]``, so every step has a new shape and a compiled step
+would recompile (and CUDA graphs could not be replayed). Here each step reads the WHOLE preallocated cache and
+masks the positions not yet written, so all steps share one shape: ``torch.compile(mode="reduce-overhead")``
+turns the step into a CUDA graph on CUDA. The cache buffers are kept per (model, batch, length bucket) and reused
+across calls, so the compiled code and graphs are reused too (PPO rollouts call generate with the same batch
+every step).
 
-The prefill still runs the model's ordinary forward into the same ``KVCache`` buffers (it writes the prompt's
-document ids); only decode steps take this path. The mask equals ``models.model.attention_mask`` for a query in
+Generation runs the transformer blocks without the wrappers training puts around them (``decode_blocks``:
+torch.compile's ``OptimizedModule``, activation checkpointing, FSDP2's hooks), in the decode step and in the
+prefill (``cached_forward``). A ``fullgraph`` trace cannot inline an FSDP2-wrapped compiled block (dynamo refuses
+``OptimizedModule.__call__``), and through the compiled blocks every new prompt width, cache length and layer
+would recompile them; in an inference-mode forward with FSDP2's weights gathered
+(``trainer.parallel.unsharded_for_generation``) the wrappers do nothing anyway. A model whose weights are still
+sharded is not decoded here (``decode_blocks`` returns None).
+
+The prefill writes the prompt into the same ``KVCache`` buffers (and its document ids); only decode steps take
+the static path. The mask equals ``models.model.attention_mask`` for a query in
 document REAL_DOCUMENT at cache position p: keys at positions <= p that belong to the same document.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without torch.distributed: nothing is sharded (isinstance(x, ()) is False)
+    FSDPModule = DTensor = ()
+
+from models.attention import attention_mask
 from models.model import KVCache, Transformer, rope_cos_sin
+from models.sampling import GenerationOutput, pick_next, sample_next, sampling_noise
 
 REAL_DOCUMENT = 1  # models.generation's id for real tokens (pads are 0)
 LENGTH_BUCKET = 128  # cache lengths are rounded up to this so varying prompt widths reuse one compiled step
+STOP_CHECK_EVERY = 8  # static / compiled decoding: tokens between two "has every row stopped?" host syncs
 MAX_CACHES_PER_MODEL = 2  # bounds memory: e.g. the PPO rollout batch and the eval batch
 
 # model -> {(batch, length, dtype, device): KVCache}; weak so a discarded model frees its caches
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_compiled_step: Callable | None = None
+_compiled: dict[Callable, Callable] = {}
+_over_limit: set[Callable] = set()  # compiled steps that reached the recompile limit (warned once)
 
 
 class _StepWriter:
@@ -44,30 +64,122 @@ class _StepWriter:
         return self.cache.keys[layer], self.cache.values[layer]
 
 
-def decode_step(model: Transformer, cache: KVCache, token: Tensor, position: Tensor, cache_position: Tensor) -> Tensor:
+def _unwrapped(block: nn.Module) -> nn.Module:
+    """The module under torch.compile's and activation checkpointing's wrappers (FSDP2 wraps by changing the class
+    of the module it shards, so an FSDP2 block is its own unwrapped module)."""
+    while True:
+        for wrapped in ("_orig_mod", "_checkpoint_wrapped_module"):
+            inner = getattr(block, wrapped, None)
+            if isinstance(inner, nn.Module):
+                block = inner
+                break
+        else:
+            return block
+
+
+def _input_dtype(block: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2's mixed precision casts a block's floating inputs to (its ``param_dtype``), else None."""
+    if not isinstance(block, FSDPModule):
+        return None
+    policy = block._get_fsdp_state()._mp_policy
+    return policy.param_dtype if policy.cast_forward_inputs else None
+
+
+def decode_blocks(model: Transformer) -> list[tuple[Callable, torch.dtype | None]] | None:
+    """The transformer blocks as generation calls them: (a plain block itself, else the ``forward`` of the block
+    under its compile / checkpointing wrappers, skipping FSDP2's hooks; the dtype FSDP2 would cast its inputs to).
+    None while any weight is sharded (an FSDP2 model outside ``unsharded_for_generation``): only the wrapped forward's
+    hooks could gather it, so such a model decodes eagerly through its ordinary forward.
+    """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    blocks: list[tuple[Callable, torch.dtype | None]] = []
+    for block in model.layers:
+        inner = _unwrapped(block)
+        wrapped = inner is not block or isinstance(block, FSDPModule)
+        blocks.append((inner.forward if wrapped else block, _input_dtype(block)))
+    return blocks
+
+
+def decode_step(
+    model: Transformer,
+    blocks: Sequence[tuple[Callable, torch.dtype | None]],
+    cache: KVCache,
+    token: Tensor,
+    position: Tensor,
+    cache_position: Tensor,
+) -> Tensor:
     """Last-position logits (B, V) for one new token per row.
 
-    token (B, 1) ids, position (B, 1) RoPE positions, cache_position (1,) long: the cache slot written, the same
-    for every row (rows are left-padded, so they advance together). The new token is real (document 1).
+    blocks: ``decode_blocks(model)``. token (B, 1) ids, position (B, 1) RoPE positions, cache_position (1,) long:
+    the cache slot written, the same for every row (rows are left-padded, so they advance together). The new token
+    is real (document 1).
     """
     cache.document_ids.index_fill_(1, cache_position, REAL_DOCUMENT)
     key_position = torch.arange(cache.max_len, device=token.device)
     visible = (key_position <= cache_position)[None, :] & (cache.document_ids == REAL_DOCUMENT)  # (B, S)
     mask = visible[:, None, None, :]  # (B, 1, T=1, S)
     cos, sin = rope_cos_sin(model.config, position)
-    x = model.tok_embeddings(token)
-    writer = _StepWriter(cache, cache_position)
-    for layer in model.layers:
-        x = layer(x, cos, sin, mask, writer)
+    x = _run_blocks(blocks, model.tok_embeddings(token), cos, sin, mask, _StepWriter(cache, cache_position))
     return model.logits(model.norm(x)[:, -1])
 
 
+def cached_forward(
+    model: Transformer,
+    blocks: Sequence[tuple[Callable, torch.dtype | None]],
+    input_ids: Tensor,
+    position_ids: Tensor,
+    document_ids: Tensor,
+    kv_cache: KVCache,
+) -> Tensor:
+    """``model.hidden_states`` appending to ``kv_cache`` (the prefill, an eager decode step), with the blocks run as
+    ``decode_blocks`` gives them. Through the blocks training compiled, every new prompt width, cache length and layer
+    would be a recompile of the block (``fullgraph`` fails at dynamo's recompile limit, the 9th)."""
+    seq_len = input_ids.shape[1]
+    cos, sin = rope_cos_sin(model.config, position_ids)
+    mask = attention_mask(document_ids, kv_cache, seq_len)
+    x = _run_blocks(blocks, model.tok_embeddings(input_ids), cos, sin, mask, kv_cache)
+    kv_cache.length += seq_len
+    return model.norm(x)
+
+
+def _run_blocks(blocks, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache) -> Tensor:
+    for block, dtype in blocks:
+        if dtype is None:
+            x = block(x, cos, sin, mask, cache)
+        else:  # what FSDP2's pre-forward hook does to the inputs under mixed precision
+            x = block(x.to(dtype), cos.to(dtype), sin.to(dtype), mask, cache)
+    return x
+
+
+def compiled(step: Callable) -> Callable:
+    """``step`` under torch.compile(mode="reduce-overhead", fullgraph=True), built once per function (CUDA graphs
+    on CUDA). Each new variant (another model structure, batch, dtype, temperature ...) compiles once more; past
+    dynamo's recompile limit, where ``fullgraph`` would fail the run, a call of a variant not compiled yet runs
+    ``step`` uncompiled instead (with one warning): the same results, only slower."""
+    if step not in _compiled:
+        graph = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+        def run(*args, **kwargs):
+            try:
+                return graph(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                if step not in _over_limit:
+                    _over_limit.add(step)
+                    warnings.warn(
+                        f"{step.__name__}: torch.compile's recompile limit reached; variants not compiled so far "
+                        "run uncompiled",
+                        stacklevel=2,
+                    )
+                return step(*args, **kwargs)
+
+        _compiled[step] = run
+    return _compiled[step]
+
+
 def compiled_decode_step() -> Callable:
-    """``decode_step`` under torch.compile(mode="reduce-overhead"), built once (CUDA graphs on CUDA)."""
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
-    return _compiled_step
+    """``decode_step`` compiled (see ``compiled``)."""
+    return compiled(decode_step)
 
 
 def static_cache(model: Transformer, batch: int, length: int, *, mark_static: bool) -> KVCache:
@@ -92,3 +204,84 @@ def static_cache(model: Transformer, batch: int, length: int, *, mark_static: bo
     cache.length = 0
     cache.document_ids.fill_(-1)
     return cache
+
+
+def decode_and_sample(
+    model: Transformer,
+    blocks: Sequence,
+    cache,
+    token: Tensor,
+    position: Tensor,
+    cache_position: Tensor,
+    done: Tensor,
+    stop: Tensor,
+    noise: Tensor | None,
+    pad_id: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One static decode step: feed ``token`` (B, 1) through ``fast_decode.decode_step``, then sample the next
+    token as the eager loop does (a stopped row gets ``pad_id``, log-prob 0 and mask False). Returns (next token
+    (B,), its log-prob (B,), mask (B,): the row had not stopped, done (B,) after this token)."""
+    logits = decode_step(model, blocks, cache, token, position, cache_position)
+    next_token, logprob = pick_next(logits, temperature, top_k, top_p, noise)
+    next_token = torch.where(done, pad_id, next_token)
+    logprob = torch.where(done, 0.0, logprob)
+    return next_token, logprob, ~done, done | torch.isin(next_token, stop)
+
+
+def static_decode(
+    model: Transformer,
+    blocks: Sequence,
+    kv_cache,
+    logits: Tensor,
+    n_real: Tensor,
+    prompt_width: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop: Tensor,
+    pad_id: int,
+    generator: torch.Generator | None,
+    compile: bool,
+) -> GenerationOutput:
+    """The decode loop over ``decode_and_sample`` steps (compiled or not), after the prefill's ``logits``.
+
+    The loop runs no host sync but the stop check every ``STOP_CHECK_EVERY`` tokens; the tokens decoded after every
+    row stopped are pads with mask False and are cut at the end, so the output equals the eager loop's (which
+    checks after every token). Only the buffers the step reads are written between steps (no new allocations)."""
+    batch, device = logits.shape[0], logits.device
+    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    # the first token comes from the prefill's logits (first_token_mask applied), as in the eager loop
+    first, first_logprob = sample_next(logits, temperature, top_k, top_p, generator)
+    tokens[:, 0], mask[:, 0], logprobs[:, 0] = first, True, first_logprob
+    done = torch.isin(first, stop)
+    token = first[:, None].clone()  # the token fed back (B, 1), its RoPE position and its cache slot
+    position = n_real[:, None].clone()
+    cache_position = torch.full((1,), prompt_width, dtype=torch.long, device=device)
+    noise = None if temperature == 0 else torch.empty((batch, logits.shape[-1]), dtype=torch.float32, device=device)
+    step_fn = compiled(decode_and_sample) if compile else decode_and_sample
+    for step in range(1, max_new_tokens):
+        if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
+            break
+        if noise is not None:
+            sampling_noise(noise, generator)
+        if compile:  # the previous step's graph outputs are consumed: let CUDA graphs reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
+        next_token, next_logprob, live, done_after = step_fn(
+            model, blocks, kv_cache, token, position, cache_position, done, stop, noise, pad_id, temperature, top_k,
+            top_p,
+        )  # fmt: skip
+        tokens[:, step], logprobs[:, step], mask[:, step] = next_token, next_logprob, live
+        token.copy_(next_token[:, None])
+        done.copy_(done_after)
+        position += 1
+        cache_position += 1
+    # the eager loop's length: up to the last token some row still generated (one host sync)
+    steps = int((mask.any(dim=0) * torch.arange(1, max_new_tokens + 1, device=device)).max())
+    mask = mask[:, :steps]
+    return GenerationOutput(tokens=tokens[:, :steps], mask=mask, logprobs=logprobs[:, :steps], lengths=mask.sum(dim=1))

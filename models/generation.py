@@ -10,6 +10,13 @@ Flow: one prefill forward over the padded prompts fills the cache, then one-toke
 it. ``use_cache=False`` recomputes the whole sequence every step with the same ids, positions and masking:
 the slow reference path that tests and the benchmark compare against.
 
+Decoding (``decode``): ``eager`` samples each token outside any graph over the growing KV cache; ``static`` and
+``compiled`` run one step over a fixed-size cache (``models.fast_decode``) that decodes the token AND samples the
+next one, its log-prob and the stop tracking included (compiled: torch.compile "reduce-overhead", CUDA graphs on
+CUDA), and ask whether every row has stopped only every ``fast_decode.STOP_CHECK_EVERY`` tokens (a host sync), trimming what was
+decoded after the last row stopped, so the output is the eager path's. ``auto`` (the default) is ``compiled`` on
+CUDA and ``eager`` elsewhere (``AUTO_DECODE``): on CPU the eager path is the fast one.
+
 Log-prob semantics (PPO relies on these): the log-prob returned for a sampled token is
 ``log_softmax(logits / temperature)`` at that token, taken BEFORE top-k/top-p filtering; the filtered
 distribution is only used to draw the sample. Greedy decoding (temperature 0) reports
@@ -21,27 +28,22 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from models import fast_decode
-from models.model import Transformer
+from models.attention import use_flex_attention
+from models.model import ModelConfig, Transformer
+from models.sampling import GenerationOutput, sample_next, scaled_logprobs
 
 PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
-
-
-@dataclass
-class GenerationOutput:
-    """New tokens only (the prompt is not repeated). N <= max_new_tokens: the loop ends once every row stopped."""
-
-    tokens: Tensor  # (B, N) long; pad_id after a row stopped
-    mask: Tensor  # (B, N) bool; True for real generated tokens, the stop token included
-    logprobs: Tensor  # (B, N) float32; log-prob of each sampled token (see module docstring), 0 where mask is False
-    lengths: Tensor  # (B,) long; number of real generated tokens per row (mask.sum(1))
+DECODE_CHOICES = ("auto", "eager", "static", "compiled")
+AUTO_DECODE = {"cuda": "compiled"}  # device type -> what decode="auto" runs there; any other device: eager
+FLEX_LENGTH_BUCKET = 128  # full-sequence passes under FlexAttention: row lengths rounded up to a multiple of this
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
@@ -64,6 +66,22 @@ def ids_and_positions(real: Tensor) -> tuple[Tensor, Tensor]:
     document_ids = real.long() * REAL_DOCUMENT
     position_ids = (real.long().cumsum(dim=1) - 1).clamp(min=0)
     return document_ids, position_ids
+
+
+def flex_bucketed(config: ModelConfig | None, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of varying width (prompt + response, B x T) right-padded to a multiple of ``FLEX_LENGTH_BUCKET``
+    (capped at ``max_seq_len``) when a full-sequence pass over them runs FlexAttention (``use_flex_attention``: on
+    CUDA, or ``attention: flex``), else returned as they are. The compiled flex kernel is specialised to T
+    (``dynamic=False``): a new T per rollout would recompile it each time and, at dynamo's recompile limit, fall
+    back to the unfused path that materialises the whole score matrix. The padding is not real (``real`` False:
+    padding's own document), so the first T positions compute what the unpadded rows do; callers cut them back."""
+    width = input_ids.shape[1]
+    if config is None or not use_flex_attention(config, real, None):
+        return input_ids, real
+    bucket = min(-(-width // FLEX_LENGTH_BUCKET) * FLEX_LENGTH_BUCKET, config.max_seq_len)
+    if bucket <= width:
+        return input_ids, real
+    return F.pad(input_ids, (0, bucket - width), value=0), F.pad(real, (0, bucket - width), value=False)
 
 
 def sequence_logprobs(
@@ -93,56 +111,22 @@ def sequence_logprobs(
     return scaled_logprobs(logits, temperature).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def scaled_logprobs(logits: Tensor, temperature: float) -> Tensor:
-    """``log_softmax(logits / temperature)`` over the vocabulary in fp32; temperature 0 (greedy) is scored at 1.
-    The one definition sampling, ``sequence_logprobs`` and RL training (``alignment.shared.losses``) share, so that a
-    PPO ratio starts at exactly 1."""
-    logits = logits.float()
-    return F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+def resolve_decode(decode: str, device: torch.device | str) -> str:
+    """``decode`` with ``auto`` made concrete for ``device``: ``AUTO_DECODE`` (compiled on CUDA), else eager."""
+    if decode not in DECODE_CHOICES:
+        raise ValueError(f"decode must be one of {DECODE_CHOICES}, got {decode!r}")
+    if decode != "auto":
+        return decode
+    return AUTO_DECODE.get(torch.device(device).type, "eager")
 
 
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Set every token outside the top-k / top-p (nucleus) set to -inf. Applied in that order, as in HF.
-
-    top_k keeps exactly the k largest logits (ties broken by torch.topk). top_p keeps the smallest set of tokens,
-    taken in order of decreasing probability, whose cumulative probability reaches top_p; the top-1 always stays.
-    """
-    if top_k is not None and top_k < logits.shape[-1]:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep.scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Probability mass strictly before each token: once it already reaches top_p, the token is not needed.
-        # The top-1 has 0 mass before it, so it is always kept (top_p > 0).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """Next token (B,) and its log-prob (B,) from last-position logits (B, V); log-prob is pre-filtering."""
-    logprobs = scaled_logprobs(logits, temperature)
-    if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+def _last_logits(model: Transformer, input_ids: Tensor, blocks: Sequence | None = None, **kwargs) -> Tensor:
+    """Logits (B, V) of the last position only: the LM head over the full sequence would be wasted work.
+    With ``blocks`` (``fast_decode.decode_blocks``) and a KV cache, the blocks run without their training wrappers."""
+    if blocks is not None and kwargs.get("kv_cache") is not None:
+        hidden = fast_decode.cached_forward(model, blocks, input_ids, **kwargs)
     else:
-        probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _last_logits(model: Transformer, input_ids: Tensor, **kwargs) -> Tensor:
-    """Logits (B, V) of the last position only: the LM head over the full sequence would be wasted work."""
-    hidden = model.hidden_states(input_ids, **kwargs)
+        hidden = model.hidden_states(input_ids, **kwargs)
     return model.logits(hidden[:, -1:])[:, 0]
 
 
@@ -209,7 +193,9 @@ def _validate_fast_path(
     model: Transformer, batch: int, first_token_mask: Tensor | None, use_cache: bool, static: bool
 ) -> None:
     if static and not use_cache:
-        raise ValueError("static_cache/compile need use_cache=True: they are KV-cache decoding")
+        raise ValueError(
+            "static_cache/compile (decode static/compiled) need use_cache=True: they are KV-cache decoding"
+        )
     if first_token_mask is not None:
         shape = (batch, model.config.vocab_size)
         if first_token_mask.dtype != torch.bool or tuple(first_token_mask.shape) != shape:
@@ -237,6 +223,7 @@ def generate(
     first_token_mask: Tensor | None = None,
     static_cache: bool = False,
     compile: bool = False,
+    decode: str = "auto",
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -250,9 +237,13 @@ def generate(
     pass recomputes the same numbers with ``sequence_logprobs(..., temperature=temperature)``.
 
     use_cache=False recomputes the full sequence every step (the reference path, same masking and positions).
-    static_cache=True decodes over a fixed-size, reused KV cache (``models.fast_decode``); compile=True also
-    compiles that decode step (torch.compile "reduce-overhead": CUDA graphs on CUDA) and implies static_cache.
-    Both give the eager path's tokens; on CPU the eager path is the fast default.
+    decode: ``eager``, ``static`` (a fixed-size, reused KV cache, one step that decodes and samples:
+    ``models.fast_decode``), ``compiled`` (that step under torch.compile "reduce-overhead": CUDA graphs on CUDA), or
+    ``auto``: compiled on CUDA, eager elsewhere (``AUTO_DECODE``; on CPU the eager path is the fast one).
+    static_cache=True means decode="static" and compile=True decode="compiled" (explicit switches that win over
+    ``decode``). All give the eager path's tokens (greedy: identical; sampled: the same draws of the generator).
+    A model whose weights are still FSDP2-sharded decodes eagerly (gather them first:
+    ``trainer.parallel.unsharded_for_generation``).
     first_token_mask: (B, V) bool, True where a row's FIRST new token is allowed (token healing); other tokens
     get logit -inf at that step, so log-probs of the first token are those of the constrained distribution.
     Runs under ``torch.inference_mode()`` with the model in eval mode; its previous train/eval mode is restored.
@@ -261,15 +252,19 @@ def generate(
     stop_ids = _as_ids(stop_ids, "stop_ids")
     pad_id = _as_ids([pad_id], "pad_id")[0]
     _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id)
-    _validate_fast_path(model, len(prompts), first_token_mask, use_cache, static_cache or compile)
+    explicit = "compiled" if compile else "static" if static_cache else decode
+    mode = resolve_decode(explicit, model.tok_embeddings.weight.device)
+    _validate_fast_path(model, len(prompts), first_token_mask, use_cache, explicit in ("static", "compiled"))
+    if not use_cache:
+        mode = "recompute"
 
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
             out = _generate(
-                model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, use_cache,
-                first_token_mask, static_cache or compile, compile,
+                model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, mode,
+                first_token_mask, warn=explicit != "auto",
             )  # fmt: skip
     finally:
         model.train(was_training)
@@ -290,6 +285,7 @@ def complete(
     generator: torch.Generator | None = None,
     heal: bool = False,
     compile: bool = False,
+    decode: str = "auto",
 ) -> str:
     """The decoded continuation of one encoded prompt, stopped at and without the tokenizer's stop token
     (``lantern generate``, the end-of-pretraining sample). ``tokenizer`` gives stop_ids, pad_id and decode.
@@ -319,6 +315,7 @@ def complete(
         generator=generator,
         first_token_mask=first_token_mask,
         compile=compile,
+        decode=decode,
     )
     new_tokens = out.tokens[0][out.mask[0]].tolist()
     if new_tokens and new_tokens[-1] in tokenizer.stop_ids:  # a row ends at its first stop token
@@ -340,11 +337,11 @@ def _generate(
     stop_ids: list[int],
     pad_id: int,
     generator: torch.Generator | None,
-    use_cache: bool,
+    mode: str,
     first_token_mask: Tensor | None = None,
-    static: bool = False,
-    compile: bool = False,
+    warn: bool = False,
 ) -> GenerationOutput:
+    """``mode``: recompute, eager, static or compiled (``resolve_decode``)."""
     device = model.tok_embeddings.weight.device
     input_ids, real = left_pad(prompts, pad_id, device)
     document_ids, position_ids = ids_and_positions(real)
@@ -352,22 +349,41 @@ def _generate(
     n_real = real.sum(dim=1)  # real prompt tokens per row: the position of the first generated token
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
 
+    # The blocks without the wrappers training put around them (None while FSDP2 holds the weights sharded). Both
+    # the KV-cache prefill and every decode step run them: through torch.compile'd blocks each new prompt width and
+    # cache length would recompile them.
+    blocks = fast_decode.decode_blocks(model) if mode != "recompute" else None
+    if mode in ("static", "compiled") and blocks is None:
+        if warn:
+            warnings.warn(
+                f"decode={mode!r}: the model's weights are sharded (FSDP2), so it decodes eagerly; gather them "
+                "first (trainer.parallel.unsharded_for_generation)",
+                stacklevel=3,
+            )
+        mode = "eager"
+    # The last generated token is never fed back, hence the -1.
+    cache_len = prompt_width + max_new_tokens - 1
+    if mode in ("static", "compiled"):
+        compile = mode == "compiled"
+        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=compile and device.type == "cuda")
+    else:
+        kv_cache = model.new_kv_cache(batch, cache_len) if mode == "eager" else None
+    logits = _last_logits(
+        model, input_ids, blocks, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache
+    )
+    if first_token_mask is not None:
+        logits = logits.float().masked_fill(~first_token_mask.to(device), float("-inf"))
+    if mode in ("static", "compiled"):
+        return fast_decode.static_decode(
+            model, blocks, kv_cache, logits, n_real, prompt_width, max_new_tokens, temperature, top_k, top_p, stop,
+            pad_id, generator, compile,
+        )  # fmt: skip
+
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=device)
     logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-
-    # The last generated token is never fed back, hence the -1.
-    cache_len = prompt_width + max_new_tokens - 1
-    if static:
-        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=compile and device.type == "cuda")
-        step_fn = fast_decode.compiled_decode_step() if compile else fast_decode.decode_step
-    else:
-        kv_cache = model.new_kv_cache(batch, cache_len) if use_cache else None
-    logits = _last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
     new_document = torch.full((batch, 1), REAL_DOCUMENT, dtype=torch.long, device=device)
-    if first_token_mask is not None:
-        logits = logits.float().masked_fill(~first_token_mask.to(device), float("-inf"))
 
     steps = 0
     for step in range(max_new_tokens):
@@ -385,15 +401,11 @@ def _generate(
         # Feed the token back: it is real (document 1) at position = real tokens before it. Stopped rows feed
         # pads the same way; their outputs are discarded, so what they attend to does not matter.
         next_position = (n_real + step)[:, None]
-        if static:
-            if compile:  # the previous step's graph outputs are consumed: let CUDA graphs reuse their memory
-                torch.compiler.cudagraph_mark_step_begin()
-            cache_position = torch.full((1,), prompt_width + step, dtype=torch.long, device=device)
-            logits = step_fn(model, kv_cache, next_token[:, None], next_position, cache_position).clone()
-        elif use_cache:
+        if kv_cache is not None:
             logits = _last_logits(
-                model, next_token[:, None], position_ids=next_position, document_ids=new_document, kv_cache=kv_cache
-            )
+                model, next_token[:, None], blocks, position_ids=next_position, document_ids=new_document,
+                kv_cache=kv_cache,
+            )  # fmt: skip
         else:
             input_ids = torch.cat([input_ids, next_token[:, None]], dim=1)
             document_ids = torch.cat([document_ids, new_document], dim=1)

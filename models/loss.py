@@ -10,13 +10,17 @@ between gigabytes of logits and one chunk's worth (``benchmarks/bench_loss_memor
 * ``fused_linear_cross_entropy`` (what the model uses): a custom autograd Function. Forward keeps only each
   token's logsumexp; backward recomputes one chunk's logits and writes the logit gradient in closed form
   (softmax - onehot, scaled), so the only extra work over full logits is one head matmul per chunk -- no
-  autograd graph of fp32 (chunk, V) intermediates, no second forward of the softmax.
+  autograd graph of fp32 (chunk, V) intermediates, no second forward of the softmax. Under autocast its
+  matmuls run in the autocast dtype in backward too (Lightning's backward runs outside autocast), from the
+  forward's own logits; on CUDA each chunk's body is compiled.
 * ``chunked_cross_entropy``: the same chunking through activation checkpointing (generic, slower: it replays
   the whole chunk forward under autograd); kept as an independent reference for the fused path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -109,13 +113,77 @@ def chunked_cross_entropy(
     return reduce_losses(losses, targets, reduction, ignore_index)
 
 
+def _compute_dtype(hidden: Tensor) -> torch.dtype | None:
+    """The dtype the head's matmuls run in: autocast's where it is on for this device type, else None (as is).
+
+    Read in forward and kept for backward, because Lightning calls ``backward`` outside the autocast context:
+    a backward that followed the ambient state would recompute the logits from the fp32 master weights, three
+    fp32 matmuls a chunk (the head is ~19% of a 1B model's FLOPs), from other logits than the forward's lse.
+    """
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _chunk_forward(hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """One chunk's fp32 logsumexp and target logit (chunk,), from its logits (chunk, V) that are then dropped."""
+    logits = _project(hidden, weight, softcap)
+    return torch.logsumexp(logits, dim=-1), logits.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _chunk_grad_logits(
+    hidden: Tensor, weight: Tensor, targets: Tensor, log_z: Tensor, scale: Tensor, scale_p: Tensor,
+    softcap: float | None,
+) -> Tensor:  # fmt: skip
+    """One chunk's gradient wrt the raw logits h·Wᵀ, in the weight's (the compute) dtype: see the Function."""
+    logits = _project(hidden, weight, softcap)
+    grad_logits = torch.exp(logits - log_z[:, None]).mul_(scale_p)  # in place: one (chunk, V) buffer eagerly
+    grad_logits.scatter_add_(-1, targets[:, None], -scale)
+    if softcap is not None:
+        grad_logits.mul_(1 - (logits / softcap).square())
+    return grad_logits.to(weight.dtype)
+
+
+_compiled_bodies: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+
+
+def _chunk_bodies(device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The per-chunk forward and backward bodies: compiled on CUDA, eager elsewhere.
+
+    Compiled, the elementwise work on a (chunk, V) block (fp32 cast, soft-cap, logsumexp and gather; exp,
+    scaling, scatter, cast) fuses into one pass over it next to the cuBLAS matmul, instead of a kernel and a
+    round trip through memory per op. On CPU the tests' small shapes would spend far longer compiling than
+    running, and CPU is not where throughput matters. Compiled once, lazily, like FlexAttention's kernel.
+    """
+    global _compiled_bodies
+    if device_type != "cuda":
+        return _chunk_forward, _chunk_grad_logits
+    if _compiled_bodies is None:
+        _compiled_bodies = (
+            torch.compile(_chunk_forward, fullgraph=True),
+            torch.compile(_chunk_grad_logits, fullgraph=True),
+        )
+    return _compiled_bodies
+
+
+def _autocast_off(device_type: str, compute_dtype: torch.dtype | None) -> AbstractContextManager[Any]:
+    """Autocast switched off while the forward's chunks run, so that they run exactly backward's ops."""
+    return torch.autocast(device_type, enabled=False) if compute_dtype is not None else nullcontext()
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-token CE of ``hidden @ weight.T`` (optionally soft-capped, plus z-loss); logits recomputed per chunk.
 
     With c = softcap, raw = h·Wᵀ, logits = c·tanh(raw/c), p = softmax(logits), lse = logsumexp(logits):
     loss = lse - logits[target] + z·lse², so dloss/dlogits = p·(1 + 2z·lse) - onehot(target), and the tanh
-    contributes a factor 1 - (logits/c)². The gradient wrt raw is cast to the weight dtype before the two
+    contributes a factor 1 - (logits/c)². The gradient wrt raw is cast to the compute dtype before the two
     backward matmuls, as autograd would do through ``.float()`` on the full-logits path.
+
+    The compute dtype is autocast's when the forward runs under autocast (``_compute_dtype``): forward and
+    backward then cast hidden and weight to it explicitly, so every head matmul runs in it and backward
+    recomputes bit for bit the logits whose lse the forward kept. Losses, lse and the weight's gradient
+    accumulate in fp32 either way; gradients come back in the inputs' dtypes, as through autocast.
     """
 
     @staticmethod
@@ -123,27 +191,34 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, softcap: float | None,
         ignore_index: int, z_loss: float,
     ) -> Tensor:  # fmt: skip
+        compute_dtype = _compute_dtype(hidden)
+        hidden_c, weight_c = _cast(hidden, compute_dtype), _cast(weight, compute_dtype)
+        chunk_forward, _ = _chunk_bodies(hidden.device.type)
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-        losses = torch.empty(targets.shape, device=hidden.device, dtype=torch.float32)
-        log_z = torch.empty_like(losses)
-        for start in range(0, targets.numel(), chunk_size):
-            end = start + chunk_size
-            logits = _project(hidden[start:end], weight, softcap)
-            log_z[start:end] = torch.logsumexp(logits, dim=-1)
-            target_logits = logits.gather(-1, safe_targets[start:end, None]).squeeze(-1)
-            losses[start:end] = log_z[start:end] - target_logits
+        log_z = torch.empty(targets.shape, device=hidden.device, dtype=torch.float32)
+        target_logits = torch.empty_like(log_z)
+        with _autocast_off(hidden.device.type, compute_dtype):
+            for start in range(0, targets.numel(), chunk_size):
+                end = start + chunk_size
+                log_z[start:end], target_logits[start:end] = chunk_forward(
+                    hidden_c[start:end], weight_c, safe_targets[start:end], softcap
+                )
+        losses = log_z - target_logits
         if z_loss:
             losses = losses + z_loss * log_z.square()
         losses = torch.where(valid, losses, torch.zeros_like(losses))
         ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z)
-        ctx.chunk_size, ctx.softcap, ctx.z_loss = chunk_size, softcap, z_loss
+        ctx.chunk_size, ctx.softcap, ctx.z_loss, ctx.compute_dtype = chunk_size, softcap, z_loss, compute_dtype
         return losses
 
     @staticmethod
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, valid, log_z = ctx.saved_tensors
         softcap, z_loss = ctx.softcap, ctx.z_loss
+        # cast once, not a chunk at a time: a bf16 copy of the head lives for this backward only
+        hidden_c, weight_c = _cast(hidden, ctx.compute_dtype), _cast(weight, ctx.compute_dtype)
+        _, chunk_grad_logits = _chunk_bodies(hidden.device.type)
         grad_losses = torch.where(valid, grad_losses.float(), torch.zeros_like(log_z))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
@@ -151,23 +226,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         )
         for start in range(0, targets.numel(), ctx.chunk_size):
             end = start + ctx.chunk_size
-            logits = _project(hidden[start:end], weight, softcap)
             scale = grad_losses[start:end, None]
             scale_p = scale * (1 + 2 * z_loss * log_z[start:end, None]) if z_loss else scale
-            grad_logits = torch.exp(logits - log_z[start:end, None]).mul_(scale_p)  # in place: one (chunk, V) buffer
-            grad_logits.scatter_add_(-1, targets[start:end, None], -scale)
-            if softcap is not None:
-                grad_logits.mul_(1 - (logits / softcap).square())
-            del logits
-            grad_logits = grad_logits.to(weight.dtype)
+            grad_logits = chunk_grad_logits(
+                hidden_c[start:end], weight_c, targets[start:end], log_z[start:end], scale, scale_p, softcap
+            )
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ weight
+                grad_hidden[start:end] = grad_logits @ weight_c
             if grad_weight is not None:
-                if grad_weight.dtype == weight.dtype:
-                    grad_weight.addmm_(grad_logits.t(), hidden[start:end])
-                else:  # low-precision weights: accumulate chunks in fp32, round once at the end
-                    grad_weight.add_(grad_logits.t() @ hidden[start:end])
+                if grad_weight.dtype == weight_c.dtype:
+                    grad_weight.addmm_(grad_logits.t(), hidden_c[start:end])
+                else:  # low-precision matmuls: accumulate chunks in fp32, round once at the end
+                    grad_weight.add_(grad_logits.t() @ hidden_c[start:end])
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _project(hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import warnings
@@ -12,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 import yaml
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -25,6 +26,7 @@ from trainer.callbacks import (
     AtomicCheckpoint,
     DataProgress,
     ExportFinal,
+    ProgressBar,
     SkipNonFiniteSteps,
     Throughput,
     device_peak_flops,
@@ -139,6 +141,7 @@ def check_trainer_config(config: TrainerConfig) -> None:
         )
     # Here because every stage calls this first, before any model is built or any matmul runs.
     resolve_precision(config)
+    resolve_compile(config)
     apply_float32_matmul_precision(config)
 
 
@@ -171,6 +174,17 @@ def resolve_precision(config: TrainerConfig) -> str:
     return config.precision
 
 
+def resolve_compile(config: TrainerConfig) -> bool:
+    """trainer.compile ``auto`` becomes true when the run uses CUDA (compiled blocks: fused kernels, fewer
+    launches; the GPU presets' throughput is measured compiled) and false on CPU, where inductor's compile time is
+    not paid back by a tiny model's short runs; true and false are kept. Recorded as resolved in config.yaml."""
+    if not isinstance(config.compile, bool) and config.compile != "auto":
+        raise ConfigError(f"trainer.compile must be auto, true or false, got {config.compile!r}")
+    if config.compile == "auto":
+        config.compile = _runs_on_cuda(config)
+    return config.compile
+
+
 MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 
@@ -192,14 +206,48 @@ def apply_float32_matmul_precision(config: TrainerConfig) -> str:
     return value
 
 
+def collective_timeout(config: TrainerConfig) -> datetime.timedelta:
+    """trainer.collective_timeout_s as the process group's timeout (DDP and FSDP2 alike): a collective (a
+    barrier, the loss and gradient all-reduces, FSDP's all-gathers and reduce-scatters) that waits longer for
+    another rank fails instead of waiting forever, so the ranks left when a node dies or hangs exit non-zero in
+    this time (gloo on CPU: tests/trainer/test_multinode.py). It must exceed the longest a rank may rightly wait
+    for another (rank 0 writing a checkpoint or the final export, a slow first step)."""
+    return datetime.timedelta(seconds=config.collective_timeout_s)
+
+
+def collective_failure_note(config: TrainerConfig) -> L.Callback:
+    """A callback that, when a collective fails because another rank is gone (gloo: the connection reset or
+    closed) or silent past trainer.collective_timeout_s (timed out), logs one line saying so on each rank that
+    stops; the error itself follows as raised."""
+
+    def note(trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        text = str(exception)
+        lost = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+        if trainer.world_size < 2 or not ("timed out" in text.lower() or any(s in text for s in lost)):
+            return
+        cause = "stopped responding" if "timed out" in text.lower() else "died"
+        log.error(
+            "rank %d stops: another rank %s (a node down or hung; trainer.collective_timeout_s=%g bounds the wait)",
+            trainer.global_rank,
+            cause,
+            config.collective_timeout_s,
+        )
+
+    return LambdaCallback(on_exception=note)
+
+
 def make_strategy(config: TrainerConfig) -> Any:
     if config.strategy == "single":
         return "auto"
     if config.strategy == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(timeout=collective_timeout(config))
 
     # Pure FSDP2: one data-parallel dimension over every device of every node.
-    return ModelParallelStrategy(data_parallel_size=config.devices * config.num_nodes, tensor_parallel_size=1)
+    return ModelParallelStrategy(
+        data_parallel_size=config.devices * config.num_nodes,
+        tensor_parallel_size=1,
+        timeout=collective_timeout(config),
+    )
 
 
 def lightning_precision(config: TrainerConfig) -> str:
@@ -249,16 +297,6 @@ def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelC
     return str(path)
 
 
-class ProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, closed when a run stops on an error (NaN loss, interrupt) so it does not print
-    itself once more when the interpreter exits."""
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        for bar in (self._train_progress_bar, self._val_progress_bar):
-            if bar is not None:
-                bar.close()
-
-
 def make_trainer(
     config: TrainerConfig,
     *,
@@ -286,7 +324,7 @@ def make_trainer(
         log_every_n_steps=config.log_every_n_steps,
         logger=logger,
         # tqdm: plain progress lines that read well in logs and CI as well as in a terminal
-        callbacks=[ProgressBar(refresh_rate=1), *callbacks],
+        callbacks=[ProgressBar(refresh_rate=1), collective_failure_note(config), *callbacks],
         enable_checkpointing=False,  # trainer.callbacks.AtomicCheckpoint saves instead
         use_distributed_sampler=False,  # the datamodules shard (and resume) their own samplers
         default_root_dir=str(run_dir),

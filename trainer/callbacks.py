@@ -1,5 +1,5 @@
-"""Callbacks shared by every stage: throughput/MFU, data progress, loss plots and metrics history, the
-NaN-step skip, the final export (atomic checkpoints are in trainer/storage.py, re-exported here)."""
+"""Callbacks shared by every stage: the progress bar, throughput/MFU, data progress, loss plots and metrics history,
+the NaN-step check and skip, the final export (atomic checkpoints are in trainer/storage.py, re-exported here)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -27,18 +28,51 @@ log = logging.getLogger(__name__)
 
 
 class SkipNonFiniteSteps(L.Callback):
-    """Drops the gradients of an optimizer step whose loss was NaN/Inf (``LanguageModelModule.skip_step``,
-    set by ``stop_if_not_finite`` under ``trainer.max_nonfinite_steps``), so that the optimizer leaves the
-    weights and its own state as they were. Backward has run on every rank as usual: DDP and FSDP
-    collectives stay matched."""
+    """Checks the step's losses for NaN/Inf once, before the optimizer step (``LanguageModelModule.check_finite_step``:
+    callbacks run before the module's own hook) and drops the gradients of a step it marks skipped
+    (``skip_step``, under ``trainer.max_nonfinite_steps``), so that the optimizer leaves the weights and its own
+    state as they were. Backward has run on every rank as usual: DDP and FSDP collectives stay matched."""
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        check = getattr(pl_module, "check_finite_step", None)
+        if check is not None:
+            check()
         if getattr(pl_module, "skip_step", None) == trainer.global_step:
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
                     parameter.grad = None
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar (plain progress lines that read well in logs and CI as well as in a terminal). It shows
+    the training values the module logged for it (``bar_metrics``: see ``LanguageModelModule.log``) as read at the
+    last logging step: a read is a host read (on a GPU, a wait for every queued kernel), made every
+    ``trainer.log_every_n_steps`` optimizer steps, not every micro-batch. Closed when a run stops on an error (NaN
+    loss, interrupt) so it does not print itself once more when the interpreter exits."""
+
+    def __init__(self, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self._shown: dict[str, float] = {}
+        self._read_at = 0  # the global step of the last read (none before the first step)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        step = trainer.global_step
+        logging_step = step % max(trainer.log_every_n_steps, 1) == 0 or step == trainer.max_steps
+        if step != self._read_at and logging_step:
+            self._read_at = step
+            values = trainer.callback_metrics
+            names = [name for name in getattr(pl_module, "bar_metrics", {}) if name in values]
+            self._shown = dict(zip(names, host_values([values[name] for name in names])))
+        standard = {key: metrics.pop(key) for key in ("v_num",) if key in metrics}
+        return {**standard, **self._shown, **metrics}
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        for bar in (self._train_progress_bar, self._val_progress_bar):
+            if bar is not None:
+                bar.close()
 
 
 class DataProgress(L.Callback):
@@ -141,10 +175,12 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1
 class LossPlot(L.Callback):
     """Writes a PNG of metrics against step (``loss.png``: train and validation loss) beside the run at the
     end, also when the run stops on an error, and the points as CSV (``metrics.csv`` for loss.png, else
-    NAME.csv). Metrics are kept in memory on rank 0 and appended to the CSV as they come, so that a run
-    killed (-9) and resumed keeps its whole history: a resumed run keeps the rows up to the step it resumed
-    from and records the replayed steps once. A failure to write metrics or plots (a full disk, a plotting
-    error) is a warning, never the end of a run."""
+    NAME.csv). Metrics are kept in memory on rank 0 and appended to the CSV every ``trainer.log_every_n_steps``
+    optimizer steps, at validation and before every checkpoint, so that a run killed (-9) and resumed keeps its
+    whole history: a resumed run keeps the rows up to the step it resumed from and records the replayed steps
+    once. Every step's training values are taken when the step ends but stay where they are (on the GPU) until
+    then, read in one go (one host read, not one a step). A failure to write metrics or plots (a full disk, a
+    plotting error) is a warning, never the end of a run."""
 
     def __init__(
         self,
@@ -161,22 +197,32 @@ class LossPlot(L.Callback):
         self.ylabel = ylabel
         self.csv_name = "metrics.csv" if filename == "loss.png" else Path(filename).with_suffix(".csv").name
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in metrics}
+        self._pending: list[tuple[str, int, Any]] = []  # (metric, step, value not yet read)
         self._appending = False  # rows go to the CSV as they are recorded (off after a write failed)
 
-    def _record(self, trainer: L.Trainer, validation: bool) -> None:
+    def _take(self, trainer: L.Trainer, validation: bool) -> None:
         # callback_metrics keeps the last validation values during training: read each kind in its own hook
-        rows = []
         for name in self.metrics:
             if name.startswith("val") != validation:
                 continue
             value = trainer.callback_metrics.get(name)
-            if value is None:
-                continue
-            series = self.history[name]
-            if not series or series[-1][0] != trainer.global_step:
-                series.append((trainer.global_step, float(value)))
-                rows.append((name, trainer.global_step, float(value)))
-        if rows and self._appending:
+            if value is not None and self._last_step(name) != trainer.global_step:
+                self._pending.append((name, trainer.global_step, value.detach() if torch.is_tensor(value) else value))
+
+    def _last_step(self, name: str) -> int | None:
+        taken = [step for metric, step, _ in self._pending if metric == name]
+        series = self.history[name]
+        return taken[-1] if taken else series[-1][0] if series else None
+
+    def _flush(self) -> None:
+        """The values taken so far into the history and the CSV."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = [(name, step, value) for (name, step, _), value in zip(pending, host_values([v for *_, v in pending]))]
+        for name, step, value in rows:
+            self.history[name].append((step, value))
+        if self._appending:
             try:
                 with open(self.run_dir / self.csv_name, "a") as handle:
                     handle.write(metrics_csv_rows(rows))  # one write per row set: only the last line can tear
@@ -201,29 +247,58 @@ class LossPlot(L.Callback):
         self.history = {
             name: [(s, v) for s, v in previous.get(name, []) if s <= trainer.global_step] for name in self.metrics
         }
+        self._pending = []
         self._appending = write_points(self.history, path)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero:
-            self._record(trainer, validation=False)
+            self._take(trainer, validation=False)
+            logging_step = trainer.global_step % max(trainer.log_every_n_steps, 1) == 0 and trainer.global_step > 0
+            if logging_step or len(self._pending) >= 1024:  # (a bound for very long logging intervals)
+                self._flush()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # the checkpoint's steps are never trained again after a resume: their rows must be on disk before it is
+        if trainer.is_global_zero:
+            self._flush()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking:
-            self._record(trainer, validation=True)
+            self._take(trainer, validation=True)
+            self._flush()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if trainer.is_global_zero:  # a callback before this one (a checkpoint write) may have failed the step's end
-            self._record(trainer, validation=False)
+        if trainer.is_global_zero:
+            try:
+                # a callback before this one (a checkpoint write) may have failed the step's end; after a NaN/Inf
+                # stop the values are those of the step that was not taken
+                if not getattr(pl_module, "failed", False):
+                    self._take(trainer, validation=False)
+                self._flush()
+            except Exception as error:  # the device may be what failed: the points read so far are still written
+                self._pending = []
+                warnings.warn(f"cannot read the last metrics ({error!r})")
         self.write(trainer)
 
     def write(self, trainer: L.Trainer) -> None:
-        if not trainer.is_global_zero or not any(self.history.values()):
+        if not trainer.is_global_zero:
+            return
+        self._flush()
+        if not any(self.history.values()):
             return
         png, csv = self.run_dir / self.filename, self.run_dir / self.csv_name
         write_curves(self.history, csv, png, title=self.title, ylabel=self.ylabel)
+
+
+def host_values(values: list[Any]) -> list[float]:
+    """Scalars as Python floats (the same floats ``float(value)`` gives), tensors read in one go: one host read
+    (on a GPU, one wait for the queued kernels) for all of them."""
+    tensors = [value.detach().reshape(()) for value in values if torch.is_tensor(value)]
+    read = iter(torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if torch.is_tensor(value) else float(value) for value in values]
 
 
 def write_points(history: dict[str, list[tuple[int, float]]], csv_path: Path) -> bool:

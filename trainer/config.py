@@ -63,7 +63,9 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2  # selective: checkpoint every k-th block
-    compile: bool = False  # torch.compile each block
+    # torch.compile each block: auto is on where the run uses CUDA and off on CPU (where compiling costs more than it
+    # saves); resolved before the run and recorded in its config.yaml as true or false
+    compile: bool | Literal["auto"] = "auto"
     cpu_offload: bool = False  # FSDP2 parameter/gradient offload to CPU
     loss_chunk_size: int | None = 1024  # tokens per LM-head chunk; None materialises full logits
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs by name, measured on CPU
@@ -74,6 +76,9 @@ class TrainerConfig:
     # float32 matmuls: highest (true fp32) | high (TF32 on NVIDIA GPUs: ~1e-3 relative error, several times
     # faster) | medium (bf16 passes); auto is high on CUDA and highest elsewhere (CPU ignores it)
     float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"
+    # ddp / fsdp: how long a rank waits in a collective (a barrier, an all-reduce, FSDP's all-gathers) for the others
+    # before it fails and exits non-zero: a node that died or hangs stops the job in this time, not the scheduler's
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -46,6 +46,9 @@ class LanguageModelModule(L.LightningModule):
         self.config = config
         self.model: nn.Module | None = None
         self.failed = False
+        self.bar_metrics: dict[str, None] = {}  # training values the progress bar shows (``log``), in order
+        self._step_finite: Tensor | None = None  # whether every loss of the optimizer step so far was finite
+        self._step_loss: Tensor | None = None
 
     def build_model(self) -> nn.Module:
         """Called under the meta device when the subclass left ``self.model`` unset (trainer.init_device=meta)."""
@@ -57,21 +60,48 @@ class LanguageModelModule(L.LightningModule):
                 self.model = self.build_model()
         configure_parallelism(self.model, self.trainer, self.config.trainer)
 
+    def log(self, name: str, value: Any, prog_bar: bool = False, **kwargs: Any) -> None:
+        """Lightning's ``log``, except that a value logged for the progress bar during training is not turned into
+        a number by Lightning after every micro-batch (a host read: on a GPU, a wait for every queued kernel):
+        it is logged as any other value and ``trainer.callbacks.ProgressBar`` shows it, read at logging steps only."""
+        if prog_bar and self._trainer is not None and self.trainer.training:
+            self.bar_metrics[name] = None
+            prog_bar = False
+        super().log(name, value, prog_bar=prog_bar, **kwargs)
+
     def stop_if_not_finite(self, loss: Tensor) -> None:
-        """Stop the run on a NaN/Inf loss, or, with ``trainer.max_nonfinite_steps`` = N > 0, skip up to N
-        optimizer steps in a row that have one: ``skip_step`` marks the step, whose gradients
-        ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the optimizer changes nothing."""
-        finite = torch.isfinite(loss.detach()).float()
+        """Note a micro-batch's loss for its optimizer step's NaN/Inf check (``check_finite_step``). Kept on the
+        device: nothing is read here, so the micro-batches of a step run without waiting on the host."""
+        loss = loss.detach().float()
+        finite = torch.isfinite(loss).all()
+        if self._step_finite is None:
+            self._step_finite, self._step_loss = finite, loss
+            return
+        # the loss a stop or a skip names: the step's first non-finite one, else the latest
+        self._step_loss = torch.where(self._step_finite, loss, self._step_loss)
+        self._step_finite = self._step_finite & finite
+
+    def check_finite_step(self) -> None:
+        """Before each optimizer step (``SkipNonFiniteSteps``, else this module's ``on_before_optimizer_step``),
+        once: stop the run if a micro-batch of the step had a NaN/Inf loss, or, with
+        ``trainer.max_nonfinite_steps`` = N > 0, skip up to N optimizer steps in a row that have one:
+        ``skip_step`` marks the step, whose gradients ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the
+        optimizer changes nothing. One host read a step, and one all-reduce under several ranks."""
+        step, finite, loss = self.global_step, self._step_finite, self._step_loss
+        self._step_finite = self._step_loss = None
+        if finite is None:  # checked already, or no loss noted in this step
+            return
+        finite = finite.float()
         # Every rank must agree, or one rank would raise (or skip) while the others wait in a collective.
         if self.trainer.world_size > 1:
             finite = self.trainer.strategy.reduce(finite, reduce_op="min")
         if finite.item() >= 1:
             return
-        step, allowed = self.global_step, self.config.trainer.max_nonfinite_steps
+        allowed = self.config.trainer.max_nonfinite_steps
         first, count = getattr(self, "_nonfinite_run", (step, 0))  # the current run of consecutive bad steps
         if step == first + count:  # the next step (or the first bad one): the run goes on
             count += 1
-        elif step != first + count - 1:  # (the same step again is another micro-batch of it)
+        else:
             first, count = step, 1
         self._nonfinite_run = (first, count)
         if count > allowed:
@@ -94,18 +124,20 @@ class LanguageModelModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._step_sums = torch.zeros(len(self.step_metrics), device=self.device)
+        self._step_finite = self._step_loss = None
 
     def step_share(self, share: Tensor, metrics: Tensor | None = None) -> Tensor:
         """A micro-batch's share of its optimizer step's loss (``share``, with grad) and of the step's metrics
-        (``metrics``, detached, in ``step_metrics`` order; the loss share alone by default): stops on a NaN/Inf
-        share, adds the metrics to the step's sums, and returns what to backpropagate: Lightning divides it by the
-        accumulation count and DDP/FSDP average gradients over ranks, and it is scaled to undo both, so the
-        gradient is exactly that of the step loss the shares add up to."""
+        (``metrics``, detached, in ``step_metrics`` order; the loss share alone by default): notes the share for
+        the step's NaN/Inf check (``stop_if_not_finite``), adds the metrics to the step's sums, and returns what to
+        backpropagate: Lightning divides it by the accumulation count and DDP/FSDP average gradients over ranks,
+        and it is scaled to undo both, so the gradient is exactly that of the step loss the shares add up to."""
         self.stop_if_not_finite(share)
         self._step_sums += share.detach() if metrics is None else metrics
         return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.check_finite_step()  # done already by SkipNonFiniteSteps where it is a callback (it runs first)
         if not self.step_metrics:
             return
         # shares summed over micro-batches here and over ranks by the sync: the step's means over all of it

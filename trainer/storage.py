@@ -298,6 +298,8 @@ class AtomicCheckpoint(L.Callback):
             try:
                 if written:
                     self._publish(temporary, final, step)
+                    # published and verified: the last checkpoint, even if a peer dies in the collective below
+                    self._last_saved_step = step
             except OSError as caught:
                 error, written = caught, False
             if not written:

@@ -81,7 +81,7 @@ def _generate(args: argparse.Namespace) -> None:
         # the generator lives where sampling happens (torch.multinomial refuses a CPU generator on CUDA)
         generator=torch.Generator(model.tok_embeddings.weight.device).manual_seed(args.seed),
         heal=args.heal and not args.chat,  # a chat prompt ends in header tokens: nothing to heal
-        compile=args.compile,
+        decode="compiled" if args.compile else args.decode,
     )
     print(args.prompt + text)
 
@@ -244,8 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-heal", dest="heal", action="store_false", help="no token healing of the prompt's last token")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     gen.add_argument(
-        "--compile", action="store_true", help="static KV cache + torch.compile'd decode step (CUDA graphs on CUDA)"
+        "--decode",
+        choices=["auto", "eager", "static", "compiled"],
+        default="auto",
+        help="how tokens are decoded: compiled = static KV cache + torch.compile'd decode step that also samples "
+        "(CUDA graphs on CUDA), static = the same step uncompiled, eager = one token at a time over the growing cache; "
+        "auto (default) = compiled on CUDA, eager on CPU (there the fastest)",
     )
+    gen.add_argument("--compile", action="store_true", help="same as --decode compiled")
     gen.set_defaults(handler=_generate)
 
     convert = commands.add_parser("convert", help="convert checkpoints between formats")

@@ -39,10 +39,12 @@ def sample_answers(
     samples: int = 1,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    decode: str = "auto",
 ) -> list[list[str]]:
     """``samples`` decoded answers (end-of-turn removed) to each already-encoded chat prompt, batched by length;
     temperature 0 is greedy. ``max_new_tokens`` may differ per prompt (e.g. the reference length plus a margin):
-    a batch runs to the largest of its members and each answer is then cut to its own budget."""
+    a batch runs to the largest of its members and each answer is then cut to its own budget. ``decode``: as
+    ``models.generation.generate`` (auto: the compiled static decode on CUDA, eager on CPU)."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     jobs = sorted(
         ((i, s) for i in range(len(prompts)) for s in range(samples)), key=lambda job: len(prompts[job[0]])
@@ -54,6 +56,7 @@ def sample_answers(
             out = generate(
                 model, [list(prompts[i]) for i, _ in chunk], max_new_tokens=max(budgets[i] for i, _ in chunk),
                 temperature=temperature, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, generator=generator,
+                decode=decode,
             )  # fmt: skip
             for row, (index, sample) in enumerate(chunk):
                 tokens = out.tokens[row][out.mask[row]].tolist()[: budgets[index]]
@@ -68,9 +71,12 @@ def answer_prompts(
     *,
     max_new_tokens: int | Sequence[int],
     batch_size: int = 16,
+    decode: str = "auto",
 ) -> list[str]:
     """Greedy answers to already-encoded chat prompts (see ``sample_answers``)."""
-    greedy = sample_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    greedy = sample_answers(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, decode=decode
+    )
     return [answers[0] for answers in greedy]
 
 
@@ -189,6 +195,7 @@ def sampled_kl(
     max_new_tokens: int,
     batch_size: int = 32,
     generator: torch.Generator | None = None,
+    decode: str = "auto",
 ) -> float:
     """KL(policy || reference) per response, estimated on one sample (temperature 1) per prompt: the mean over
     prompts of the summed log-ratio of the sampled tokens, an unbiased estimate of the sequence-level KL."""
@@ -198,7 +205,7 @@ def sampled_kl(
         batch = [list(p) for p in prompts[start : start + batch_size]]
         out = generate(
             policy, batch, max_new_tokens=max_new_tokens, temperature=1.0, stop_ids=tokenizer.stop_ids,
-            pad_id=tokenizer.pad_id, generator=generator,
+            pad_id=tokenizer.pad_id, generator=generator, decode=decode,
         )  # fmt: skip
         prompt_ids, prompt_real = left_pad(batch, tokenizer.pad_id, device)
         input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)

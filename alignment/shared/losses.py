@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.generation import scaled_logprobs
 from models.loss import IGNORE_INDEX
+from models.sampling import scaled_logprobs
 
 
 def per_example_mean(token_losses: Tensor, targets: Tensor, document_ids: Tensor) -> Tensor:

@@ -4,7 +4,9 @@ the training pass: the response tokens' log-probs and entropies, and the critic'
 Rows are left-padded prompts (all of length P) followed by right-padded responses; ``real`` marks real
 tokens, from which the document ids and restarting positions come (padding is its own document). The logit
 at position t scores token t+1, so response token j (at P + j) is scored by logits[P + j - 1], and the critic's
-value for it is read at the same position.
+value for it is read at the same position. Under FlexAttention the rows are padded to a length bucket first
+(``models.generation.flex_bucketed``: the compiled kernel then sees a few lengths, not one per rollout) and the
+results cut back to the rows' width.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from alignment.shared.losses import logprobs_and_entropy
-from models.generation import ids_and_positions
+from models.generation import flex_bucketed, ids_and_positions
 from models.heads import ScalarModel
 from models.model import Transformer
 
@@ -39,12 +41,17 @@ def response_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies (B, N) of the response tokens (positions prompt_len..) of left-padded prompt +
     right-padded response rows; ``real`` marks real tokens. Rollout, reference and training all use this."""
+    width = input_ids.shape[1]
+    input_ids, real = flex_bucketed(getattr(model, "config", None), input_ids, real)
     document_ids, position_ids = ids_and_positions(real)
-    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : -1]
-    return logprobs_and_entropy(logits, input_ids[:, prompt_len:], temperature)
+    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : width - 1]
+    return logprobs_and_entropy(logits, input_ids[:, prompt_len:width], temperature)
 
 
 def response_values(critic: ScalarModel, input_ids: Tensor, real: Tensor, prompt_len: int) -> Tensor:
     """The critic's value (B, N) of the state before each response token (read where its log-prob is)."""
+    width = input_ids.shape[1]
+    input_ids, real = flex_bucketed(getattr(critic, "config", None), input_ids, real)
     document_ids, position_ids = ids_and_positions(real)
-    return critic(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : -1].float()
+    values = critic(input_ids, position_ids=position_ids, document_ids=document_ids)
+    return values[:, prompt_len - 1 : width - 1].float()

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from models.errors import ConfigError
-from models.generation import ids_and_positions
+from models.generation import flex_bucketed, ids_and_positions
 from models.heads import ScalarModel, gather_last, load_scalar_model
 
 Checker = Callable[[dict[str, Any], str], "float | None"]
@@ -75,9 +75,10 @@ class RewardModelScore:
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, real: Tensor) -> Tensor:
         device = next(self.model.parameters()).device  # may be the CPU while the policy is on a GPU
-        real = real.to(device)
+        # under FlexAttention, rows padded to a length bucket: few lengths for its compiled kernel
+        ids, real = flex_bucketed(getattr(self.model, "config", None), input_ids.to(device), real.to(device))
         document_ids, position_ids = ids_and_positions(real)
-        scores = self.model(input_ids.to(device), position_ids=position_ids, document_ids=document_ids)
+        scores = self.model(ids, position_ids=position_ids, document_ids=document_ids)
         return normalize_reward(gather_last(scores, real).float(), self.stats).to(input_ids.device)
 
 

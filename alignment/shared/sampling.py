@@ -33,9 +33,12 @@ def sample_and_score(
     seed: int = 0,
     compile: bool = False,
     rank: int = 0,
+    decode: str = "auto",
 ) -> list[dict[str, Any]]:
     """``samples_per_prompt`` samples of each prompt, in prompt order: per sample its answer, score, term scores,
-    length and whether it ended with an end of turn. Batches of ``batch_size`` prompts of similar length."""
+    length and whether it ended with an end of turn. Batches of ``batch_size`` prompts of similar length.
+    ``decode``: as ``models.generation.generate`` (auto: the compiled static decode on CUDA, eager on CPU);
+    ``compile`` (the SFT trainer's switch) asks for the compiled decode on CUDA, which auto already is."""
     device = next(policy.parameters()).device
     generator = torch.Generator(device).manual_seed(seed + rank)
     k = samples_per_prompt
@@ -49,7 +52,8 @@ def sample_and_score(
             ids = [prompts[i]["prompt_ids"] for i in rows]
             out = generate(
                 policy, ids, max_new_tokens=response_max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                stop_ids=stops, pad_id=tokenizer.pad_id, generator=generator, compile=compile and device.type == "cuda",
+                stop_ids=stops, pad_id=tokenizer.pad_id, generator=generator,
+                decode="compiled" if compile and device.type == "cuda" else decode,
             )  # fmt: skip
             prompt_ids, prompt_real = left_pad(ids, tokenizer.pad_id, device)
             input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)

@@ -151,7 +151,8 @@ class RLModule(LanguageModelModule):
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]]) -> Responses:
         """One response per prompt (repeat a prompt to sample it several times), with the policy's weights
-        gathered once under FSDP."""
+        gathered once under FSDP (which the compiled decode step needs: it runs the blocks under their compile,
+        checkpointing and FSDP2 wrappers, ``models.fast_decode.decode_blocks``)."""
         hp, tokenizer = self.hp, self.tokenizer
         start = time.perf_counter()
         with unsharded_for_generation(self.model):
@@ -159,7 +160,7 @@ class RLModule(LanguageModelModule):
                 self.model, prompt_ids, max_new_tokens=hp.response_max_tokens, temperature=hp.temperature,
                 top_k=hp.top_k, top_p=hp.top_p, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                 generator=self.sampler,
-                compile=self.config.trainer.compile and self.device.type == "cuda",  # CUDA graphs; CPU stays eager
+                decode="auto",  # compiled static decode on CUDA (CUDA graphs), eager on CPU: models.generation
             )  # fmt: skip
         generation_time = time.perf_counter() - start
         prompts, prompt_real = left_pad(prompt_ids, tokenizer.pad_id, self.device)

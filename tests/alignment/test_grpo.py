@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from alignment.schemas.rl import GRPOConfig
 from alignment.stages.grpo import run_grpo
 from models.errors import ConfigError, DataError
+from tests.alignment.compiled_decode import run_checked
 from tests.helpers import run_cli
 from trainer.config import load_config
 
@@ -188,3 +189,25 @@ def test_sampler_state_is_restored_whichever_comes_first_the_sampler_or_the_chec
     after.on_load_checkpoint(checkpoint)
     for restored in (before, after):
         assert torch.equal(torch.randint(0, 1000, (5,), generator=restored.sampler), expected)
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path):
+    """Issue 22: GRPO under FSDP2 + torch.compile + activation checkpointing on 2 gloo processes, its sampled
+    rollouts (temperature 1), greedy held-out answers and pass@k samples decoded by the compiled static decode step
+    (the CPU's ``auto`` made compiled by tests/alignment/compiled_decode.py): every generate call on every rank gives
+    the eager decode's tokens from the same generator state (the PPO test has the error this used to stop with)."""
+    records = run_checked(
+        "grpo", str(ROOT / "configs/grpo/tiny.yaml"), f"run.out_dir={tmp_path}", "run.name=run",
+        f"init.policy={setup['policy']}", f"data.train=[{setup['train_prompts']}]", f"data.val=[{setup['prompts']}]",
+        "logger.kind=none", "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2",
+        "trainer.compile=true", "trainer.activation_checkpointing=full", "trainer.max_steps=2",
+        "eval.every_n_rollouts=2", "eval.generations=4", "eval.pass_k=2", "eval.pass_k_prompts=4",
+        "grpo.prompts_per_rollout=2", "grpo.minibatch_size=8", log=tmp_path / "decode.jsonl",
+    )  # fmt: skip
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert {r["rank"] for r in records} == {0, 1} and all(r["compiled_steps"] > 0 for r in records)
+    rollouts = [r for r in records if r["rows"] == 8 and r["temperature"] == 1.0]  # 2 prompts x a group of 4
+    assert len(rollouts) == 4
+    assert all(r["tokens_equal"] and r["mask_equal"] for r in records), records
+    assert max(r["max_logprob_difference"] for r in records) < 1e-4

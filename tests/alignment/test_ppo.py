@@ -28,6 +28,7 @@ from models.errors import ConfigError
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
+from tests.alignment.compiled_decode import run_checked
 from tests.alignment.conftest import TINY
 from tests.helpers import run_cli
 from trainer.config import load_config
@@ -529,3 +530,27 @@ def test_ppo_rollout_with_compiled_generation_on_cuda(setup, tmp_path, monkeypat
     """trainer.compile=true: rollouts decode with the static cache and a CUDA-graph decode step."""
     seen = run_with_device_checks(setup, tmp_path, monkeypatch, "trainer.accelerator=gpu", "trainer.compile=true")
     assert seen["sampler_device"].type == "cuda" and seen["reference_logp"]
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path):
+    """Issue 22: FSDP2 + torch.compile + activation checkpointing on 2 gloo processes, rollouts and held-out answers
+    decoded by the compiled static decode step (made the CPU's ``auto`` by tests/alignment/compiled_decode.py). The
+    fullgraph trace used to stop at the FSDP2-wrapped compiled blocks (``Unsupported: Attempted to inline function
+    marked as skipped ... OptimizedModule.__call__``) at the first generation; now every rank's every generate call
+    gives the eager decode's greedy tokens."""
+    records = run_checked(
+        "ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path}", "run.name=run",
+        f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}",
+        f"data.train=[{setup['train_prompts']}]", f"data.val=[{setup['prompts']}]", "logger.kind=none",
+        "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2", "trainer.compile=true",
+        "trainer.activation_checkpointing=full", "trainer.max_steps=2", "eval.every_n_rollouts=2", "eval.generations=4",
+        "ppo.temperature=0", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2", "ppo.epochs=1",
+        log=tmp_path / "decode.jsonl",
+    )  # fmt: skip
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert {r["rank"] for r in records} == {0, 1}
+    rollouts = [r for r in records if r["rows"] == 4]  # (the held-out answers: 2 per rank)
+    assert len(rollouts) == 4 and all(r["compiled_steps"] > 0 for r in records)
+    assert all(r["tokens_equal"] and r["mask_equal"] for r in records), records
+    assert max(r["max_logprob_difference"] for r in records) < 1e-4

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from models.generation import (
-    GenerationOutput,
-    filter_logits,
-    generate,
-    left_pad,
-    sample_next,
-    sequence_logprobs,
-)
+from models.generation import generate, left_pad, sequence_logprobs
 from models.model import ModelConfig, RopeScaling, Transformer
+from models.sampling import GenerationOutput, filter_logits, sample_next
 
 VARIANTS = {
     "base": {},
@@ -300,11 +295,41 @@ def test_static_cache_reused_across_prompt_widths(base_model):
 
 @pytest.mark.slow
 def test_compiled_decode_step_matches_recompute_on_cpu(base_model):
-    """torch.compile of the decode step (inductor on CPU; CUDA graphs only on CUDA) changes no token."""
+    """torch.compile of the decode step (inductor on CPU; CUDA graphs only on CUDA) changes no token: greedy equals
+    recomputation and eager decoding, and sampling (inside the step, from the generator's own draws) gives the
+    eager tokens from the same seed, stops included."""
     reference = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, use_cache=False)
     for _ in range(2):  # the second call replays the compiled step
         compiled = generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, compile=True)
         assert torch.equal(compiled.tokens, reference.tokens)
+        assert torch.equal(generate(base_model, PROMPTS, max_new_tokens=10, temperature=0, decode="compiled").tokens, reference.tokens)  # fmt: skip
+    stops = stop_ids_from(base_model)
+    for temperature in (0.0, 1.0):
+        eager, compiled = (
+            generate(
+                base_model, PROMPTS, max_new_tokens=20, temperature=temperature, stop_ids=stops, decode=decode,
+                generator=torch.Generator().manual_seed(5),
+            )
+            for decode in ("eager", "compiled")
+        )  # fmt: skip
+        assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.mask, eager.mask)
+        torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_past_the_recompile_limit_runs_uncompiled(base_model, monkeypatch):
+    """fullgraph=True fails a call at dynamo's recompile limit; the compiled decode step then runs that variant
+    uncompiled (one warning) and gives the same tokens."""
+    greedy = generate(base_model, PROMPTS, max_new_tokens=6, temperature=0, decode="eager")
+    generate(base_model, PROMPTS, max_new_tokens=6, temperature=0, decode="compiled")  # a compiled variant
+    from models import fast_decode
+
+    monkeypatch.setattr(fast_decode, "_over_limit", set())
+    sample = functools.partial(generate, base_model, PROMPTS, max_new_tokens=6, temperature=0.7)  # a new variant
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match="recompile limit"):
+        sampled = sample(decode="compiled", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled.tokens, sample(decode="eager", generator=torch.Generator().manual_seed(0)).tokens)
+    assert torch.equal(generate(base_model, PROMPTS, max_new_tokens=6, temperature=0, decode="compiled").tokens, greedy.tokens)  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -329,6 +354,115 @@ def test_static_and_compiled_decoding_on_cuda(compile):
         for _ in range(2)
     ]
     assert torch.equal(*sampled)
+
+
+def stop_ids_from(model) -> list[int]:
+    """Stop ids that end greedy rows at different steps: row 0's 3rd token and row 2's 12th (row 1 runs on)."""
+    greedy = generate(model, PROMPTS, max_new_tokens=14, temperature=0)
+    return [int(greedy.tokens[0, 2]), int(greedy.tokens[2, 11])]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("max_new_tokens", [3, 9, 20])
+def test_static_decode_with_stops_equals_eager(base_model, temperature, max_new_tokens):
+    """The static step samples, scores and tracks stops itself and the loop asks whether every row stopped only every
+    STOP_CHECK_EVERY tokens: the tokens decoded after the last row stopped are cut, so the output (length
+    included) is the eager loop's, which checks after every token; sampled tokens come from the same draws."""
+    stops = stop_ids_from(base_model)
+    for prompts in (PROMPTS, PROMPTS[:1]):  # one row stops at its 3rd token: everything after it is cut
+        eager, static = (
+            generate(
+                base_model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stops,
+                decode=decode, generator=torch.Generator().manual_seed(1),
+            )
+            for decode in ("eager", "static")
+        )  # fmt: skip
+        assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.mask, eager.mask)
+        assert torch.equal(static.lengths, eager.lengths)
+        torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+    # the trim at work: a row that stopped before the first check still ends at its stop
+    assert generate(base_model, PROMPTS[:1], max_new_tokens=20, temperature=0, stop_ids=stops, decode="static").tokens.shape[1] <= 3  # fmt: skip
+
+
+class HostSyncs:
+    """Counts the calls that make the host wait for the device: a tensor read as a Python bool, int or float."""
+
+    NAMES = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist")
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("decode", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_static_decode_syncs_with_the_host_once_per_k_tokens(base_model, decode, monkeypatch):
+    """Eager decoding asks ``bool(done.all())`` after every token; the static step at most once per
+    STOP_CHECK_EVERY tokens (the last one included: the length of the output)."""
+    from models.fast_decode import STOP_CHECK_EVERY
+
+    tokens = 4 * STOP_CHECK_EVERY
+    run = functools.partial(generate, base_model, PROMPTS, max_new_tokens=tokens, temperature=1.0, stop_ids=[])
+    run(decode=decode)  # the compiled step is traced first: tracing is not decoding
+    syncs = HostSyncs(monkeypatch)
+    out = run(decode=decode, generator=torch.Generator().manual_seed(0))
+    assert out.tokens.shape[1] == tokens
+    assert syncs.count <= tokens / STOP_CHECK_EVERY, syncs.count
+    syncs.count = 0
+    run(decode="eager")
+    assert syncs.count >= tokens - 1  # what it was
+
+
+def test_auto_decode_is_eager_on_cpu_and_compiled_on_cuda(base_model, monkeypatch):
+    """decode="auto" (every caller's default) resolves by device: eager on the CPU, where it is fastest and where
+    every CPU number stays what it was; the compiled static decode on CUDA."""
+    from models import fast_decode
+    from models.generation import resolve_decode
+
+    assert resolve_decode("auto", "cpu") == "eager" and resolve_decode("auto", torch.device("cuda", 0)) == "compiled"
+    assert resolve_decode("static", "cpu") == "static"
+    with pytest.raises(ValueError, match="decode must be one of"):
+        resolve_decode("fast", "cpu")
+
+    def no_static_path(*args, **kwargs):
+        raise AssertionError("decode=auto took the static path on the CPU")
+
+    eager = generate(base_model, PROMPTS, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(2), decode="eager")  # fmt: skip
+    monkeypatch.setattr(fast_decode, "static_cache", no_static_path)
+    monkeypatch.setattr(fast_decode, "compiled", no_static_path)
+    auto = generate(base_model, PROMPTS, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(2))  # fmt: skip
+    assert torch.equal(auto.tokens, eager.tokens) and torch.equal(auto.logprobs, eager.logprobs)
+
+
+def test_generation_runs_the_blocks_under_their_training_wrappers(base_model, monkeypatch):
+    """A model trained with torch.compile'd, checkpointed blocks (trainer.parallel) generates through the blocks
+    themselves: through the compiled ones every prompt width, cache length and layer was a recompile, and with
+    fullgraph=True the 9th failed (``FailOnRecompileLimitHit``: the first held-out evaluation of an RL run with
+    trainer.compile=true). Tokens are the plain model's."""
+    import copy
+
+    from trainer.parallel import apply_activation_checkpointing
+
+    reference = generate(base_model, PROMPTS, max_new_tokens=8, temperature=0)
+    wrapped = copy.deepcopy(base_model)
+    apply_activation_checkpointing(wrapped, "full")
+
+    def fails_if_called(*args, **kwargs):
+        raise AssertionError("a compiled block ran during generation")
+
+    for index, block in enumerate(wrapped.layers):
+        wrapped.layers[index] = torch.compile(block, fullgraph=True, backend=fails_if_called)
+    for decode in ("eager", "static"):
+        for prompts in (PROMPTS, [[3] * 20], [[4, 5]]):
+            out = generate(wrapped, prompts, max_new_tokens=8, temperature=0, decode=decode)
+            expected = reference if prompts is PROMPTS else generate(base_model, prompts, max_new_tokens=8, temperature=0)  # fmt: skip
+            assert torch.equal(out.tokens, expected.tokens)
 
 
 def test_static_cache_errors(base_model):

@@ -1,10 +1,13 @@
 import math
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from alignment.schemas.pretrain import PretrainConfig
+from models import attention
 from models.heads import ScalarHead, ScalarModel, gather_last, last_token_index
 from models.loss import chunked_cross_entropy, cross_entropy
 from models.model import (
@@ -209,6 +212,52 @@ def test_flex_generation_with_kv_cache_matches_sdpa():
             outs.append((prefill, step))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+def test_block_mask_builder_compiles_create_block_mask_on_cuda_without_the_deprecated_flag(monkeypatch):
+    """CUDA builds masks with ``torch.compile(create_block_mask)``, compiled once; never ``_compile=True``.
+
+    torch 2.13 deprecates the flag. The path CUDA takes runs here on CPU, its compile recorded (not done).
+    """
+    compiled, calls = [], []
+
+    def fake_compile(fn, **options):
+        compiled.append(fn)
+        return lambda *args, **kwargs: calls.append(kwargs) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", None)
+    assert attention.block_mask_builder("cpu") is create_block_mask and compiled == []
+    cuda_builder = attention.block_mask_builder("cuda")
+    assert attention.block_mask_builder("cuda") is cuda_builder and compiled == [create_block_mask]
+    document_ids = torch.tensor([[0] * 100 + [1] * 156, [2] * 256])
+    eager = attention.document_block_mask(document_ids)
+    monkeypatch.setattr(attention, "block_mask_builder", lambda device_type: cuda_builder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mask = attention.document_block_mask(document_ids)
+    assert len(calls) == 1 and "_compile" not in calls[0]
+    assert torch.equal(mask.kv_num_blocks, eager.kv_num_blocks) and torch.equal(mask.kv_indices, eager.kv_indices)
+
+
+def test_compiled_block_mask_builder_gives_the_eager_mask_and_compiles_once(monkeypatch):
+    """The builder CUDA uses, really compiled (inductor's CPU backend): eager's masks, no warning about the
+    deprecated flag, and one graph for every forward's new mask closure (no recompile per batch)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", None)
+    cuda_builder = attention.block_mask_builder("cuda")
+    graphs = counters["stats"]["unique_graphs"]
+    for document_ids in (torch.tensor([[0] * 100 + [1] * 156, [2] * 256]), torch.tensor([[0] * 30 + [1] * 226] * 2)):
+        eager = attention.document_block_mask(document_ids)
+        with monkeypatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            patch.setattr(attention, "block_mask_builder", lambda device_type: cuda_builder)
+            mask = attention.document_block_mask(document_ids)
+        assert not [w for w in caught if "create_block_mask" in str(w.message)]
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(mask, name), getattr(eager, name)), name
+    assert counters["stats"]["unique_graphs"] - graphs <= 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels and backward need CUDA")

@@ -79,6 +79,32 @@ def test_generate_from_checkpoint_uses_its_tokenizer_and_is_deterministic_greedy
     assert capsys.readouterr().out == first
 
 
+def test_generate_decode_choices_print_the_same_greedy_text(small_checkpoint, capsys, monkeypatch):
+    """--decode auto (the default: eager on this CPU), eager and static print the same greedy text; --compile is
+    --decode compiled; --help names the choices."""
+    import models.generation as generation
+
+    seen: list[str] = []
+    original = generation.generate
+
+    def recording(*args, **kwargs):
+        seen.append(generation.resolve_decode(kwargs["decode"], "cpu"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", recording)
+    args = ["generate", "--checkpoint", str(small_checkpoint), "--prompt", "KING:", "--max-new-tokens", "8"]
+    outputs = []
+    for extra in ([], ["--decode", "eager"], ["--decode", "static"]):
+        assert main([*args, "--temperature", "0", *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and seen == ["eager", "eager", "static"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--decode {auto,eager,static,compiled}" in capsys.readouterr().out
+    monkeypatch.setattr(generation, "generate", lambda *a, **kwargs: seen.append(kwargs["decode"]) or original(*a, **{**kwargs, "decode": "eager"}))  # fmt: skip
+    assert main([*args, "--compile"]) == 0 and seen[-1] == "compiled"
+
+
 def test_generate_rejects_prompt_longer_than_max_seq_len(small_checkpoint, capsys):
     assert (
         main(["generate", "--checkpoint", str(small_checkpoint), "--prompt", "word " * 100, "--max-new-tokens", "4"])
