@@ -29,17 +29,6 @@ from typing import Any
 
 WATCHED = (signal.SIGTERM, signal.SIGINT)
 
-# training commands -> their config schema (module, class): an interrupted run's config is read again to find its
-# checkpoints and its resume setting (the handlers in alignment/commands/cli.py load the same schemas)
-STAGE_SCHEMAS: dict[str, tuple[str, str]] = {
-    "pretrain": ("trainer.config", "PretrainConfig"),
-    "sft": ("trainer.config", "SFTConfig"),
-    "rm": ("trainer.config", "RMConfig"),
-    "ppo": ("alignment.schemas.rl", "PPOConfig"),
-    "grpo": ("alignment.schemas.rl", "GRPOConfig"),
-    "dpo": ("alignment.schemas.dpo", "DPOConfig"),
-    "rejection-sampling": ("alignment.schemas.rejection_sampling", "RejectionSamplingConfig"),
-}
 _CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")  # trainer/storage.py's names (importing it here would load Lightning)
 _LATEST = "latest"
 
@@ -122,9 +111,10 @@ def checkpoint_note(checkpoints: Path) -> str:
     return f"the last checkpoint is {found}" if found else f"no checkpoint in {checkpoints} yet"
 
 
-def _stage_note(command: str, config_path: str, overrides: list[str]) -> str:
-    """Where an interrupted training command's checkpoints are and whether the same command resumes from them."""
-    module, name = STAGE_SCHEMAS[command]
+def _stage_note(schema: tuple[str, str], config_path: str, overrides: list[str]) -> str:
+    """Where an interrupted training command's checkpoints are and whether the same command resumes from them;
+    ``schema`` names its config's class (module, name), imported only now."""
+    module, name = schema
     from trainer.config import load_config  # deferred: only an interrupted training command needs it
 
     config: Any = load_config(getattr(importlib.import_module(module), name), config_path, overrides)
@@ -138,20 +128,23 @@ def _stage_note(command: str, config_path: str, overrides: list[str]) -> str:
     return f"{checkpoint_note(checkpoints)}: run the same command again to resume from it"
 
 
-def interrupted_message(command: str, signum: int, error: BaseException, args: Any) -> str:
+def interrupted_message(
+    command: str, signum: int, error: BaseException, args: Any, schema: tuple[str, str] | None = None
+) -> str:
     """The one line an interrupted command prints: the signal, what the code that was stopped added to the error
-    (``add_note``: the pipeline's stage and command) and, for a training command, its checkpoint and resume; "" on
-    the ranks other than 0 of a multi-process run."""
+    (``add_note``: the pipeline's stage and command) and, for a training command (``schema``: its config class as
+    (module, name), which the CLI knows), its checkpoint and resume; "" on the ranks other than 0 of a
+    multi-process run."""
     # Every rank stops; rank 0 says so, once. Other ranks exist only once Lightning (imported with trainer.storage)
     # launched them, and importing it now could fail: the signal may have stopped `import torch` half-way.
     storage = sys.modules.get("trainer.storage")
     if storage is not None and not storage.is_global_rank_zero():
         return ""
     notes = list(getattr(error, "__notes__", []))
-    if command in STAGE_SCHEMAS and not notes:
+    if schema is not None and not notes:
         # a broken config, or an import the signal cut short: the interruption is still the news
         with contextlib.suppress(Exception):
-            notes.append(_stage_note(command, args.config, args.overrides))
+            notes.append(_stage_note(schema, args.config, args.overrides))
     if isinstance(error, Exception):  # something failed on the way out: say so, it may matter
         notes.append(f"it stopped with {type(error).__name__}: {str(error).strip()[:200]}")
     name = signal.Signals(signum).name

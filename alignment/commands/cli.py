@@ -16,6 +16,18 @@ from trainer.interrupts import interrupted_message, received_signal, watch_signa
 
 log = logging.getLogger("lantern")
 
+# training commands -> their config schema (module, class), imported only when needed: an interrupted run's config
+# is read again to find its checkpoints and its resume setting (the handlers below load the same schemas)
+STAGE_SCHEMAS: dict[str, tuple[str, str]] = {
+    "pretrain": ("alignment.schemas.pretrain", "PretrainConfig"),
+    "sft": ("alignment.schemas.sft", "SFTConfig"),
+    "rm": ("alignment.schemas.reward", "RMConfig"),
+    "ppo": ("alignment.schemas.rl", "PPOConfig"),
+    "grpo": ("alignment.schemas.rl", "GRPOConfig"),
+    "dpo": ("alignment.schemas.dpo", "DPOConfig"),
+    "rejection-sampling": ("alignment.schemas.rejection_sampling", "RejectionSamplingConfig"),
+}
+
 
 def _tokenizer_train(args: argparse.Namespace) -> None:
     from data.tokenizer.bpe import check_output_file, train_bpe
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             # or `a && b` sees the interruption; one line saying where the run stopped (trainer/interrupts.py)
             signum = received_signal() or (signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
             if signum is not None:
-                message = interrupted_message(args.command, signum, error, args)
+                message = interrupted_message(args.command, signum, error, args, STAGE_SCHEMAS.get(args.command))
                 if message:
                     print(message, file=sys.stderr, flush=True)
                 return 128 + signum

@@ -1,5 +1,7 @@
 """The ``lantern`` command as a user types it (in-process through ``main`` unless a subprocess is needed)."""
 
+import dataclasses
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignment.commands.cli import main
+from alignment.commands import cli
+from alignment.commands.cli import STAGE_SCHEMAS, main
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
@@ -145,3 +148,12 @@ def test_help_does_not_import_torch() -> None:
     code = "import sys; from alignment.commands.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
+
+
+def test_every_training_command_names_a_schema_that_imports():
+    """An interrupted run reads its config again through STAGE_SCHEMAS: a name left behind by a move would turn the
+    line that says how to resume into a bare "interrupted" without any test noticing."""
+    for command, (module, name) in STAGE_SCHEMAS.items():
+        schema = getattr(importlib.import_module(module), name)
+        assert dataclasses.is_dataclass(schema), command
+        assert f"_{command.replace('-', '_')}" in dir(cli), f"no handler for {command}"
