@@ -223,9 +223,12 @@ def collective_failure_note(config: TrainerConfig) -> L.Callback:
     def note(trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         text = str(exception)
         lost = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-        if trainer.world_size < 2 or not ("timed out" in text.lower() or any(s in text for s in lost)):
+        # gloo words a timeout two ways, by where it strikes: "Timed out waiting Nms" in a collective, and
+        # "Application timeout caused pair closure" in a barrier
+        timed_out = "timed out" in text.lower() or "application timeout" in text.lower()
+        if trainer.world_size < 2 or not (timed_out or any(s in text for s in lost)):
             return
-        cause = "stopped responding" if "timed out" in text.lower() else "died"
+        cause = "stopped responding" if timed_out else "died"
         log.error(
             "rank %d stops: another rank %s (a node down or hung; trainer.collective_timeout_s=%g bounds the wait)",
             trainer.global_rank,
