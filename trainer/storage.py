@@ -248,6 +248,10 @@ class AtomicCheckpoint(L.Callback):
             or not self._between_steps(trainer)
             or trainer.world_size > 1
         ):
+            if sigterm and self._last_saved_step == trainer.global_step > 0:  # it landed just after a save
+                log.error("stopped by SIGTERM at step %d; its state is saved in %s", trainer.global_step,
+                          self._path(self._last_saved_step))  # fmt: skip
+                return
             if trainer.is_global_zero and self._last_saved_step > 0:
                 log.error(
                     "training stopped (%s); the last checkpoint is %s",
