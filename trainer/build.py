@@ -112,9 +112,10 @@ def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> Non
     """What every stage checks first, before anything is created: every numeric key in its range (a config built
     in code, or changed after loading, never passed load_config's check), then the trainer section
     (``trainer``: the config's own unless given). A warmup longer than the run is allowed, with a warning."""
+    trainer = config.trainer if trainer is None else trainer
     check_ranges(config)
-    check_trainer_config(config.trainer if trainer is None else trainer)
-    optim, trainer = getattr(config, "optim", None), config.trainer if trainer is None else trainer
+    check_trainer_config(trainer)
+    optim = getattr(config, "optim", None)
     if optim is not None and optim.warmup_steps > trainer.max_steps:
         log.warning(
             "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
