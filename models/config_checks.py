@@ -115,6 +115,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "short_answer_max_tokens": AT_LEAST_1,
     "short_answer_factor": AT_LEAST_1,
     "short_answer_target_share": UNIT_HALF_OPEN,
+    # LoRA adapters (models/adapters.py)
+    "peft.rank": AT_LEAST_1,
+    "peft.alpha": POSITIVE,
+    "peft.dropout": UNIT_HALF_OPEN,
     # pipeline
     "n_train": AT_LEAST_1,
     "n_val": AT_LEAST_1,

@@ -15,7 +15,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy
 
 from models.atomic import StorageError, storage_error, write_atomically
 from models.checkpoint_io import architecture_differences
@@ -33,6 +33,7 @@ from trainer.callbacks import (
 )
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
+from trainer.parallel import FSDP2Strategy
 from trainer.storage import (
     claim_run_directory,
     has_checkpoints,
@@ -247,7 +248,7 @@ def make_strategy(config: TrainerConfig) -> Any:
         return DDPStrategy(timeout=collective_timeout(config))
 
     # Pure FSDP2: one data-parallel dimension over every device of every node.
-    return ModelParallelStrategy(
+    return FSDP2Strategy(
         data_parallel_size=config.devices * config.num_nodes,
         tensor_parallel_size=1,
         timeout=collective_timeout(config),

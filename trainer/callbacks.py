@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from models.adapter_config import adapter_config
+from models.adapters import merged_state
 from models.atomic import check_destination, storage_error
 from models.checkpoint import save_checkpoint
 from models.heads import ScalarModel, save_scalar_model
@@ -336,7 +338,8 @@ def full_state_dict(model: torch.nn.Module, trainer: L.Trainer) -> dict[str, tor
 class ExportFinal(L.Callback):
     """At the end of training, writes the model as a native checkpoint folder that ``load_checkpoint``,
     ``lantern generate`` and ``lantern convert`` read and the next stage starts from. A ``ScalarModel``
-    (reward model, critic) is written with ``models.heads.save_scalar_model``.
+    (reward model, critic) is written with ``models.heads.save_scalar_model``. A model with LoRA adapters is
+    written with them folded in (``lantern export --adapter`` writes the adapter alone, in peft's format).
 
     ``metadata`` may be a callable of the LightningModule, for values known only at the end (reward
     normalisation statistics)."""
@@ -389,6 +392,11 @@ class ExportFinal(L.Callback):
         self._exported = True
 
     def _save(self, model: torch.nn.Module, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+        peft = adapter_config(model)
+        if peft is not None:
+            config = model.config
+            build = (lambda: ScalarModel.from_backbone(Transformer(config))) if isinstance(model, ScalarModel) else None
+            state = merged_state(state, peft, build or (lambda: Transformer(config)))
         if isinstance(model, ScalarModel):
             save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
             return

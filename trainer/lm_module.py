@@ -2,19 +2,26 @@
 logged norm, the NaN/Inf stop, the per-step and validation accounting, RNG state in checkpoints, and checkpoints
 whose parameter names are the plain model names whatever wraps the blocks (activation checkpointing,
 torch.compile, FSDP2), so a checkpoint saved under one combination of wrappers resumes under any other. Stages
-subclass it and write their steps."""
+subclass it and write their steps.
+
+With LoRA adapters (models/adapters.py) a stage names the modules that carry them and their bases
+(``adapter_bases``): a checkpoint then holds only what trains (the adapters, a reward model's head) and, under
+``adapters``, each base's folder and fingerprint; resuming onto another base is refused in one line, before any
+weight is loaded."""
 
 from __future__ import annotations
 
 import logging
 import random
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
+from models.adapter_config import adapter_config
 from models.errors import CheckpointError, NonFiniteLossError
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
@@ -49,6 +56,8 @@ class LanguageModelModule(L.LightningModule):
         self.bar_metrics: dict[str, None] = {}  # training values the progress bar shows (``log``), in order
         self._step_finite: Tensor | None = None  # whether every loss of the optimizer step so far was finite
         self._step_loss: Tensor | None = None
+        # attribute (``model``, PPO's ``critic``) -> its base: {"checkpoint": folder or None, "fingerprint", ...}
+        self.adapter_bases: dict[str, dict[str, Any]] = {}
 
     def build_model(self) -> nn.Module:
         """Called under the meta device when the subclass left ``self.model`` unset (trainer.init_device=meta)."""
@@ -203,7 +212,54 @@ class LanguageModelModule(L.LightningModule):
                 f"the checkpoint being resumed holds another model ({len(mismatched)} tensors of other shapes: "
                 f"{'; '.join(mismatched[:3])}): resume it with the model it was trained with"
             )
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if not self.adapter_bases:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        # an adapters' checkpoint holds what trains: the base's tensors come from the base, loaded already
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trained = self._trained_names()
+        from_base = {name for name in current if not self._checkpointed(plain_name(name), trained)}
+        missing = [name for name in result.missing_keys if name not in from_base]
+        if strict and (missing or result.unexpected_keys):
+            raise CheckpointError(
+                f"the checkpoint being resumed does not match this run's adapters: missing {missing[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]} (resume with the peft section it was trained with)"
+            )
+        return result
+
+    def _checkpointed(self, name: str, trained: set[str]) -> bool:
+        """Whether a checkpoint holds the tensor of this plain name: all of them, except, in a module with
+        adapters, the base's frozen ones (``trained``: ``_trained_names()``)."""
+        return name.split(".", 1)[0] not in self.adapter_bases or name in trained
+
+    def _trained_names(self) -> set[str]:
+        return {plain_name(name) for name, parameter in self.named_parameters() if parameter.requires_grad}
+
+    def check_adapter_checkpoint(self, checkpoint: Mapping[str, Any], path: Any) -> None:
+        """Refuse, in one line naming ``path``, a checkpoint whose adapters were trained on another base (or with
+        another peft section), and one with or without adapters where this run has the opposite."""
+        saved = checkpoint.get("adapters") or {}
+        if not saved and not self.adapter_bases:
+            return
+        if set(saved) != set(self.adapter_bases):
+            has = "holds LoRA adapters" if saved else "holds a fully trained model"
+            wants = "adds adapters (peft.kind=lora)" if self.adapter_bases else "has peft.kind=none"
+            raise CheckpointError(
+                f"{path} {has} but this run {wants}: resume with the peft section it was trained with"
+            )
+        for attribute, base in self.adapter_bases.items():
+            record = saved[attribute]
+            if record["fingerprint"] != base["fingerprint"]:
+                raise CheckpointError(
+                    f"{path}: its adapters ({attribute}) were trained on base {record.get('checkpoint') or 'a seeded model'} "
+                    f"(fingerprint {record['fingerprint']}), this run's base {base.get('checkpoint') or 'a seeded model'} "
+                    f"is another model (fingerprint {base['fingerprint']})"
+                )
+            configured = asdict(adapter_config(getattr(self, attribute)))
+            if record.get("peft") != configured:
+                raise CheckpointError(
+                    f"{path}: its adapters ({attribute}) are peft {record.get('peft')}, this run's section is "
+                    f"{configured}: resume with the peft section it was trained with"
+                )
 
     def _to_wrapped_names(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         # keep_vars: names only, no detached copies; FSDP2's local shards need no collective for this.
@@ -218,12 +274,24 @@ class LanguageModelModule(L.LightningModule):
         # torch.compile's ``_orig_mod.`` is in nn.Module.state_dict() names (FSDP2's DCP state dicts strip it
         # already): save plain names, which load_state_dict maps back onto whatever wraps the blocks then.
         if "state_dict" in checkpoint:
-            checkpoint["state_dict"] = {plain_name(name): value for name, value in checkpoint["state_dict"].items()}
+            trained = self._trained_names()
+            checkpoint["state_dict"] = {
+                plain_name(name): value
+                for name, value in checkpoint["state_dict"].items()
+                if self._checkpointed(plain_name(name), trained)
+            }
+        if self.adapter_bases:
+            checkpoint["adapters"] = {
+                attribute: {**base, "peft": asdict(adapter_config(getattr(self, attribute)))}
+                for attribute, base in self.adapter_bases.items()
+            }
         checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # single-process loads call this before the weights; FSDP2's loader (trainer/parallel.py) checks first itself
+        self.check_adapter_checkpoint(checkpoint, self.trainer.ckpt_path if self._trainer is not None else "checkpoint")
         state = checkpoint.get("rng")
         if state:
             torch.set_rng_state(state["torch"])

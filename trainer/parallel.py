@@ -22,12 +22,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -199,3 +208,34 @@ def plain_name(name: str) -> str:
     for wrapper in WRAPPER_PREFIXES:
         name = name.replace(wrapper, "")
     return name
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2), which also resumes a sharded checkpoint that holds only what
+    trained (LoRA adapters: trainer/lm_module.py). Lightning asks the checkpoint for every tensor of the model and
+    would fail on the base's; here the module's state is narrowed to the tensors the checkpoint has, after the
+    module has checked the checkpoint's base, and the rest stays as the base loaded it."""
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        module = self.lightning_module
+        path = Path(self.broadcast(checkpoint_path))
+        if not getattr(module, "adapter_bases", None) or not (path / _METADATA_FILENAME).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        metadata = torch.load(path / _METADATA_FILENAME, weights_only=True)
+        module.check_adapter_checkpoint(metadata, path)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        model_state = {
+            name: tensor for name, tensor in get_model_state_dict(self.model).items() if f"state_dict.{name}" in saved
+        }
+        dcp.load({"state_dict": model_state}, checkpoint_id=path)
+        module.load_state_dict(model_state, strict=module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(
+                self.model,
+                optimizer,
+                optim_state_dict=optimizer_state[f"optimizer_{index}"],
+                options=StateDictOptions(cpu_offload=True),
+            )
+        return metadata

@@ -26,6 +26,7 @@ from typing import Literal
 
 from alignment.schemas.common import StageLoaderConfig
 from data.preference.config import PreferenceDataConfig
+from models.adapter_config import PeftConfig
 from models.model import ModelConfig
 from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -49,6 +50,7 @@ class DPOLossConfig:
 class DPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="dpo"))
     init: DPOInitConfig = field(default_factory=DPOInitConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
     model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.policy
     data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from alignment.schemas.common import InitConfig, StageLoaderConfig
 from data.preference.config import PreferenceDataConfig
+from models.adapter_config import PeftConfig
 from models.model import ModelConfig
 from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -39,6 +40,7 @@ class PolicySamplesConfig:
 class RMConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="rm"))
     init: InitConfig = field(default_factory=InitConfig)  # checkpoint: the SFT model folder
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
     model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.checkpoint
     data: PreferenceDataConfig = field(default_factory=lambda: PreferenceDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)

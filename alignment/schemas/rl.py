@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from data.records.prompts import PromptDataConfig
+from models.adapter_config import PeftConfig
 from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
 
 
@@ -101,6 +102,7 @@ class PPOHyperparameters(RolloutHyperparameters):
 class PPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="ppo"))
     init: PPOInitConfig = field(default_factory=PPOInitConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
@@ -142,6 +144,7 @@ class GRPOHyperparameters(RolloutHyperparameters):
 class GRPOConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="grpo"))
     init: GRPOInitConfig = field(default_factory=GRPOInitConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     reward: RewardConfig = field(
         default_factory=lambda: RewardConfig(terms=[RewardTermConfig("checker", "data.demo.scoring:score_example")])

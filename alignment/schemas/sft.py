@@ -7,6 +7,7 @@ from typing import Literal
 
 from alignment.schemas.common import EvalConfig, InitConfig, StageLoaderConfig
 from data.sft.config import SFTDataConfig
+from models.adapter_config import PeftConfig
 from models.model import ModelConfig
 from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -20,6 +21,7 @@ class SFTLossConfig:
 class SFTConfig:
     run: RunConfig = field(default_factory=lambda: RunConfig(name="sft"))
     init: InitConfig = field(default_factory=InitConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
     model: ModelConfig = field(default_factory=ModelConfig)  # only used without init.checkpoint
     data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(train=[]))
     loader: StageLoaderConfig = field(default_factory=StageLoaderConfig)

@@ -15,10 +15,14 @@ and dpo.py all import it from here, below them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from models.adapters import add_adapters, base_fingerprint
 from models.checkpoint import load_checkpoint
 from models.model import Transformer
 
@@ -31,3 +35,23 @@ def load_initial_model(config: Any, key: str = "checkpoint") -> Transformer:
         return load_checkpoint(path, dtype=torch.float32)
     torch.manual_seed(config.run.seed)
     return Transformer(config.model)
+
+
+def add_stage_adapters(
+    config: Any, model: nn.Module, key: str = "checkpoint", base: nn.Module | None = None, trainable: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """With ``peft.kind: lora``, add the section's adapters to ``model`` (in place; ``trainable``: the parameters that
+    train beside them) and return what the module's checkpoints keep of its base, ``{"model": record}``: the folder
+    ``init.<key>`` (or the seed and model of a seeded base) and the fingerprint of ``base`` (default ``model``), taken
+    before the adapters are added. Without peft, ``{}``: the module trains and checkpoints every weight."""
+    if not config.peft.enabled:
+        return {}
+    path = getattr(config.init, key)
+    record = {
+        "checkpoint": str(Path(path).resolve()) if path else None,
+        "seed": None if path else config.run.seed,
+        "model": (base or model).config.to_dict(),
+        "fingerprint": base_fingerprint(base or model),
+    }
+    add_adapters(model, config.peft, trainable)
+    return {"model": record}

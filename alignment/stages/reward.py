@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignment.schemas.reward import RMConfig
-from alignment.shared.initial_model import load_initial_model
+from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -177,6 +177,8 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
+    # peft.kind=lora: the backbone's adapters and the whole score head train
+    adapter_bases = add_stage_adapters(config, model, base=model.backbone, trainable=("head.",))
     samples = config.policy_samples
     if samples.policy and samples.checker and samples.train != "none":
         # every process of a launch samples the same pairs (seeded) and writes the same file atomically
@@ -199,7 +201,9 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
         ),
         *(extra_callbacks or []),
     ]
-    run_dir = fit_stage(config, RewardModule(config, model, tokenizer), datamodule, run_dir, callbacks)
+    module = RewardModule(config, model, tokenizer)
+    module.adapter_bases = adapter_bases
+    run_dir = fit_stage(config, module, datamodule, run_dir, callbacks)
     if run_dir is not None and samples.policy and samples.checker and samples.heldout:  # rank 0, after the export
         result = measure_agreement(config, run_dir, tokenizer)
         log.info("reward model vs %s on the policy's own samples: %.3f agreement over %d pairs",

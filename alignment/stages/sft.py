@@ -19,7 +19,7 @@ from torch import Tensor
 
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
-from alignment.shared.initial_model import load_initial_model
+from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -218,6 +218,7 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, 
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)
+    adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     datamodule = SFTDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
@@ -253,4 +254,6 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, 
         ),
         *(extra_callbacks or []),
     ]
-    return fit_stage(config, SFTModule(config, model, tokenizer), datamodule, run_dir, callbacks)
+    module = SFTModule(config, model, tokenizer)
+    module.adapter_bases = adapter_bases
+    return fit_stage(config, module, datamodule, run_dir, callbacks)
