@@ -13,13 +13,15 @@ Choices:
 - Targets are the blocks' projections, by Lantern's names (``wq wk wv wo w1 w2 w3``) or by Hugging Face's
   (``q_proj`` ... ``up_proj``), which peft users write. The LM head is not a target: the chunked and fused losses
   read its weight directly (models/loss.py), so an adapter there would be skipped.
-- A base is known by ``base_fingerprint``: every tensor's name, shape, dtype and a strided sample of its values, so
-  an adapter is never resumed or exported onto another model, at a cost of a few seconds even at 8B.
+- A base is known by ``base_fingerprint``: every tensor's name, shape, dtype and a CRC-32 of all its bytes, so an
+  adapter is never resumed or exported onto another model, even one that differs in a single weight. CRC-32 runs at
+  ~2 GB/s on one core (1 s for the 2 GB fp32 embedding of Llama 3; a SHA-256 took 2.1 s, a float64 sum 17 s).
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -30,8 +32,6 @@ from torch import nn
 
 from models.adapter_config import HF_TARGETS, LORA_TARGETS, PeftConfig, lantern_targets
 from models.errors import ConfigError
-
-SAMPLE_STRIDE = 4096  # one value in this many enters a base's fingerprint
 
 
 def lora_config(config: PeftConfig, targets: Sequence[str] | None = None) -> LoraConfig:
@@ -108,16 +108,15 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 
 
 def base_fingerprint(model: nn.Module) -> str:
-    """Which base an adapter belongs to: every tensor's name, shape and dtype and one value in ``SAMPLE_STRIDE`` of
-    each (peft's adapter layers and names are left out, so a model with adapters has its base's fingerprint)."""
+    """Which base an adapter belongs to: every tensor's name, shape, dtype and the CRC-32 of its bytes (peft's adapter
+    layers and names are left out, so a model with adapters has its base's fingerprint)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if "lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
-        sample = tensor.detach().reshape(-1)[::SAMPLE_STRIDE].float().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(sample.numpy().tobytes())
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # its buffer, no copy
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{zlib.crc32(data)}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -2,7 +2,8 @@
 ``*.index.json`` / ``pytorch_model.bin``.
 
 Owns: LlamaConfig dict <-> ``ModelConfig``, the one table of parameter names (``HF_NAME_MAP``), the wq/wk
-permutation, and reading and writing the weights (sharded or not) and the bos/eos ids of such a folder. It does not
+permutation, and reading and writing the weights (sharded or not) and the bos/eos ids of such a folder; also LoRA
+adapters in peft's own folder for such a model (``native_to_hf_adapter_state``, ``write_hf_adapter``). It does not
 pick the format, build the model, nor write the folder as a whole (atomicity, tokenizer, generation_config.json):
 ``models.checkpoint`` does; file reading and state checks are ``models.checkpoint_io``'s.
 
@@ -35,8 +36,10 @@ __all__ = [
     "hf_special_ids",
     "load_hf",
     "load_hf_config",
+    "native_to_hf_adapter_state",
     "native_to_hf_state",
     "read_hf_weights",
+    "write_hf_adapter",
     "write_hf_weights",
 ]
 
@@ -241,6 +244,39 @@ def native_to_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[st
             raise ValueError(f"no Hugging Face name for parameter {name!r}")
         out[hf_name] = tensor.contiguous()
     return out
+
+
+# peft's names for a LoRA pair on Lantern's layers (``layers.0.attention.wq.lora_B.default.weight``) and in its files
+_LORA_NAME = re.compile(r"^(?P<module>.+)\.(?P<side>lora_[AB])(?:\.[^.]+)?\.weight$")
+PEFT_PREFIX = "base_model.model."  # what peft's PeftModel puts before the wrapped model's names
+
+
+def native_to_hf_adapter_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """LoRA tensors under peft's names on Lantern's layers as peft writes them for Hugging Face's Llama:
+    ``layers.0.attention.wq.lora_B.default.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight``.
+    The rows of a q/k adapter's B are its layer's output rows, so B is permuted as wq/wk are; A (inputs) is not."""
+    out = {}
+    for name, tensor in state.items():
+        match = _LORA_NAME.match(name)
+        hf_name = _rename(f"{match['module']}.weight", _NATIVE_TO_HF) if match else None
+        if hf_name is None:
+            raise ValueError(f"no Hugging Face name for adapter tensor {name!r}")
+        if match["side"] == "lora_B" and match["module"].endswith("attention.wq"):
+            tensor = _permute_to_hf(tensor, config.n_heads)
+        elif match["side"] == "lora_B" and match["module"].endswith("attention.wk"):
+            tensor = _permute_to_hf(tensor, config.n_kv_heads)
+        out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.{match['side']}.weight"] = (
+            tensor.detach().cpu().contiguous()
+        )
+    return out
+
+
+def write_hf_adapter(state: dict[str, Tensor], lora: Any, directory: Path) -> None:
+    """peft's adapter folder: ``adapter_config.json`` (``lora``, a peft ``LoraConfig`` naming Hugging Face's
+    modules, written by peft) and ``adapter_model.safetensors`` (``state``: ``native_to_hf_adapter_state``'s)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lora.save_pretrained(str(directory))
+    save_safetensors(state, directory / "adapter_model.safetensors")
 
 
 def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: str) -> dict[str, Tensor]:

@@ -30,8 +30,11 @@ def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, mode
 
 def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> None:
     """A checkpoint folder that carries its tokenizer must be used with that tokenizer: a different one of the
-    same size would silently map every id to another token."""
-    for candidate in (Path(checkpoint_dir) / "tokenizer.model", Path(checkpoint_dir) / "original" / "tokenizer.model"):
+    same size would silently map every id to another token. A Hugging Face or Meta folder that carries none
+    (``save_pretrained`` writes no tiktoken file; Meta's downloads have ``original/tokenizer.model``) says nothing of
+    its tokenizer, so the bundled default, which would fit its vocabulary all the same, is refused there."""
+    folder = Path(checkpoint_dir)
+    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model"):
         if candidate.is_file():
             saved = Tokenizer.from_file(candidate)
             if saved.fingerprint != tokenizer.fingerprint:
@@ -40,6 +43,12 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
                     f"set {key}={candidate}"
                 )
             return
+    foreign = any((folder / name).is_file() for name in ("config.json", "params.json", "original/params.json"))
+    if foreign and not (folder / "lantern.json").is_file() and tokenizer.fingerprint == Tokenizer.load("default").fingerprint:
+        raise ConfigError(
+            f"{folder} carries no tiktoken tokenizer.model (nor original/tokenizer.model): set {key} to the "
+            "tokenizer file the model was trained with (Llama 3's original/tokenizer.model), not the default"
+        )
 
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:

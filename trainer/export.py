@@ -1,22 +1,39 @@
 """Consolidate a training checkpoint (a single .ckpt file, or the folder of per-rank shards that FSDP2 writes)
-into one native model folder that ``load_checkpoint`` and ``lantern convert`` read."""
+into one model folder that ``load_checkpoint``, ``lantern convert`` and other tools read.
+
+A checkpoint trained with LoRA adapters (``peft.kind: lora``) holds only the adapters and a record of its base (the
+folder it was loaded from, or the seed and model config it was built from, and the base's fingerprint:
+alignment/shared/initial_model.py). Its export rebuilds that base, refuses one whose fingerprint differs (the folder
+was changed or replaced since training), adds the recorded adapters and loads the trained tensors, then writes
+either the plain model with the adapters folded in (the default: the model every tool reads), or the Hugging Face
+base beside the adapter in peft's own format (``adapter=True``: ``OUT/base`` and ``OUT/adapter``).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import IfExists, check_destination
-from models.checkpoint import save_checkpoint
+from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
+from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
+from models.atomic import IfExists, atomic_directory, check_destination
+from models.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from models.checkpoint_io import read_torch_file
-from models.errors import CheckpointError
+from models.errors import CheckpointError, one_line
+from models.hf_format import native_to_hf_adapter_state, write_hf_adapter
 from models.model import ModelConfig, Transformer
 from trainer.parallel import plain_name
+
+log = logging.getLogger(__name__)
+
+ExportFormat = Literal["native", "hf"]
 
 
 def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -43,11 +60,19 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def export_training_checkpoint(
-    path: str | Path, out: str | Path, *, prefix: str = "model.", overwrite: bool = False
+    path: str | Path,
+    out: str | Path,
+    *,
+    prefix: str = "model.",
+    overwrite: bool = False,
+    format: ExportFormat = "native",
+    adapter: bool = False,
 ) -> Path:
-    """Write the ``prefix``-ed submodule of a training checkpoint (the LM by default) as a native folder.
-    A non-empty ``out`` is refused unless ``overwrite``; one that is or contains ``path``, always (both
-    checked before anything is read)."""
+    """Write the ``prefix``-ed submodule of a training checkpoint (the LM by default) as a native folder, or a
+    Hugging Face one (``format="hf"``). A checkpoint with LoRA adapters is written merged, or, with ``adapter``, as
+    ``out/base`` (the Hugging Face base) and ``out/adapter`` (peft's adapter folder); ``adapter`` on a checkpoint
+    without adapters is refused. A non-empty ``out`` is refused unless ``overwrite``; one that is or contains
+    ``path``, always (both checked before anything is read)."""
     if_exists: IfExists = "replace" if overwrite else "refuse"
     check_destination(out, if_exists=if_exists, sources=(path,))
     checkpoint = read_training_checkpoint(path)
@@ -57,12 +82,37 @@ def export_training_checkpoint(
         raise ValueError(
             f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint"
         ) from error
-    model_config = ModelConfig.from_dict(config["model"])
     state = {
         plain_name(name[len(prefix) :]): tensor
         for name, tensor in checkpoint["state_dict"].items()
         if name.startswith(prefix)
     }
+    tokenizer_path = _tokenizer_path(config)
+    metadata: dict[str, Any] = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
+    record = (checkpoint.get("adapters") or {}).get(prefix.removesuffix("."))
+    if record is None:
+        if adapter:
+            raise CheckpointError(
+                f"{path} holds a fully trained model, not LoRA adapters (peft.kind was none): --adapter applies "
+                "to an adapter checkpoint only; export it without --adapter"
+            )
+        model = _plain_model(path, state, ModelConfig.from_dict(config["model"]))
+    else:
+        model = model_with_adapters(path, record, state)
+        if adapter:
+            return _write_adapter(path, model, out, tokenizer_path, if_exists)
+        merge_adapters(model)
+        metadata["merged_adapters"] = {key: record.get(key) for key in ("checkpoint", "seed", "fingerprint", "peft")}
+        log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
+    if format == "hf":
+        return export_hf(model, out, tokenizer_path=tokenizer_path, if_exists=if_exists)
+    return save_checkpoint(
+        model, out, tokenizer_path=tokenizer_path, metadata=metadata, if_exists=if_exists, sources=(path,)
+    )
+
+
+def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config: ModelConfig) -> Transformer:
+    """The model of a checkpoint that holds every weight."""
     with torch.device("meta"):
         model = Transformer(model_config)
     missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
@@ -71,12 +121,116 @@ def export_training_checkpoint(
         raise ValueError(f"{path}: weights do not match the config: missing {missing}, unexpected {unexpected}")
     if model_config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _tokenizer_path(config: Mapping[str, Any]) -> str | Path | None:
+    """The tokenizer file the run trained with (copied into the export), or None (a named encoding, or gone)."""
     tokenizer = (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
     tokenizer_path = tokenizer if tokenizer and Path(str(tokenizer)).is_file() else None
     if tokenizer_path is None and tokenizer:
         resolved = Tokenizer.load(tokenizer).path
         tokenizer_path = resolved if Path(str(resolved)).is_file() else None
-    metadata = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
-    return save_checkpoint(
-        model, out, tokenizer_path=tokenizer_path, metadata=metadata, if_exists=if_exists, sources=(path,)
-    )
+    return tokenizer_path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints with adapters
+
+
+def _base_name(record: Mapping[str, Any]) -> str:
+    return str(record["checkpoint"]) if record.get("checkpoint") else f"(a model seeded with {record.get('seed')})"
+
+
+def rebuild_base(path: str | Path, record: Mapping[str, Any]) -> Transformer:
+    """The base an adapter checkpoint (``path``) records, as training had it: its folder read in fp32, or the model
+    built right after seeding; refused in one line when the folder is gone, does not load, or holds another model
+    than the one the adapters were trained on (its fingerprint, or its config, differs)."""
+    folder = record.get("checkpoint")
+    name = _base_name(record)
+    if folder:
+        if not Path(folder).exists():
+            raise CheckpointError(
+                f"{path}: its LoRA adapters were trained on base {folder}, which no longer exists: put that base "
+                "back there to export them"
+            )
+        try:
+            base = load_checkpoint(folder, dtype=torch.float32)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(
+                f"{path}: its LoRA adapters' base {folder} does not load ({one_line(error)})"
+            ) from None
+    else:
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left as it was
+            torch.manual_seed(record["seed"])
+            base = Transformer(ModelConfig.from_dict(record["model"]))
+    fingerprint = base_fingerprint(base)
+    if fingerprint != record["fingerprint"]:
+        raise CheckpointError(
+            f"{path}: its LoRA adapters were trained on base {name} (fingerprint {record['fingerprint']}), which "
+            f"now holds another model (fingerprint {fingerprint}): export with the base they were trained on"
+        )
+    recorded = record.get("model")
+    if recorded is not None and ModelConfig.from_dict(recorded) != base.config:
+        current = base.config.to_dict()
+        changed = [
+            f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+            for key in current
+            if recorded.get(key) != current.get(key)
+        ]
+        raise CheckpointError(
+            f"{path}: its LoRA adapters were trained on base {name}, whose model config has changed since "
+            f"({'; '.join(changed)}): export with the base they were trained on"
+        )
+    return base
+
+
+def model_with_adapters(path: str | Path, record: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Transformer:
+    """The rebuilt base (``rebuild_base``) with the recorded adapters, loaded with the checkpoint's trained tensors
+    (``state``, plain names); every trained tensor must be there, and nothing else."""
+    model = rebuild_base(path, record)
+    peft = PeftConfig(**record["peft"])
+    add_adapters(model, peft)
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    trained = trained_names(model)
+    missing = [name for name in missing if name in trained]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: its tensors do not match its LoRA adapters (peft {record['peft']}): missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]} ({len(missing)} and {len(unexpected)} in all)"
+        )
+    return model
+
+
+def _base_model(model: Transformer) -> Transformer:
+    """The base weights of a model with adapters, as a plain ``Transformer`` sharing them (no copy)."""
+    state = {
+        name.replace(".base_layer.", "."): tensor for name, tensor in model.state_dict().items() if "lora_" not in name
+    }
+    with torch.device("meta"):
+        base = Transformer(model.config)
+    base.load_state_dict(state, assign=True, strict=True)
+    if model.config.tie_embeddings:
+        base.output.weight = base.tok_embeddings.weight
+    return base
+
+
+def _write_adapter(
+    path: str | Path, model: Transformer, out: str | Path, tokenizer_path: str | Path | None, if_exists: IfExists
+) -> Path:
+    """``out/base``: the Hugging Face export of the base; ``out/adapter``: the adapters in peft's format for it
+    (Hugging Face module names, ``base_model_name_or_path`` the absolute ``out/base``, so that
+    ``AutoPeftModelForCausalLM.from_pretrained(out/adapter)`` finds it; ``PeftModel.from_pretrained`` takes any base)."""
+    peft = model.adapter_config
+    to_hf = {native: hf for hf, native in HF_TARGETS.items()}
+    targets = [to_hf[name] for name in lantern_targets(peft)]
+    lora = lora_config(peft, targets=targets)
+    lora.target_modules = targets  # in order (peft keeps a set, which adapter_config.json would list in any order)
+    lora.task_type = "CAUSAL_LM"
+    target = Path(out).absolute()
+    lora.base_model_name_or_path = str(target / "base")
+    adapters = {name: tensor for name, tensor in model.state_dict().items() if "lora_" in name}
+    with atomic_directory(target, if_exists=if_exists, sources=(path,), what="adapter export") as tmp:
+        export_hf(_base_model(model), tmp / "base", tokenizer_path=tokenizer_path, if_exists="refuse")
+        write_hf_adapter(native_to_hf_adapter_state(adapters, model.config), lora, tmp / "adapter")
+    return target

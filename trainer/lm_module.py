@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from models.adapter_config import adapter_config
+from models.adapter_config import PeftConfig, adapter_config, lantern_targets
 from models.errors import CheckpointError, NonFiniteLossError
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
@@ -58,6 +58,8 @@ class LanguageModelModule(L.LightningModule):
         self._step_loss: Tensor | None = None
         # attribute (``model``, PPO's ``critic``) -> its base: {"checkpoint": folder or None, "fingerprint", ...}
         self.adapter_bases: dict[str, dict[str, Any]] = {}
+        self._resumed_rng: Mapping[str, Any] | None = None  # a checkpoint's RNG state, until the first step
+        self._training_rng: Mapping[str, Any] | None = None  # the RNG state after the latest step, for validation
 
     def build_model(self) -> nn.Module:
         """Called under the meta device when the subclass left ``self.model`` unset (trainer.init_device=meta)."""
@@ -217,8 +219,9 @@ class LanguageModelModule(L.LightningModule):
         # an adapters' checkpoint holds what trains: the base's tensors come from the base, loaded already
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         trained = self._trained_names()
-        from_base = {name for name in current if not self._checkpointed(plain_name(name), trained)}
-        missing = [name for name in result.missing_keys if name not in from_base]
+        # by plain name: missing_keys name the modules as wrapped (activation checkpointing's prefix included),
+        # which state_dict() names do not
+        missing = [name for name in result.missing_keys if self._checkpointed(plain_name(name), trained)]
         if strict and (missing or result.unexpected_keys):
             raise CheckpointError(
                 f"the checkpoint being resumed does not match this run's adapters: missing {missing[:3]}, "
@@ -250,12 +253,12 @@ class LanguageModelModule(L.LightningModule):
             record = saved[attribute]
             if record["fingerprint"] != base["fingerprint"]:
                 raise CheckpointError(
-                    f"{path}: its adapters ({attribute}) were trained on base {record.get('checkpoint') or 'a seeded model'} "
-                    f"(fingerprint {record['fingerprint']}), this run's base {base.get('checkpoint') or 'a seeded model'} "
-                    f"is another model (fingerprint {base['fingerprint']})"
+                    f"{path}: its adapters ({attribute}) were trained on {describe_base(record)} (fingerprint "
+                    f"{record['fingerprint']}), this run's base is {describe_base(base)} (fingerprint "
+                    f"{base['fingerprint']}): resume it on the base it was trained on"
                 )
             configured = asdict(adapter_config(getattr(self, attribute)))
-            if record.get("peft") != configured:
+            if same_adapters(record.get("peft") or {}) != same_adapters(configured):
                 raise CheckpointError(
                     f"{path}: its adapters ({attribute}) are peft {record.get('peft')}, this run's section is "
                     f"{configured}: resume with the peft section it was trained with"
@@ -285,16 +288,59 @@ class LanguageModelModule(L.LightningModule):
                 attribute: {**base, "peft": asdict(adapter_config(getattr(self, attribute)))}
                 for attribute, base in self.adapter_bases.items()
             }
-        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            checkpoint["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        # saved from inside a validation (a callback's error there): the state training resumes from, before it
+        validating = self._training_rng is not None and self._trainer is not None and self.trainer.validating
+        checkpoint["rng"] = self._training_rng if validating else rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # single-process loads call this before the weights; FSDP2's loader (trainer/parallel.py) checks first itself
         self.check_adapter_checkpoint(checkpoint, self.trainer.ckpt_path if self._trainer is not None else "checkpoint")
         state = checkpoint.get("rng")
         if state:
-            torch.set_rng_state(state["torch"])
-            random.setstate(state["python"])
-            if "cuda" in state and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["cuda"])
+            set_rng_state(state)
+            self._resumed_rng = state
+
+    # ---- the global RNG that training draws from (LoRA's dropout) is the same straight and resumed ----
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The first step of a resumed run starts from the checkpoint's RNG state: between the load and here,
+        Lightning draws from it (a dataloader iterator's seed), where the uninterrupted run did not."""
+        if self._resumed_rng is not None:
+            set_rng_state(self._resumed_rng)
+            self._resumed_rng = None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # after the step's checkpoint (callbacks run first), before a validation that may follow
+        self._training_rng = rng_state()
+
+    def on_validation_end(self) -> None:
+        """Validation during training (its dataloader's seed, sampled generations) leaves the RNG where training
+        left it: a run resumed from the checkpoint of a step that validated continues as the uninterrupted one."""
+        if self._training_rng is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            set_rng_state(self._training_rng)
+        self._training_rng = None
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNGs' state (torch's CPU and CUDA generators, Python's), as checkpoints keep it."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def describe_base(record: Mapping[str, Any]) -> str:
+    """An adapters' base, from its record (alignment/shared/initial_model.py): its folder, or its seed."""
+    return record.get("checkpoint") or f"the model seeded with run.seed={record.get('seed')}"
+
+
+def same_adapters(peft: Mapping[str, Any]) -> dict[str, Any]:
+    """A peft section as it shapes the adapters: its targets by Lantern's names, in any order."""
+    return {**peft, "target_modules": sorted(lantern_targets(PeftConfig(**peft)))} if peft else {}

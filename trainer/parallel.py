@@ -45,6 +45,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from models.errors import CheckpointError
+
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     """The block list of a Transformer, or of the backbone of a ScalarModel (reward model, critic)."""
@@ -67,7 +69,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full
     blocks = transformer_blocks(model)
     for index, block in enumerate(blocks):
         if mode == "full" or index % every == 0:
-            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            # a block that draws random numbers (LoRA's dropout) must redraw the same ones when recomputed, or its
+            # gradients are those of another forward; one without (the plain model) skips saving the RNG state
+            draws = any(isinstance(module, nn.Dropout) and module.p > 0 for module in block.modules())
+            blocks[index] = checkpoint_wrapper(block, preserve_rng_state=draws)
             wrapped += 1
     return wrapped
 
@@ -214,15 +219,27 @@ class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2), which also resumes a sharded checkpoint that holds only what
     trained (LoRA adapters: trainer/lm_module.py). Lightning asks the checkpoint for every tensor of the model and
     would fail on the base's; here the module's state is narrowed to the tensors the checkpoint has, after the
-    module has checked the checkpoint's base, and the rest stays as the base loaded it."""
+    module has checked the checkpoint's base, and the rest stays as the base loaded it. A sharded checkpoint with
+    adapters resumed without them, and a single process's checkpoint with adapters, are refused in one line."""
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         module = self.lightning_module
         path = Path(self.broadcast(checkpoint_path))
-        if not getattr(module, "adapter_bases", None) or not (path / _METADATA_FILENAME).is_file():
+        if not (path / _METADATA_FILENAME).is_file():  # a single file (a single process's): Lightning's own load
+            if path.is_file() and torch.load(path, mmap=True, map_location="cpu", weights_only=True).get("adapters"):
+                # Lightning would look for the base's tensors in it (a traceback), or skip the adapters' wrapped names
+                raise CheckpointError(
+                    f"{path} holds LoRA adapters trained by a single process: resume it with trainer.strategy=single "
+                    "(an FSDP run resumes its own sharded checkpoint folders)"
+                )
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         metadata = torch.load(path / _METADATA_FILENAME, weights_only=True)
-        module.check_adapter_checkpoint(metadata, path)
+        # before any tensor: an adapters' checkpoint resumed without them (or onto another base) fails in one line,
+        # not in DCP's search for the base's tensors
+        if hasattr(module, "check_adapter_checkpoint"):
+            module.check_adapter_checkpoint(metadata, path)
+        if not getattr(module, "adapter_bases", None):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
         model_state = {
             name: tensor for name, tensor in get_model_state_dict(self.model).items() if f"state_dict.{name}" in saved

@@ -214,11 +214,22 @@ def _export(args: argparse.Namespace) -> None:
     from models.atomic import StorageError
     from trainer.export import export_training_checkpoint
 
+    if args.adapter and args.format == "native":
+        raise LanternError(
+            "--adapter writes a Hugging Face base (OUT/base) and a peft adapter (OUT/adapter): drop --format native, "
+            "or use --merge for a native model"
+        )
+    fmt = args.format or "native"
     try:
-        out = export_training_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+        out = export_training_checkpoint(
+            args.checkpoint, args.out, overwrite=args.overwrite, format=fmt, adapter=args.adapter
+        )
     except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
         raise LanternError(str(error)) from error
-    print(f"wrote native checkpoint to {out}")
+    if args.adapter:
+        print(f"wrote the Hugging Face base to {out / 'base'} and its LoRA adapter (peft) to {out / 'adapter'}")
+    else:
+        print(f"wrote {'Hugging Face' if fmt == 'hf' else 'native'} checkpoint to {out}")
 
 
 def _add_stage(commands, name: str, help: str, handler) -> None:
@@ -315,10 +326,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo_data)
 
     export = commands.add_parser(
-        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a native model folder"
+        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a model folder"
     )
     export.add_argument("checkpoint")
     export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
+    export.add_argument(
+        "--format", choices=["native", "hf"], default=None, help="native (default) or Hugging Face (LlamaForCausalLM)"
+    )
+    adapters = export.add_mutually_exclusive_group()
+    adapters.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA adapters folded into the weights: one plain model (the default; a no-op without adapters)",
+    )
+    adapters.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA adapters kept apart: OUT/base (Hugging Face) and OUT/adapter (peft's adapter_config.json and "
+        "adapter_model.safetensors)",
+    )
     export.add_argument(
         "--overwrite",
         action="store_true",

@@ -23,7 +23,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +54,7 @@ from data.demo.tasks import write_demo_dataset
 from data.pretrain.prepare import prepare
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
+from models.adapter_config import PeftConfig
 from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError
 from models.folders import claim_folder
@@ -124,6 +125,9 @@ class PipelineConfig:
         default_factory=lambda: StageSection("configs/rejection_sampling/tiny.yaml")
     )
     report: ReportSection = field(default_factory=ReportSection)
+    # LoRA adapters for every fine-tuning stage (sft, rm, ppo, grpo, dpo, rejection sampling), e.g. peft.kind=lora;
+    # a stage's own STAGE.peft.KEY=VALUE wins. Pretraining always trains every weight.
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 # stage -> (schema, {config key: the upstream stage whose final/ it receives})
@@ -196,8 +200,14 @@ class Pipeline:
                 wiring[key] = str(path)
         for key, name in DEMO_FILES.get(stage, {}).items():
             wiring[key] = [str(self.demo / f"{name}.jsonl")]
+        # the pipeline's peft section comes first, so that the stage's own overrides win
+        adapters = [] if stage in ("prepare", "pretrain") else self.peft_overrides(nested)
         # JSON values are valid YAML, so paths with odd characters survive load_config's parsing
-        overrides = [*section.overrides, *(f"{key}={json.dumps(value)}" for key, value in wiring.items())]
+        overrides = [
+            *adapters,
+            *section.overrides,
+            *(f"{key}={json.dumps(value)}" for key, value in wiring.items()),
+        ]
         config = load_config(schema, section.config, overrides)
         trainer = training_section(config).trainer
         if trainer.strategy != "single":
@@ -213,6 +223,12 @@ class Pipeline:
             inputs["data"] = self.upstream("prepare")[1] if stage == "pretrain" else self.demo_hash
         self.configs[stage] = config
         return config, inputs
+
+    def peft_overrides(self, prefix: str) -> list[str]:
+        """The pipeline's ``peft`` section as a stage's overrides (none while it is off)."""
+        if not self.config.peft.enabled:
+            return []
+        return [f"{prefix}peft.{key}={json.dumps(value)}" for key, value in asdict(self.config.peft).items()]
 
     def upstream(self, stage: str) -> tuple[Path | None, str]:
         """Where a stage's input comes from: this run's output, else start_checkpoint (a language model),

@@ -15,6 +15,7 @@ and dpo.py all import it from here, below them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from torch import nn
 from models.adapters import add_adapters, base_fingerprint
 from models.checkpoint import load_checkpoint
 from models.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def load_initial_model(config: Any, key: str = "checkpoint") -> Transformer:
@@ -46,12 +49,32 @@ def add_stage_adapters(
     before the adapters are added. Without peft, ``{}``: the module trains and checkpoints every weight."""
     if not config.peft.enabled:
         return {}
-    path = getattr(config.init, key)
+    return {"model": add_model_adapters(config, model, getattr(config.init, key), base=base, trainable=trainable)}
+
+
+def add_model_adapters(
+    config: Any, model: nn.Module, path: str | None, base: nn.Module | None = None, trainable: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Add the ``peft`` section's adapters to ``model`` (in place) and return its base's record: the folder ``path``
+    the base was read from (or, for a seeded base, ``run.seed``), the model config and the fingerprint of ``base``
+    (default ``model``), taken before the adapters are added. ``add_stage_adapters`` for a model whose folder is
+    not an ``init`` key: PPO's critic, copied from the reward model of ``reward.terms``."""
+    base = model if base is None else base
     record = {
         "checkpoint": str(Path(path).resolve()) if path else None,
         "seed": None if path else config.run.seed,
-        "model": (base or model).config.to_dict(),
-        "fingerprint": base_fingerprint(base or model),
+        "model": base.config.to_dict(),
+        "fingerprint": base_fingerprint(base),
     }
-    add_adapters(model, config.peft, trainable)
-    return {"model": record}
+    # The adapters' A matrices are drawn at random: from run.seed, so every rank and every run (a resume's too, and
+    # a second stage in one process) starts from the same ones, and the caller's random state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.run.seed)
+        add_adapters(model, config.peft, trainable)
+    log.info(
+        "LoRA adapters (rank %d): %s of %s parameters train",
+        config.peft.rank,
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}",
+        f"{sum(p.numel() for p in model.parameters()):,}",
+    )
+    return record

@@ -3,6 +3,10 @@ build the preference pairs (data/preference/dpo.py's ``DPODataModule``: the rewa
 tokens of each side as targets), then fit ``DPOModule`` (alignment/stages/dpo_module.py, which owns the loss, the
 reference log-probs and the logging) with the callbacks every stage has, exporting the policy to ``final/`` as SFT
 does. With precomputed reference log-probs, their cache is keyed by ``reference_cache_key``.
+
+With ``peft.kind: lora`` the policy gets LoRA adapters and, without an ``init.reference``, the reference is the
+policy itself with its adapters off (as TRL does): no second copy of the weights. An explicit ``init.reference``
+is still loaded as a separate frozen model.
 """
 
 from __future__ import annotations
@@ -10,15 +14,18 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+from torch import Tensor, nn
 
 from alignment.schemas.dpo import DPOConfig
-from alignment.shared.initial_model import load_initial_model
+from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.stages.dpo_module import DPOModule, reference_dtype
 from alignment.stages.reward import preference_data, preference_stage_callbacks
 from data.preference.dpo import DPODataModule
 from data.tokenizer.tokenizer import Tokenizer
+from models.adapter_config import adapter_config
 from models.digests import content_key, state_dict_digest
 from models.errors import ConfigError
 from models.model import Transformer
@@ -58,18 +65,25 @@ def _check_model(config: DPOConfig, tokenizer: Tokenizer, model: Transformer, ke
     check_context_length({"data.seq_len": config.data.seq_len}, model.config.max_seq_len, f"{source}'s max_seq_len")
 
 
-def load_dpo_models(config: DPOConfig, tokenizer: Tokenizer) -> tuple[Transformer, Transformer | None]:
-    """(policy, frozen reference or None for simpo), checked against the tokenizer and data.seq_len. The reference
-    is ``init.reference``, else a deep copy of the policy as loaded (no tensor shared with the trained copy)."""
+def load_dpo_models(
+    config: DPOConfig, tokenizer: Tokenizer
+) -> tuple[Transformer, Transformer | None, dict[str, dict[str, Any]]]:
+    """(policy, frozen reference or None, the policy's adapter bases for ``DPOModule.adapter_bases``), checked
+    against the tokenizer and data.seq_len. The reference is ``init.reference``, else a deep copy of the policy as
+    loaded (no tensor shared with the trained copy); None for simpo, and with ``peft.kind: lora`` and no
+    ``init.reference``: the policy (given its adapters here) is then its own reference with the adapters off."""
     policy = load_initial_model(config, "policy")
     _check_model(config, tokenizer, policy, "policy")
     if config.init.policy and config.model != policy.config:
         log.info("model section ignored: the policy is %s's (config.yaml records it)", config.init.policy)
     config.model = policy.config  # config.yaml and the checkpoints record the model really trained
+    adapter_bases = add_stage_adapters(config, policy, key="policy")  # peft.kind=lora: only the adapters train
     if config.loss.kind == "simpo":
-        return policy, None
+        return policy, None, adapter_bases
     if not config.init.reference:
-        return policy, copy.deepcopy(policy)
+        # the policy as loaded: with adapters, its base (DPOModule switches them off); else a copy taken before
+        # any training (no adapters were added above)
+        return policy, None if adapter_bases else copy.deepcopy(policy), adapter_bases
     reference = load_initial_model(config, "reference")
     _check_model(config, tokenizer, reference, "reference")
     if reference.config.vocab_size != policy.config.vocab_size:
@@ -77,17 +91,30 @@ def load_dpo_models(config: DPOConfig, tokenizer: Tokenizer) -> tuple[Transforme
             f"init.reference {config.init.reference} has vocab_size {reference.config.vocab_size}, the policy "
             f"{policy.config.vocab_size}: they must share one tokenizer"
         )
-    return policy, reference
+    return policy, reference, adapter_bases
 
 
-def reference_cache_key(config: DPOConfig, reference: Transformer, datamodule: DPODataModule) -> str:
+def base_state(model: nn.Module) -> dict[str, Tensor]:
+    """A model's weights without its LoRA adapters, under the plain model's names (``...wq.weight``, not peft's
+    ``...wq.base_layer.weight``): what the model computes with its adapters off. A model without adapters: all."""
+    return {
+        name.replace(".base_layer.", "."): tensor for name, tensor in model.state_dict().items() if "lora_" not in name
+    }
+
+
+def reference_cache_key(config: DPOConfig, reference: nn.Module, datamodule: DPODataModule) -> str:
     """What the precomputed reference table depends on (models/digests.py's key): the reference's weights (their
-    bytes), the pairs of both splits (their ids), the numerics the reference runs in, and the table's format."""
+    bytes), the pairs of both splits (their ids), the numerics the reference runs in, and the table's format.
+    ``reference`` is the frozen reference, or the policy whose base (adapters off) is the reference: its base's
+    weights are hashed, never the adapters (which train, and are zero at the start anyway)."""
     data = datamodule.data
+    base = adapter_config(reference) is not None
     return content_key(
         {
             "format": CACHE_FORMAT,
-            "reference": state_dict_digest(reference.state_dict()),
+            "reference": state_dict_digest(base_state(reference)),
+            # the policy's base runs in the policy's numerics (FSDP2's, or autocast), a frozen copy in its own
+            **({"reference_is_policy_base": True} if base else {}),
             "train": data.train.fingerprint(),
             "val": data.val.fingerprint() if data.val is not None else None,
             "precision": config.trainer.precision,
@@ -105,10 +132,12 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     check_stage_config(config)
     check_dpo_config(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    policy, reference = load_dpo_models(config, tokenizer)
+    policy, reference, adapter_bases = load_dpo_models(config, tokenizer)
     datamodule = preference_data(config, DPODataModule)
-    precompute = reference is not None and config.loss.reference_logprobs == "precompute"
-    cache_key = reference_cache_key(config, reference, datamodule) if precompute else None
+    uses_reference = config.loss.kind != "simpo"
+    precompute = uses_reference and config.loss.reference_logprobs == "precompute"
+    scored = policy if reference is None else reference  # no frozen reference (peft.kind=lora): the policy's base
+    cache_key = reference_cache_key(config, scored, datamodule) if precompute else None
 
     run_dir = start_run_directory(config, "dpo", data_stats=datamodule.stats)
     name, kind = config.run.name, config.loss.kind.upper()
@@ -133,5 +162,6 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
         *(extra_callbacks or []),
     ]
     module = DPOModule(config, policy, reference, tokenizer, cache_key=cache_key)
+    module.adapter_bases = adapter_bases
     del policy, reference  # the module holds them now; a precomputed reference is freed once it is scored
     return fit_stage(config, module, datamodule, run_dir, callbacks)

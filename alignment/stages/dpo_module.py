@@ -20,6 +20,12 @@ its share, summed over ranks), the table is cached in the run folder under a has
 dropped. ``on_the_fly`` keeps it and scores each micro-batch beside the policy; the two differ only by float
 rounding (the batches they score are laid out differently).
 
+With LoRA adapters (``peft.kind: lora``) and no ``init.reference``, there is no frozen copy: the reference is the
+policy itself with its adapters switched off (``models.adapters.adapters_disabled``, TRL's trick), run under
+``torch.no_grad`` in the policy's own numerics and, under FSDP2, on its shards (the precompute pass runs the same
+number of forwards on every rank, as the policy's all-gathers need). At step 0 the adapters add exactly zero (LoRA's
+B starts at zero), so the policy equals its reference as with two copies.
+
 Reduction: a micro-batch returns its real pairs' loss sum over the pairs of the whole optimizer step
 (``step_pairs``, alignment/shared/losses.py's convention), scaled back for Lightning's accumulation and the ranks'
 gradient averaging, so micro-batch 1 x accumulation 8 gives the update of 8 x 1 on any number of ranks.
@@ -37,6 +43,8 @@ from torch import Tensor
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.losses import preference_loss
+from models.adapter_config import adapter_config
+from models.adapters import adapters_disabled
 from models.atomic import write_atomically
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
@@ -86,10 +94,13 @@ class DPOModule(LanguageModelModule):
         self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
         self.model, self.tokenizer = policy, tokenizer
         self.uses_reference = config.loss.kind != "simpo"
-        if self.uses_reference and reference is None:
-            raise ValueError(f"loss.kind {config.loss.kind} needs a reference model")
+        # no frozen reference for a policy with adapters: the reference is the policy with its adapters off
+        self.reference_is_base = self.uses_reference and reference is None and adapter_config(policy) is not None
+        if self.uses_reference and reference is None and not self.reference_is_base:
+            raise ValueError(f"loss.kind {config.loss.kind} needs a reference model (or a policy with adapters)")
         # out of the module tree: not in state_dict, not sharded, not moved by Lightning (see on_fit_start)
-        self.frozen = {"reference": reference.eval().requires_grad_(False)} if self.uses_reference else {}
+        frozen = self.uses_reference and reference is not None
+        self.frozen = {"reference": reference.eval().requires_grad_(False)} if frozen else {}
         self.precompute = self.uses_reference and config.loss.reference_logprobs == "precompute"
         self.cache_key = cache_key  # names the on-disk table; None keeps it in memory only
         self.reference_table: dict[str, Tensor] = {}  # split -> (pairs, 2) summed log-probs [chosen, rejected]
@@ -104,7 +115,12 @@ class DPOModule(LanguageModelModule):
         return self._reference_forward(batch)
 
     def _reference_forward(self, batch: dict[str, Tensor]) -> Tensor:
-        """The frozen reference's summed response log-probs, computed where it lives, on the policy's device."""
+        """The reference's summed response log-probs: the frozen reference's, computed where it lives, or the
+        policy's with its adapters off; on the policy's device in fp32."""
+        if self.reference_is_base:
+            with adapters_disabled(self.model), torch.no_grad():
+                sums, _ = response_logprob_sums(self.model, batch, self.config.trainer.loss_chunk_size)
+            return sums.float()
         reference = self.frozen["reference"]
         device = next(reference.parameters()).device
         with torch.no_grad():
@@ -155,11 +171,10 @@ class DPOModule(LanguageModelModule):
     # ---- the reference: placed, and with precompute scored once ----
 
     def on_fit_start(self) -> None:
-        if not self.frozen:
-            return
-        self.frozen["reference"] = self.frozen["reference"].to(
-            device=self.device, dtype=reference_dtype(self.config.trainer)
-        )
+        if "reference" in self.frozen:
+            self.frozen["reference"] = self.frozen["reference"].to(
+                device=self.device, dtype=reference_dtype(self.config.trainer)
+            )
         if self.precompute:
             self.reference_table = self._reference_tables()
             self.frozen.clear()  # every log-prob it gives is in the table now: its memory goes back to training

@@ -1,8 +1,8 @@
 """GRPOModule: critic-free RL. Each rollout samples ``group_size`` responses to each prompt, scores them with the
 stage's reward, and gives every response one advantage from its group: GRPO's (score - group mean) / group std,
 or RLOO's score - mean of the other G - 1. The policy then follows the clipped surrogate (PPO's loss, token-level)
-with the KL to the frozen reference (k3 by default) in the loss rather than in the reward. The stage around it
-is the RL recipe of alignment/stages/rl.py (GRPO's reward and plots: alignment/stages/grpo.py); sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
+with the KL to the frozen reference (k3 by default; with peft.kind=lora, the policy with its adapters off) in the
+loss rather than in the reward. The stage around it is the RL recipe of alignment/stages/rl.py (GRPO's reward and plots: alignment/stages/grpo.py); sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
 
 Choices: no critic and no value loss, so one optimiser; the loss of a minibatch is divided by its valid tokens over
 all ranks (the token-level normalisation of DAPO / Dr. GRPO: a long response does not get less weight per token);
@@ -35,7 +35,7 @@ class GRPOModule(RLModule):
         self,
         config: GRPOConfig,
         policy: Transformer,
-        reference: Transformer,
+        reference: Transformer | None,  # None: the policy with its adapters off (peft.kind=lora)
         reward: Reward,
         tokenizer: Any,
         *,

@@ -3,6 +3,9 @@ reward model of ``init.reward_model`` unless ``reward.terms`` name one (a reward
 alignment/shared/rewards.py); beyond the policy and its frozen reference it trains a critic, copied from the reward
 model (in its normalised units) or a fresh value head on the policy's backbone. ``PPOModule``
 (alignment/stages/ppo_module.py) owns the rollouts and the PPO update.
+
+With ``peft.kind: lora`` the critic gets its own LoRA adapters (``ppo_adapters``; its base is the reward model it
+is copied from, or the policy as loaded) and its score head trains whole, as the reward model's does.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import lightning as L
 import torch
 
 from alignment.schemas.rl import PPOConfig
+from alignment.shared.initial_model import add_model_adapters
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, build_reward, load_reward_model_score
 from alignment.stages.ppo_module import PPOModule
@@ -56,7 +60,7 @@ def ppo_models(config: PPOConfig, policy: Transformer, reward: Reward) -> dict[s
                 f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
                 f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
             )
-    if config.init.critic == "reward_model" and (reward.models or config.init.reward_model):
+    if critic_from_reward_model(config, reward):
         if reward.models:  # the reward is (partly) this model, in its normalised units: so are the critic's values
             critic = normalised_critic(reward.models[0].model, reward.models[0].stats)
         else:  # another reward (a checker, a function): the model's statistics say nothing of its scale
@@ -64,6 +68,25 @@ def ppo_models(config: PPOConfig, policy: Transformer, reward: Reward) -> dict[s
     else:
         critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
     return {"critic": critic.freeze_lm_head()}
+
+
+def critic_from_reward_model(config: PPOConfig, reward: Reward) -> bool:
+    """Whether the critic is a copy of a reward model (the reward's first, else init.reward_model's), not a fresh
+    head on the policy's backbone."""
+    return config.init.critic == "reward_model" and bool(reward.models or config.init.reward_model)
+
+
+def ppo_adapters(config: PPOConfig, models: dict[str, ScalarModel], reward: Reward) -> dict[str, dict]:
+    """With peft.kind=lora, the critic's own adapters (in place) beside its fully trained score head (``head.``),
+    and its base's record: the reward model's backbone it was copied from, or the policy's as loaded."""
+    if not config.peft.enabled:
+        return {}
+    critic = models["critic"]
+    if not critic_from_reward_model(config, reward):
+        source = config.init.policy
+    else:
+        source = reward.models[0].path if reward.models else config.init.reward_model
+    return {"critic": add_model_adapters(config, critic, source, base=critic.backbone, trainable=("head.",))}
 
 
 def ppo_plots(config: PPOConfig, run_dir: Path) -> list[L.Callback]:
@@ -94,6 +117,7 @@ PPO = RLAlgorithm(
     reward=ppo_reward,
     plots=ppo_plots,
     extra_models=ppo_models,
+    extra_adapters=ppo_adapters,
 )
 
 

@@ -1,5 +1,5 @@
 """PPOModule: optimise the SFT policy against a reward (a reward model, a checker, or a weighted sum), with a
-KL penalty to the SFT reference and a critic. The stage around it (checks, model loading, callbacks) is the RL
+KL penalty to the SFT reference (with peft.kind=lora, the policy with its adapters off) and a critic. The stage around it (checks, model loading, callbacks) is the RL
 recipe of alignment/stages/rl.py, with PPO's models and reward from alignment/stages/ppo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
 
 Each training step is one rollout: generate responses to a batch of prompts (KV cache, policy in eval mode,
@@ -52,7 +52,7 @@ class PPOModule(RLModule):
         config: PPOConfig,
         policy: Transformer,
         critic: ScalarModel,
-        reference: Transformer,
+        reference: Transformer | None,  # None: the policy with its adapters off (peft.kind=lora)
         reward: Reward,
         tokenizer: Any,
         *,

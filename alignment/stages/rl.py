@@ -5,11 +5,17 @@ from the training ones), then fit the algorithm's module with the callbacks ever
 What differs between the algorithms is data and a few hooks, an ``RLAlgorithm``: PPO's (a reward model by default,
 a critic) is in alignment/stages/ppo.py, GRPO's (a checker by default, no critic) in alignment/stages/grpo.py. Their
 modules own the rollouts and the update (ppo_module.py, grpo_module.py, over rl_module.py).
+
+With ``peft.kind: lora`` the policy gets LoRA adapters (its base: ``init.policy``) and there is no reference copy:
+the reference is the policy with its adapters off (rl_module.py's ``reference_logprobs``). The extra models are
+built first, from the policy as loaded, so a critic copied from it never carries the policy's adapters; the
+algorithm gives them their own (``extra_adapters``: PPO's critic).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ import torch
 from torch import nn
 
 from alignment.shared.evaluation import check_disjoint
+from alignment.shared.initial_model import add_stage_adapters
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, load_checker
 from alignment.stages.rl_module import RLModule
@@ -32,8 +39,14 @@ from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
 
+log = logging.getLogger(__name__)
+
 
 def no_extra_models(config: Any, policy: Transformer, reward: Reward) -> dict[str, nn.Module]:
+    return {}
+
+
+def no_extra_adapters(config: Any, models: dict[str, nn.Module], reward: Reward) -> dict[str, dict[str, Any]]:
     return {}
 
 
@@ -51,6 +64,9 @@ class RLAlgorithm:
     plots: Callable[[Any, Path], list[L.Callback]]  # the stage's plots (LossPlot) in the run folder
     # the models beyond the policy and its reference (PPO's critic), by the module's keyword; they may check the reward
     extra_models: Callable[[Any, Transformer, Reward], dict[str, nn.Module]] = no_extra_models
+    # with peft.kind=lora: adds the extra models' own adapters, in place, and returns their bases' records
+    # (alignment/shared/initial_model.py's ``add_model_adapters``) by the module attribute that holds each model
+    extra_adapters: Callable[[Any, dict[str, nn.Module], Reward], dict[str, dict[str, Any]]] = no_extra_adapters
 
     def hyperparameters(self, config: Any) -> Any:
         return getattr(config, self.stage)
@@ -74,6 +90,12 @@ def check_rl_config(config: Any, algorithm: RLAlgorithm) -> None:
         )
     if not config.init.policy:
         raise ConfigError(f"init.policy is required: the SFT model folder {algorithm.title} starts from")
+    if config.peft.enabled and config.peft.dropout > 0:
+        log.warning(
+            "peft.dropout=%s: the rollout's old log-probs and the training pass then draw different dropout masks, so "
+            "%s's first ratio is no longer exactly 1 (TRL turns dropout off for RL): peft.dropout=0 is advised",
+            config.peft.dropout, algorithm.title,
+        )  # fmt: skip
 
 
 def load_policy(config: Any, algorithm: RLAlgorithm, tokenizer: Any, reward: Reward) -> Transformer:
@@ -114,8 +136,14 @@ def run_rl(
     else:
         reward = algorithm.reward(config)
     policy = load_policy(config, algorithm, tokenizer, reward)
-    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones
-    models = {"policy": policy, "reference": copy.deepcopy(policy), **algorithm.extra_models(config, policy, reward)}
+    # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones.
+    # The extra models come first: a critic copied from the policy is a copy of the policy as loaded, no adapters.
+    extra = algorithm.extra_models(config, policy, reward)
+    # peft.kind=lora: only the adapters train, and the reference is the policy's base (adapters off): no copy
+    adapter_bases = add_stage_adapters(config, policy, key="policy")
+    if adapter_bases:
+        adapter_bases.update(algorithm.extra_adapters(config, extra, reward))
+    models = {"policy": policy, "reference": None if adapter_bases else copy.deepcopy(policy), **extra}
     prompts_per_rollout = getattr(algorithm.hyperparameters(config), algorithm.rollout[0])
     datamodule = PromptDataModule(config.data, batch_size=prompts_per_rollout)
     datamodule.setup("fit")
@@ -129,4 +157,5 @@ def run_rl(
         *(extra_callbacks or []),
     ]
     module = algorithm.module(config, **models, reward=reward, tokenizer=tokenizer, checker=checker)
+    module.adapter_bases = adapter_bases
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False)

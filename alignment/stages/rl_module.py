@@ -2,12 +2,13 @@
 responses, the frozen reference and reward, held-out evaluation, and the bookkeeping of manual optimisation.
 
 Owns: the frozen models (kept out of the module tree: never checkpointed, sharded or moved by Lightning; placed by
-``frozen_device`` / ``frozen_dtype``), the sampler (a generator on the device that samples, part of the
-checkpoint), ``sample`` (prompt + response rows through ``models.generation.generate``), ``score`` (the one
-``alignment.shared.rewards.Reward``, with the missing end-of-turn penalty), the reference's log-probs, one training step
-= one rollout (``rl_step``, the subclass's) counted as one global step, held-out evaluation (greedy pass@1 with
-its standard error per task, pass@k before and after, the reward of the greedy answers) written to ``eval.csv``,
-``eval.png`` and ``heldout.json`` beside the run.
+``frozen_device`` / ``frozen_dtype``; with LoRA adapters there is no frozen reference: it is the policy with its
+adapters off, on the policy's device and in its numerics, so those two keys then place the reward model only), the
+sampler (a generator on the device that samples, part of the checkpoint), ``sample`` (prompt + response rows
+through ``models.generation.generate``), ``score`` (the one ``alignment.shared.rewards.Reward``, with the missing
+end-of-turn penalty), the reference's log-probs, one training step = one rollout (``rl_step``, the subclass's)
+counted as one global step, held-out evaluation (greedy pass@1 with its standard error per task, pass@k before and
+after, the reward of the greedy answers) written to ``eval.csv``, ``eval.png`` and ``heldout.json`` beside the run.
 Choices: evaluation samples with its own generator (seeded by run.seed and the step), so how often one evaluates
 never changes the training samples; each rank answers its share of the held-out prompts and the per-prompt
 scores are gathered, so a multi-rank run reports what a single process would.
@@ -29,6 +30,8 @@ from torch import Tensor
 from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
 from alignment.shared.responses import response_logprobs
 from alignment.shared.rewards import Checker, Reward
+from models.adapter_config import adapter_config
+from models.adapters import adapters_disabled
 from models.atomic import write_atomically
 from models.errors import CheckpointError
 from models.generation import generate, left_pad
@@ -63,7 +66,7 @@ class RLModule(LanguageModelModule):
         config: Any,
         hyperparameters: Any,
         policy: Transformer,
-        reference: Transformer,
+        reference: Transformer | None,
         reward: Reward,
         tokenizer: Any,
         checker: Checker | None = None,
@@ -71,7 +74,10 @@ class RLModule(LanguageModelModule):
         super().__init__(config)
         self.hp = hyperparameters
         self.model, self.tokenizer, self.reward = policy, tokenizer, reward
-        self.frozen = {"reference": reference.eval().requires_grad_(False)}
+        if reference is None and adapter_config(policy) is None:
+            raise ValueError("an RL stage needs a reference model, or a policy with adapters (its base is then one)")
+        # None: the reference is the policy with its adapters off (reference_logprobs), no second copy of the weights
+        self.frozen = {} if reference is None else {"reference": reference.eval().requires_grad_(False)}
         self.checker = checker  # the ground truth of held-out answers (alignment/shared/rewards.py); None: not measured
         self.eval_history: dict[str, list[tuple[int, float]]] = {}
         self.grad_norms: dict[str, float] = {}
@@ -86,6 +92,13 @@ class RLModule(LanguageModelModule):
     def on_fit_start(self) -> None:
         device = torch.device("cpu") if self.hp.frozen_device == "cpu" else self.device
         dtype = torch.bfloat16 if self.hp.frozen_dtype == "bfloat16" else torch.float32
+        placed = self.hp.frozen_device != "same" or self.hp.frozen_dtype != "float32"
+        if "reference" not in self.frozen and placed and self.trainer.is_global_zero:
+            log.info(
+                "%s.frozen_device=%s / frozen_dtype=%s place the reward model only: with peft.kind=lora the reference "
+                "is the policy with its adapters off, on the policy's device and in its precision",
+                self.stage, self.hp.frozen_device, self.hp.frozen_dtype,
+            )  # fmt: skip
         self.frozen = {name: model.to(device=device, dtype=dtype) for name, model in self.frozen.items()}
         self.reward.place(device, dtype)
         self.sampler = torch.Generator(self.device).manual_seed(self.config.run.seed)
@@ -187,8 +200,13 @@ class RLModule(LanguageModelModule):
         return response_logprobs(model, input_ids, real, P, self.hp.temperature)
 
     def reference_logprobs(self, input_ids: Tensor, real: Tensor, P: int) -> Tensor:
-        """The frozen reference's log-probs, computed where it lives (frozen_device may be cpu while the policy
-        is on a GPU) and returned on the policy's device in fp32."""
+        """The reference's log-probs on the policy's device in fp32: the frozen reference's, computed where it lives
+        (frozen_device may be cpu while the policy is on a GPU), or, without one (LoRA), the policy's with its
+        adapters off (every rank runs it for every micro-batch, as FSDP2's all-gathers need)."""
+        if "reference" not in self.frozen:
+            with adapters_disabled(self.model), torch.no_grad():
+                logp = self.policy_logprobs(self.model, input_ids, real, P)[0]
+            return logp.float()
         reference = self.frozen["reference"]
         device = next(reference.parameters()).device
         logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]

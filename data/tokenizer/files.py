@@ -45,6 +45,13 @@ def read_rank_file(path: str | Path) -> tuple[dict[bytes, int], bytes]:
     except IsADirectoryError:
         raise IsADirectoryError(f"tokenizer path is a directory, expected a rank file: {path}") from None
 
+    try:
+        raw.decode("ascii")  # base64 tokens and decimal ranks: a rank file is plain ASCII
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{path} is not a tiktoken rank file (binary content: a sentencepiece model, as Llama 2 ships?): "
+            "Lantern reads tiktoken files, as Llama 3 ships in original/tokenizer.model"
+        ) from None
     ranks: dict[bytes, int] = {}
     for lineno, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():

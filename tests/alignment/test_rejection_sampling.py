@@ -146,6 +146,20 @@ def test_run_writes_samples_and_final_and_resume_does_not_sample_again(setup, tm
         run_rejection_sampling(rs_config(setup, tmp_path, "sampling.temperature=0.5"))
 
 
+def test_lora_fine_tunes_adapters_only_on_the_policy_it_sampled_from(setup, tmp_path):
+    """``sft.peft.kind=lora``: the best samples are fine-tuned on with adapters over init.policy; the checkpoint holds
+    the adapters and a pointer to init.policy, and final/ is the plain model with them folded in."""
+    run_dir = run_rejection_sampling(rs_config(setup, tmp_path, "sft.peft.kind=lora", "sft.peft.rank=4"))
+    checkpoint = torch.load(run_dir / "checkpoints" / "step-00000002.ckpt", weights_only=True)
+    names = list(checkpoint["state_dict"])
+    assert names and all(".lora_A." in name or ".lora_B." in name for name in names), names[:4]
+    assert len(names) == 2 * 7 * TINY["n_layers"]  # A and B of the 7 projections of each block
+    base = checkpoint["adapters"]["model"]
+    assert base["checkpoint"] == str(Path(setup["policy"]).resolve()) and base["peft"]["rank"] == 4
+    final = load_checkpoint(run_dir / "final")
+    assert isinstance(final.layers[0].attention.wq, torch.nn.Linear) and final.config.dim == TINY["dim"]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

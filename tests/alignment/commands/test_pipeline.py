@@ -105,6 +105,26 @@ def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_
         assert configs["ppo"].init.critic == "zeros"  # not a copy of the reward model, whose units the checker's aren't
 
 
+def test_the_pipelines_peft_section_reaches_every_fine_tuning_stage_and_a_stages_own_wins(tmp_path, in_repo):
+    """``peft.kind=lora`` on the pipeline puts adapters in SFT, the reward model, PPO, GRPO, DPO and rejection
+    sampling (its SFT section), not in pretraining; ``rm.peft.rank=4`` overrides the pipeline's rank for that stage."""
+    overrides = [f"out_dir={tmp_path}", "peft.kind=lora", "peft.rank=8", "rm.peft.rank=4"]
+    pipeline = Pipeline(load_pipeline_config(TINY, overrides))
+    pipeline.write_demo()
+    sections = {}
+    for stage in ("pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling"):
+        config = pipeline.load_stage_config(stage)[0]
+        sections[stage] = config.sft.peft if stage == "rejection_sampling" else getattr(config, "peft", None)
+    assert sections.pop("pretrain") is None
+    assert {stage: (peft.kind, peft.rank) for stage, peft in sections.items()} == {
+        "sft": ("lora", 8), "rm": ("lora", 4), "ppo": ("lora", 8), "grpo": ("lora", 8), "dpo": ("lora", 8),
+        "rejection_sampling": ("lora", 8),
+    }  # fmt: skip
+    off = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"]))
+    off.write_demo()
+    assert off.load_stage_config("sft")[0].peft.kind == "none"
+
+
 def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
     """The scoring tools (score_sft) never rewrite a pipeline's demo data under its models: written with other
     demo.* settings than the config's, it is refused in one line naming the keys, and left as it was."""
