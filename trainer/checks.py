@@ -44,7 +44,11 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
                 )
             return
     foreign = any((folder / name).is_file() for name in ("config.json", "params.json", "original/params.json"))
-    if foreign and not (folder / "lantern.json").is_file() and tokenizer.fingerprint == Tokenizer.load("default").fingerprint:
+    if (
+        foreign
+        and not (folder / "lantern.json").is_file()
+        and tokenizer.fingerprint == Tokenizer.load("default").fingerprint
+    ):
         raise ConfigError(
             f"{folder} carries no tiktoken tokenizer.model (nor original/tokenizer.model): set {key} to the "
             "tokenizer file the model was trained with (Llama 3's original/tokenizer.model), not the default"
