@@ -51,6 +51,8 @@ import lightning as L
 import torch
 
 from alignment.schemas.pretrain import PretrainConfig
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import device_target, plan_stage
 from alignment.stages.pretrain import PretrainModule, pretrain_datamodule
 from data.pretrain.prepare import prepare
 from models.hf_format import config_to_hf
@@ -295,11 +297,24 @@ def measure(name: str, config: PretrainConfig, args: argparse.Namespace) -> dict
     result["mfu_best_step"] = result["tokens_per_second_best_step"] * flops / peak
     if name == "lightning" and config.trainer.activation_checkpointing != "none":
         result["hfu_with_recomputation"] = result["tokens_per_second"] * (flops + recomputed_flops(config)) / peak
+    if name == "lightning":  # what `lantern plan` predicted for this run, beside what it measured
+        result["planned_peak_gib"] = planned_peak_gib(config)
     gc.collect()
     torch._dynamo.reset()  # the next contender compiles from scratch, as it would alone
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def planned_peak_gib(config: PretrainConfig) -> float | None:
+    """The plan's peak per GPU (alignment/shared/plan.py) for this config on this device, in GiB; None if the
+    estimator fails (the benchmark goes on)."""
+    try:
+        plan = plan_stage("pretrain", config, Models(config.model), device_target(config.trainer))
+    except Exception as error:  # an estimator bug must not cost the measurement
+        logging.getLogger(__name__).warning("plan: no estimate (%s)", error)
+        return None
+    return plan.peak / 2**30
 
 
 def recomputed_flops(config: PretrainConfig) -> float:

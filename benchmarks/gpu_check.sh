@@ -9,7 +9,8 @@
 #   5. pretrain-3b  3B with FSDP2 + full activation checkpointing on the one GPU (pretrain-3b.json)
 #   6. generation  the KV-cache generation benchmark, 1B in bf16, batch 1 and 64 (generation.json)
 #   7. one markdown table (benchmarks/gpu_table.py): each step's result, MFU, tokens/s and peak memory, the
-#      date and the GPU, printed and written to OUT/table.md
+#      date and the GPU, printed and written to OUT/table.md; beside each Lightning run's peak memory
+#      (torch.cuda.max_memory_allocated), the peak `lantern plan` predicted for it (docs/plan.md)
 # A failed step is reported and the others still run; the exit status is non-zero if any step failed.
 #
 # Usage (from anywhere; the paths are relative to the checkout):

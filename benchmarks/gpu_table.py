@@ -77,12 +77,24 @@ def pretrain_rows(data: dict[str, Any], name: str) -> list[list[str]]:
             mfu += f" (HFU {_number(result['hfu_with_recomputation'], '.1%')})"
         vs_hf = _number(result.get("vs_hf"), ".2f", "x")
         masking = "doc mask" if result.get("document_masking") else "causal"
+        notes = [f"vs HF {vs_hf}"] if result.get("vs_hf") is not None and result.get("contender") != "hf" else []
+        notes += plan_note(result)
         rows.append([
             f"pretrain {label}: {result.get('contender')} ({result.get('precision')}, {masking})",
             mfu, _number(result.get("tokens_per_second"), ",.0f"), _number(result.get("peak_memory_gib"), ".1f"),
-            f"vs HF {vs_hf}" if result.get("vs_hf") is not None and result.get("contender") != "hf" else "",
+            "; ".join(notes),
         ])  # fmt: skip
     return rows
+
+
+def plan_note(result: dict[str, Any]) -> list[str]:
+    """`lantern plan`'s predicted peak beside the measured one (the Lightning path's: what a stage runs)."""
+    planned, measured = result.get("planned_peak_gib"), result.get("peak_memory_gib")
+    if not isinstance(planned, (int, float)):
+        return []
+    if not isinstance(measured, (int, float)) or not planned:
+        return [f"plan {planned:.1f} GiB (not measured here)"]
+    return [f"plan {planned:.1f} GiB, measured {measured / planned - 1:+.0%} from it"]
 
 
 def generation_rows(data: Any) -> list[list[str]]:
@@ -142,7 +154,8 @@ def render(out: Path) -> str:
         "",
         "MFU: model FLOPs (6N + 12·L·d·T per token, no activation recomputation) over the peak "
         f"({', '.join(sorted(peaks)) or '?'} TFLOP/s); HFU also counts the recomputed forwards; vs HF: "
-        "tokens/s over Hugging Face in the same run (compiled when the config compiles); peak memory: torch.cuda.max_memory_allocated",
+        "tokens/s over Hugging Face in the same run (compiled when the config compiles); peak memory: torch.cuda.max_memory_allocated; "
+        "plan: the peak `lantern plan` predicts for the Lightning run's config on this GPU (docs/plan.md)",
     ]
     return "\n".join(lines) + "\n"
 

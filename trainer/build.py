@@ -34,6 +34,7 @@ from trainer.callbacks import (
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
+from trainer.plan import announce_plan
 from trainer.storage import (
     claim_run_directory,
     has_checkpoints,
@@ -376,15 +377,19 @@ def fit_stage(
     callbacks: list[L.Callback],
     *,
     validate: bool = True,
+    plan: Callable[[], str] | None = None,
 ) -> Path | None:
-    """The end every stage shares: logger, trainer, resume (checkpoint.resume, from run_dir/checkpoints) and fit.
-    Returns run_dir on rank 0, None on the other ranks."""
+    """The end every stage shares: the plan's one line (``plan``, the stage's estimate: trainer/plan.py's
+    ``announce_plan``, which never fails a run), logger, trainer, resume (checkpoint.resume, from
+    run_dir/checkpoints) and fit. Returns run_dir on rank 0, None on the other ranks."""
     logger: Logger | bool = False
+    announce_plan(plan)
     try:
-        logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config))
+        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
+        # the same W&B run as before when training resumes from this folder's checkpoint (trainer/loggers.py)
+        logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config), resume=resume)
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
-        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
         with warnings.catch_warnings():
             # Lightning 2.6's own pytree code builds torch's deprecated LeafSpec, and torch >= 2.10 warns about it
             # once a stage: nothing the user did or can change (Lightning's issue), so it is not shown.

@@ -93,8 +93,15 @@ class LoggerConfig:
     kind: Literal["wandb", "csv", "none"] = "wandb"
     project: str = "lantern"
     mode: Literal["auto", "offline", "online"] = "auto"  # auto: online only with an API key
-    group: str | None = None
+    group: str | None = None  # the pipeline sets one per pipeline run; a stage run alone: none unless given
+    job_type: str | None = None  # None: the stage (pretrain, sft, rm, ...)
     tags: list[str] = field(default_factory=list)
+    # W&B system charts (GPU utilisation, memory, power; CPU, RAM, disk, network), sampled every 15 s by W&B's
+    # service: on, since they cost nothing measurable even on a CPU smoke run (docs/configuration.md)
+    system_stats: bool = True
+    # checkpoints as W&B model artifacts: off | final (final/ at the end) | all (also every checkpoint as it is
+    # written); YAML's false / true read as off / final
+    log_model: bool | Literal["off", "final", "all"] = "off"
 
 
 Schema = TypeVar("Schema")

@@ -1,7 +1,10 @@
 """The loggers a stage writes to: Weights & Biases (offline unless a key and the server are both there) or CSV.
 
 Owns: choosing the W&B mode (``logger.mode=auto``), starting W&B so that no failure of it ever stops a run
-(online → offline → CSV, each step a warning), and the CSV logger that keeps a resumed run's history.
+(online → offline → CSV, each step a warning) as the same W&B run across the job's resumes (its id from the run
+folder's record, trainer/wandb_run.py) with its group, job type (the stage) and system charts, the stage's final
+figures in the run's summary and its model artifacts (``logger.log_model``), reopening a finished run to add to
+its summary or log an artifact (the pipeline's report), and the CSV logger that keeps a resumed run's history.
 Does not own: what is logged (the LightningModules and trainer/callbacks.py) nor the plots (trainer/plots.py).
 """
 
@@ -20,11 +23,21 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 
 from models.errors import one_line
+from models.folders import folder_record
 from trainer.config import LoggerConfig
 from trainer.plots import read_csv_rows
-from trainer.storage import is_global_rank_zero
+from trainer.storage import checkpoint_step, is_global_rank_zero
+from trainer.wandb_run import (
+    LoggedSteps,
+    check_log_model,
+    exported_step,
+    model_artifact,
+    read_run_record,
+    start_run_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +95,25 @@ def _wandb_base_url() -> str:
 
 
 class SafeWandbLogger(WandbLogger):
-    """A W&B logger whose failures are warnings: a full disk or a dropped connection never stops training."""
+    """A W&B logger whose failures are warnings: a full disk or a dropped connection never stops training.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Lantern's own additions: rows an earlier start of the same run already logged are dropped (``LoggedSteps``:
+    a resume replays the steps after its checkpoint), the last validation figures go into the summary as
+    ``final/...`` when the run ends well, and ``log_model`` (off | final | all) logs ``final/`` and the checkpoints
+    as model artifacts, whose failure is a warning that leaves the metrics logging on."""
+
+    def __init__(
+        self, *args: Any, run_dir: Path | None = None, record: dict[str, Any] | None = None,
+        log_model: str = "off", **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)  # Lightning's own log_model (ModelCheckpoint's files) stays off
         # Lightning passes anonymous=None to wandb.init, and wandb >= 0.19 warns about the setting whatever its
         # value: a warning the user did not cause and cannot act on. Only an explicit value is passed on.
         if self._wandb_init.get("anonymous") is None:
             self._wandb_init.pop("anonymous", None)
+        self._run_dir = None if run_dir is None else Path(run_dir)
+        self._steps = None if record is None or run_dir is None else LoggedSteps(Path(run_dir), record)
+        self._models, self._final_figures, self._last_step = log_model, {}, None
 
     def _guard(self, action: str, function, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "_lantern_broken", False):
@@ -101,8 +125,21 @@ class SafeWandbLogger(WandbLogger):
             warnings.warn(f"W&B {action} failed ({error!r}); W&B logging is off for the rest of this run")
             return None
 
+    @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if step is not None and self._steps is not None:
+            metrics = self._steps.new(metrics, step)  # not what an earlier start of this run logged
+            if not metrics:
+                return
         self._guard("log_metrics", super().log_metrics, metrics, step)
+        if step is None or getattr(self, "_lantern_broken", False):
+            return
+        self._last_step = step
+        self._final_figures.update(
+            {k: v for k, v in metrics.items() if k.startswith(("val/", "eval/")) and isinstance(v, int | float)}
+        )
+        if self._steps is not None:
+            self._steps.logged(metrics, step)
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         self._guard("log_hyperparams", super().log_hyperparams, params, *args, **kwargs)
@@ -113,7 +150,43 @@ class SafeWandbLogger(WandbLogger):
     def log_image(self, *args: Any, **kwargs: Any) -> None:
         self._guard("log_image", super().log_image, *args, **kwargs)
 
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """``log_model=all``: each checkpoint trainer.storage.AtomicCheckpoint publishes, as it is published."""
+        path = getattr(checkpoint_callback, "last_saved", None)
+        if self._models == "all" and path is not None and self._experiment is not None:
+            step = checkpoint_step(path)
+            self._log_model_artifact(path, f"checkpoint-{self._experiment.id}", step, ["latest", f"step-{step}"])
+
+    def _log_model_artifact(self, path: Path, name: str, step: int | None, aliases: list[str]) -> None:
+        if getattr(self, "_lantern_broken", False) or self._experiment is None:
+            return
+        try:
+            metadata = {"config": self._wandb_init.get("config") or {}}
+            artifact = model_artifact(path, name=name, step=step, metadata=metadata)
+            self._experiment.log_artifact(artifact, aliases=[a for a in aliases if a != "step-None"])
+        except Exception as error:  # the model stays on disk; training and metrics logging go on
+            warnings.warn(
+                f"W&B could not log {path} as the model artifact {name} ({one_line(error)}); training goes on"
+            )
+
+    @rank_zero_only
+    def _finish_well(self) -> None:
+        """A run that ended well: its final validation figures in the summary (``final/val/loss``, ...), and
+        ``final/`` as a model artifact when log_model asks for it."""
+        if self._experiment is None or getattr(self, "_lantern_broken", False):
+            return
+        final = None if self._run_dir is None else self._run_dir / "final"
+        step = exported_step(final) if final is not None and final.is_dir() else None
+        step = self._last_step if step is None else step
+        figures = {f"final/{key}": value for key, value in self._final_figures.items()}
+        self._guard("summary", self._experiment.summary.update, {**figures, "final/step": step})
+        if self._models in ("final", "all") and final is not None and final.is_dir():
+            self._log_model_artifact(final, f"model-{self._experiment.id}", step, ["latest", "final", f"step-{step}"])
+
     def finalize(self, status: str) -> None:
+        if status == "success":
+            self._finish_well()
         self._guard("finalize", super().finalize, status)
         if status != "running":
             self._guard("finish", self.finish_run)
@@ -168,13 +241,27 @@ class HistoryCSVLogger(CSVLogger):
         return self._experiment
 
 
-def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparameters: dict[str, Any]) -> Logger | bool:
+def make_logger(
+    config: LoggerConfig,
+    run_dir: Path,
+    run_name: str,
+    hyperparameters: dict[str, Any],
+    *,
+    resume: str | None = None,
+) -> Logger | bool:
+    """The stage's logger. W&B continues the run recorded in the run folder when training resumes from one of
+    its checkpoints (``resume``, the checkpoint the trainer starts from), and starts a new run otherwise."""
     if config.kind == "none":
         return False
     if config.kind == "csv":
         return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
+    log_model = check_log_model(config.log_model)
     os.environ.setdefault("WANDB_SILENT", "true")
     mode = wandb_mode(config)
+    identity = {"project": config.project, "group": config.group, "job_type": job_type(config, run_dir)}
+    record = None
+    if is_global_rank_zero():  # the only rank that starts W&B, and the only one that writes its record
+        record = start_run_record(run_dir, resuming=resumes_run(run_dir, resume), name=run_name, **identity)
     # wandb.init runs here (logger.experiment), not inside Lightning's setup, so that any W&B failure (a bad
     # project name, a refused key, an unreachable server) becomes one warning and the run goes on: offline
     # after a failed online start, else with the CSV logger.
@@ -182,14 +269,17 @@ def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparamet
         try:
             with _ignored_wandb_mode_hidden():
                 logger = SafeWandbLogger(
-                    project=config.project,
                     name=run_name,
                     save_dir=str(run_dir),
-                    group=config.group,
+                    id=None if record is None else record["id"],  # Lightning passes resume="allow" with it
                     tags=list(config.tags),
                     mode=attempt,
                     config=hyperparameters,
-                    settings=_wandb_settings(attempt),
+                    settings=_wandb_settings(attempt, system_stats(config)),
+                    run_dir=run_dir,
+                    record=record,
+                    log_model=log_model,
+                    **identity,
                 )
                 if is_global_rank_zero():  # other ranks log nothing (Lightning gives them a dummy experiment)
                     logger.experiment  # noqa: B018 - starts the W&B run now
@@ -199,6 +289,67 @@ def make_logger(config: LoggerConfig, run_dir: Path, run_name: str, hyperparamet
             fallback = "logging offline" if attempt == "online" else f"logging to CSV in {run_dir / 'csv'} instead"
             warnings.warn(f"cannot start W&B in {attempt} mode ({one_line(error)}); {fallback}", stacklevel=2)
     return HistoryCSVLogger(save_dir=str(run_dir), name="csv", version="")
+
+
+def resumes_run(run_dir: Path, resume: str | None) -> bool:
+    """Whether training continues this run folder's own run: it resumes from one of the folder's checkpoints."""
+    if resume is None:
+        return False
+    checkpoints = (Path(run_dir) / "checkpoints").resolve()
+    return Path(resume).resolve().parent == checkpoints
+
+
+def job_type(config: LoggerConfig, run_dir: Path) -> str | None:
+    """``logger.job_type``, else the stage the run folder was claimed for (its marker, models/folders.py)."""
+    return config.job_type or (folder_record(Path(run_dir)) or {}).get("stage")
+
+
+def system_stats(config: LoggerConfig) -> bool:
+    """``logger.system_stats``: W&B's system charts (GPU utilisation, memory and power are what a GPU job is looked
+    at for first). On by default everywhere: measured on a CPU smoke run (30 tiny pretraining steps, offline), the
+    sampler took 0.015 CPU-seconds of W&B's service per run and start and finish no longer (docs/configuration.md)."""
+    return bool(config.system_stats)
+
+
+@contextlib.contextmanager
+def recorded_run(folder: Path, config: Any, **identity: Any) -> Iterator[Any | None]:
+    """The W&B run recorded in ``folder`` (its wandb-run.json), open again for the summary or an artifact to be
+    added, and finished on the way out; the pipeline's report reopens each stage's run this way, and its own
+    (``identity``: project, group, job_type, name, recorded when ``folder`` holds no run of that group yet).
+    ``config`` is read for ``mode`` and ``project``. Yields None, with a warning, when W&B cannot start: the
+    numbers are in the report anyway. Offline, the reopening is one more folder under wandb/ with the same run
+    id, which ``wandb sync`` uploads into the same run, after the ones before it."""
+    record = read_run_record(folder)
+    if identity and (record is None or record.get("group") != identity.get("group")):
+        record = start_run_record(folder, resuming=False, **identity)
+    if record is None:
+        yield None
+        return
+    os.environ.setdefault("WANDB_SILENT", "true")
+    mode = wandb_mode(config)
+    for attempt in [mode, "offline"] if mode == "online" else [mode]:
+        try:
+            import wandb  # deferred: see _wandb_settings
+
+            with _ignored_wandb_mode_hidden():
+                run = wandb.init(
+                    project=record.get("project") or config.project, id=record["id"], resume="allow",
+                    name=record.get("name"), group=record.get("group"), job_type=record.get("job_type"),
+                    dir=str(folder), mode=attempt, settings=_wandb_settings(attempt, stats=False),
+                )  # fmt: skip
+        except Exception as error:
+            _finish_failed_wandb_run()
+            warnings.warn(f"cannot reopen the W&B run of {folder} in {attempt} mode ({one_line(error)})", stacklevel=3)
+            continue
+        try:
+            yield run
+        finally:
+            try:
+                run.finish()
+            except Exception as error:
+                warnings.warn(f"cannot close the W&B run of {folder} ({one_line(error)})", stacklevel=3)
+        return
+    yield None
 
 
 def _finish_failed_wandb_run() -> None:
@@ -211,12 +362,12 @@ def _finish_failed_wandb_run() -> None:
         pass
 
 
-def _wandb_settings(mode: str) -> Any:
+def _wandb_settings(mode: str, stats: bool) -> Any:
     import wandb  # deferred: only runs that log to W&B pay for importing it
 
-    # No console capture and no system-stats thread: fewer moving parts in offline CPU runs.
+    # No console capture (Lantern's own log lines and metrics say it all). System stats: see system_stats.
     timeout = {"init_timeout": WANDB_ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
-    return wandb.Settings(console="off", x_disable_stats=True, silent=True, **timeout)
+    return wandb.Settings(console="off", x_disable_stats=not stats, silent=True, **timeout)
 
 
 def close_logger(logger: Logger | bool) -> None:

@@ -316,7 +316,15 @@ class AtomicCheckpoint(L.Callback):
             cause = error or OSError(0, "another rank could not write its part")
             raise storage_error(cause, final, "checkpoint", kept=kept + ", the temporary was removed") from error
         self._last_saved_step = step
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:  # as Lightning's ModelCheckpoint does (W&B: logger.log_model=all)
+                logger.after_save_checkpoint(self)
         return final
+
+    @property
+    def last_saved(self) -> Path | None:
+        """The checkpoint this run published last (or resumed from), if any."""
+        return self._path(self._last_saved_step) if self._last_saved_step > 0 else None
 
     def _publish(self, temporary: Path, final: Path, step: int) -> None:
         """Manifest, rename, pointer, pruning; in that order, so that whatever a kill interrupts, every

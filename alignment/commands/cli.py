@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from alignment.commands.plan_cli import add_plan_command
 from models.errors import LanternError, one_line
 from trainer.interrupts import interrupted_message, received_signal, watch_signals
 
@@ -189,6 +190,12 @@ def _pipeline(args: argparse.Namespace) -> None:
     run_pipeline(args.config, args.overrides)  # prints where the report, checkpoints and W&B runs are
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from alignment.commands.plan import run_plan
+
+    run_plan(args)  # prints the table, or JSON
+
+
 def _print_run_summary(run_dir: Path) -> None:
     lines = [f"run folder:  {run_dir}", f"final model: {run_dir / 'final'}", f"checkpoints: {run_dir / 'checkpoints'}"]
     lines += [f"plot:        {png}" for png in sorted(run_dir.glob("*.png"))]
@@ -309,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         _pipeline,
     )
 
+    add_plan_command(commands, _plan)
+
     demo = commands.add_parser(
         "demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)"
     )
@@ -367,7 +376,12 @@ def _configure_logging(level: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "plan" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # `lantern plan CONFIG --gpu h100 key=value`: overrides after the options too
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     with watch_signals():
         try:

@@ -3,7 +3,8 @@ sampling, each from the SFT model), then a report that evaluates every model on 
 
 Each stage is the ordinary stage (``run_pretrain``, ``run_sft``, ...) on its own preset plus overrides; the
 pipeline only appends the wiring overrides (folders, the previous stage's ``final/``, the demo data, one shared
-logger) after the stage's own ones, so the pipeline always wins on wiring and the user on everything else.
+logger in one W&B group per pipeline run: ``alignment/commands/pipeline_tracking.py``) after the stage's own ones,
+so the pipeline always wins on wiring and the user on everything else.
 
 Re-runs are incremental. A finished stage leaves ``pipeline_stage.json`` holding a hash of its fully resolved
 config and of its inputs' hashes, so the hashes chain: an unchanged stage is skipped, a changed one re-runs
@@ -31,11 +32,13 @@ from alignment.commands.pipeline_records import (
     PENDING,
     RECORD,
     data_hash,
+    older_pipeline,
     read_json,
     stage_state,
     write_record,
 )
 from alignment.commands.pipeline_report import write_report
+from alignment.commands.pipeline_tracking import PipelineTracking, track_report, wandb_run_lines
 from alignment.schemas.dpo import DPOConfig
 from alignment.schemas.pretrain import PretrainConfig
 from alignment.schemas.rejection_sampling import RejectionSamplingConfig
@@ -87,10 +90,12 @@ class DemoDataSection:
 
 
 @dataclass
-class PipelineLoggerSection:
+class PipelineLoggerSection:  # every stage's W&B runs are in one group per pipeline run (pipeline_tracking.py)
     kind: Literal["wandb", "csv", "none"] = "wandb"
     project: str = "lantern"
     mode: Literal["auto", "offline", "online"] = "auto"
+    log_model: bool | Literal["off", "final", "all"] = "off"  # every stage's, unless its own overrides say
+    system_stats: bool = True
 
 
 @dataclass
@@ -173,6 +178,7 @@ class Pipeline:
         self.outputs: dict[str, tuple[Path, str]] = {}  # stage -> (final folder or data folder, hash), this run
         self.configs: dict[str, Any] = {}  # stage -> its loaded config
         self.status: dict[str, str] = {}  # stage -> ran | resumed | skipped, for the report
+        self.tracking = PipelineTracking(self.root, config.name)  # the W&B group of this pipeline run
 
     def stage_dir(self, stage: str) -> Path:
         return self.root / "data" if stage == "prepare" else self.root / stage
@@ -187,7 +193,7 @@ class Pipeline:
         wiring: dict[str, Any] = {
             "run.out_dir": str(self.root), "run.name": stage, f"{nested}logger.kind": logger.kind,
             f"{nested}logger.project": logger.project, f"{nested}logger.mode": logger.mode,
-            f"{nested}logger.group": self.config.name,
+            f"{nested}logger.group": self.tracking.group,
         }  # fmt: skip
         if stage in ("prepare", "pretrain"):
             wiring["data.out_dir"] = str(self.corpus)
@@ -202,8 +208,10 @@ class Pipeline:
             wiring[key] = [str(self.demo / f"{name}.jsonl")]
         # the pipeline's peft section comes first, so that the stage's own overrides win
         adapters = [] if stage in ("prepare", "pretrain") else self.peft_overrides(nested)
+        tracked = [f"{nested}logger.{key}={json.dumps(getattr(logger, key))}" for key in ("log_model", "system_stats")]
         # JSON values are valid YAML, so paths with odd characters survive load_config's parsing
         overrides = [
+            *tracked,
             *adapters,
             *section.overrides,
             *(f"{key}={json.dumps(value)}" for key, value in wiring.items()),
@@ -297,6 +305,8 @@ class Pipeline:
         digest = content_key(to_yaml(config), inputs)  # before resume is set: not part of it
         run_dir, final = self.stage_dir(stage), self.stage_dir(stage) / "final"
         state = stage_state(run_dir, digest)
+        if state == "new" and stage == next(s for s in self.config.stages if s in RUNNERS) and self.tracking.renew():
+            return self.model_stage(stage)  # a new pipeline run, in a new W&B group (part of the stage's wiring)
         if state == "up to date":
             self.status[stage] = "skipped: up to date"
         else:
@@ -333,14 +343,9 @@ class Pipeline:
                 log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
             training_section(config).checkpoint.resume, self.status[stage] = "none", "ran"
         claim_run_directory(run_dir, stage)  # before the pipeline's record is written into it
+        self.tracking.save()  # the group this stage's W&B run is in, for its resume and the stages after it
         write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
         RUNNERS[stage](config)
-
-
-def older_pipeline(root: Path) -> bool:
-    """A pipeline folder written before folder markers: it holds the records only a pipeline writes."""
-    records = (root / "data" / "demo" / "demo_manifest.json", root / "data" / "corpus" / "manifest.json")
-    return any(path.is_file() for path in records) or any(root.glob(f"*/{RECORD}"))
 
 
 RUNNERS: dict[str, Callable[[Any], Any]] = {
@@ -380,6 +385,7 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
         pipeline.run()
         stop_if_received()
         report = write_report(pipeline)
+        track_report(pipeline)  # its figures into each stage's W&B run, and the report as an artifact
     except (KeyboardInterrupt, SystemExit) as stop:  # SIGTERM or Ctrl-C: the same command carries on from here
         command = resume_command("pipeline", *([config_path] if config_path else []), *overrides)
         stop.add_note(f"run the same command again to resume it (finished stages are skipped): {command}")
@@ -388,12 +394,5 @@ def run_pipeline(config_path: str | None, overrides: list[str]) -> Path:
     for stage in pipeline.config.stages:
         if stage != "prepare":
             lines.append(f"{stage + ':':<12} {pipeline.stage_dir(stage) / 'final'}  ({pipeline.status[stage]})")
-    wandb_runs = [
-        run for stage in pipeline.config.stages for run in sorted(pipeline.stage_dir(stage).glob("wandb/*run-*"))
-    ]
-    lines += [f"W&B run:     {run}" for run in wandb_runs]
-    offline = [str(run) for run in wandb_runs if run.name.startswith("offline-")]
-    if offline:
-        lines.append(f"upload the offline W&B runs with: wandb sync {' '.join(offline)}")
-    print("\n".join(lines), flush=True)
+    print("\n".join(lines + wandb_run_lines(pipeline)), flush=True)
     return pipeline.root

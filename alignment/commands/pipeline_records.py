@@ -46,3 +46,9 @@ def stage_state(run_dir: Path, digest: str) -> StageState:
     if record is None and pending and pending["hash"] == digest:
         return "interrupted"
     return "new"
+
+
+def older_pipeline(root: Path) -> bool:
+    """A pipeline folder written before folder markers: it holds the records only a pipeline writes."""
+    records = (root / "data" / "demo" / "demo_manifest.json", root / "data" / "corpus" / "manifest.json")
+    return any(path.is_file() for path in records) or any(root.glob(f"*/{RECORD}"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from torch import Tensor, nn
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import stage_plan_line
 from alignment.stages.dpo_module import DPOModule, reference_dtype
 from alignment.stages.reward import preference_data, preference_stage_callbacks
 from data.preference.dpo import DPODataModule
@@ -163,5 +166,9 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     ]
     module = DPOModule(config, policy, reference, tokenizer, cache_key=cache_key)
     module.adapter_bases = adapter_bases
+    models = Models(
+        policy.config, reference=reference.config if config.init.reference and reference is not None else None
+    )
     del policy, reference  # the module holds them now; a precomputed reference is freed once it is scored
-    return fit_stage(config, module, datamodule, run_dir, callbacks)
+    plan = partial(stage_plan_line, "dpo", config, models)
+    return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

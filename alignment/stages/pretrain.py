@@ -6,6 +6,7 @@ Does not own: preparing the shards (data/pretrain/prepare.py, ``lantern prepare`
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -13,6 +14,8 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import stage_plan_line
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
 from data.tokenizer.tokenizer import Tokenizer
@@ -110,7 +113,8 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
         *(extra_callbacks or []),
     ]
-    if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks) is None:
+    plan = partial(stage_plan_line, "pretrain", config, Models(config.model))
+    if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks, plan=plan) is None:
         return None  # not rank 0
     if config.sample.prompt:
         print_sample(run_dir / "final", tokenizer, config.sample)

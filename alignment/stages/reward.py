@@ -15,6 +15,7 @@ measures its agreement with the checker on the policy's samples of held-out prom
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import Tensor
 
 from alignment.schemas.reward import RMConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import stage_plan_line
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -203,7 +206,8 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     ]
     module = RewardModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    run_dir = fit_stage(config, module, datamodule, run_dir, callbacks)
+    plan = partial(stage_plan_line, "rm", config, Models(model.config))
+    run_dir = fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)
     if run_dir is not None and samples.policy and samples.checker and samples.heldout:  # rank 0, after the export
         result = measure_agreement(config, run_dir, tokenizer)
         log.info("reward model vs %s on the policy's own samples: %.3f agreement over %d pairs",

@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from torch import nn
 
 from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import stage_plan_line
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, load_checker
 from alignment.stages.rl_module import RLModule
@@ -158,4 +161,9 @@ def run_rl(
     ]
     module = algorithm.module(config, **models, reward=reward, tokenizer=tokenizer, checker=checker)
     module.adapter_bases = adapter_bases
-    return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False)
+    critic = extra.get("critic")
+    planned = Models(
+        policy.config, rewards=[scorer.model.config for scorer in reward.models], critic=getattr(critic, "config", None)
+    )
+    plan = partial(stage_plan_line, algorithm.stage, config, planned)
+    return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False, plan=plan)

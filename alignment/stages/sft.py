@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
+from alignment.shared.plan import Models
+from alignment.shared.plan_knobs import stage_plan_line
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError
@@ -256,4 +259,5 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, 
     ]
     module = SFTModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    return fit_stage(config, module, datamodule, run_dir, callbacks)
+    plan = partial(stage_plan_line, "sft", config, Models(model.config))
+    return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

@@ -1,0 +1,371 @@
+"""What a stage will need before it runs: memory per GPU, item by item and phase by phase, the verdict against the
+GPU's memory with the knob that makes it fit, and the step time, tokens/s and cost. ``lantern plan``
+(alignment/commands/plan.py) prints it; every stage prints its one line (``plan_line``) before it trains.
+
+Owns what each stage holds, from its schema: pretraining, SFT and DPO train a ``Transformer`` on micro-batches of
+rows (DPO: chosen and rejected, two rows a pair, beside a frozen reference unless LoRA's adapters-off base is the
+reference or it was precomputed and freed), the reward model a ``ScalarModel`` (no logits); the RL stages, rejection
+sampling's sampling too, are alignment/shared/plan_rl.py's. The model-level bytes are models/memory.py's, the training
+state, collectives and verdict trainer/plan.py's, the GPU and MFU tables trainer/hardware.py's.
+
+Choices: memory is what one GPU holds at its peak, the largest phase; CPU runs are judged against host memory; a
+stage whose model folder does not exist yet is planned with the model it is given (the CLI's ``--model``, the
+pipeline's upstream stage), never guessed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.adapter_config import PeftConfig
+from models.memory import ActivationEstimate, activation_bytes, attention_path, meta_parameters
+from models.model import ModelConfig
+from trainer.hardware import GPU, mfu_for
+from trainer.plan import (
+    collective_time,
+    count,
+    ddp_bytes_per_step,
+    duration,
+    fsdp_bytes_per_micro_batch,
+    fsdp_working_bytes,
+    gib,
+    host_memory_bytes,
+    model_state,
+    numerics_of,
+    peak_flops,
+    planned_precision,
+    recompute_factor,
+    state_dtype_bytes,
+    usable_bytes,
+    verdict,
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the plan is for: a GPU (``None``: this machine's CPU, judged against host memory) and the figures that
+    may be given instead of the tables' (MFU, interconnect, price)."""
+
+    gpu: GPU | None = None
+    mfu: float | None = None
+    fabric: str | None = None
+    bandwidth_gbs: float | None = None
+    price_per_gpu_hour: float | None = None
+
+
+@dataclass
+class Models:
+    """The model configs a stage holds: the one it trains (``policy``: pretraining's, SFT's, the reward model's
+    backbone, DPO's and RL's policy), and those beside it."""
+
+    policy: ModelConfig
+    reference: ModelConfig | None = None  # DPO's init.reference, when it is another model
+    rewards: list[ModelConfig] = field(default_factory=list)  # reward models scoring RL and rejection sampling
+    critic: ModelConfig | None = None  # PPO's critic backbone
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Phase:
+    name: str
+    items: list[Item]
+    moment: str = ""  # the moment of the peak inside the phase
+
+    @property
+    def total(self) -> int:
+        return sum(item.bytes for item in self.items)
+
+
+@dataclass
+class Timing:
+    tokens_per_step: int
+    flops_per_token: float
+    mfu: float  # what the step is planned at: the figure, less activation checkpointing's recomputation
+    mfu_figure: float  # the table's (or --mfu's)
+    mfu_source: str
+    compute_s: float
+    communication_s: float
+    communication: str
+    step_s: float
+    steps: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s else 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.step_s * self.steps
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    model: str  # a one-line description of the trained model
+    run: str  # where and how it runs
+    batch: str  # what one step sees
+    phases: list[Phase]
+    capacity: int | None  # bytes one device may use; None: unknown (no host figure)
+    device: str
+    gpus: int
+    timing: Timing | None = None
+    knob: str = ""
+    notes: list[str] = field(default_factory=list)
+    price_per_gpu_hour: float | None = None
+    by_checkpointing: dict[str, int] = field(default_factory=dict)  # the micro-batch's peak activations per AC mode
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.total)
+
+    @property
+    def peak(self) -> int:
+        return self.peak_phase.total
+
+    @property
+    def verdict(self) -> str:
+        return "unknown" if self.capacity is None else verdict(self.peak, self.capacity)
+
+    def line(self) -> str:
+        """The one line a stage prints before it trains."""
+        where = f"of {gib(self.capacity)} GiB {self.device}" if self.capacity else f"({self.device})"
+        text = f"{self.verdict}: peak {gib(self.peak)} GiB {where}"
+        if self.gpus == 0:
+            text = f"CPU run: peak {gib(self.peak)} GiB estimated {where}"
+        if self.timing is not None:
+            text += f"; step ~{duration(self.timing.step_s)}, {self.timing.tokens_per_s:,.0f} tokens/s"
+        return text + (f"; {self.knob}" if self.knob else "")
+
+
+def training_sections(config: Any) -> Any:
+    """The section holding a stage's trainer, optim and loader: rejection sampling's is its embedded SFT config."""
+    return config.sft if hasattr(config, "sft") and hasattr(config, "sampling") else config
+
+
+def peft_of(config: Any) -> PeftConfig | None:
+    peft = getattr(training_sections(config), "peft", None)
+    return peft if peft is not None and peft.enabled else None
+
+
+@dataclass
+class Setup:
+    """The trainer section read once: precision as the run resolves it, numerics, GPUs, sharding."""
+
+    precision: str
+    strategy: str
+    world: int
+    numerics: str
+    device: str  # cuda | cpu: which attention path and compute dtype the plan follows
+
+    @classmethod
+    def of(cls, trainer: Any, target: Target) -> Setup:
+        on_gpu = target.gpu is not None
+        precision = planned_precision(trainer.precision, on_gpu)
+        world = trainer.devices * trainer.num_nodes
+        return cls(
+            precision, trainer.strategy, world, numerics_of(precision, trainer.strategy), "cuda" if on_gpu else "cpu"
+        )
+
+    @property
+    def shards(self) -> int:
+        return self.world if self.strategy == "fsdp" else 1
+
+
+def trained_items(label: str, params: Any, setup: Setup, trainer: Any, peft: PeftConfig | None) -> list[Item]:
+    """A trained model's parameters, gradients and AdamW states on one GPU (FSDP2's shard under fsdp), and FSDP2's
+    gathered working weights; all on the host under ``trainer.cpu_offload``."""
+    state = model_state(params, setup.precision, sharded_over=setup.shards)
+    width = "bf16" if state_dtype_bytes(setup.precision) == 2 else "fp32"
+    shard = f", 1/{setup.shards} shard" if setup.shards > 1 else ""
+    trains = f"{count(params.trainable)} of {count(params.total)} train (LoRA)" if peft else ""
+    offload = trainer.cpu_offload and setup.strategy == "fsdp"
+    where = " (on the host: cpu_offload)" if offload else ""
+    items = [
+        Item(f"{label} parameters", 0 if offload else state.parameters, f"{width}{shard}{where}"),
+        Item(f"{label} gradients", 0 if offload else state.gradients, trains or f"{width}{shard}"),
+        Item(f"{label} optimizer states", 0 if offload else state.optimizer, f"AdamW, 2 x {width}{shard}"),
+    ]
+    if setup.strategy == "fsdp":
+        gathered = fsdp_working_bytes(params, 4 if setup.precision == "32-true" else 2, setup.world)
+        items.append(Item(f"{label} FSDP2 gathered weights", gathered, "root + 2 blocks unsharded"))
+    return items
+
+
+def frozen_items(label: str, params: Any, dtype_bytes: int, on_host: bool) -> list[Item]:
+    note = f"frozen, {'bf16' if dtype_bytes == 2 else 'fp32'}" + (", on the host" if on_host else "")
+    return [Item(label, 0 if on_host else dtype_bytes * params.total, note)]
+
+
+def activation_items(estimate: ActivationEstimate, what: str) -> tuple[list[Item], str]:
+    """(the saved activations and the working set on top of them at the peak, the moment of that peak)."""
+    saved = estimate.saved_total
+    return [
+        Item(f"activations {what}", saved, "kept for backward"),
+        Item("working set at the peak", estimate.peak - saved, estimate.peak_moment),
+    ], estimate.peak_moment
+
+
+def lm_activations(
+    config: ModelConfig, setup: Setup, trainer: Any, batch: int, seq: int, *, masked: bool, head: str = "lm",
+    peft: PeftConfig | None = None, params: Any = None,
+) -> ActivationEstimate:  # fmt: skip
+    return activation_bytes(
+        config, batch, seq, numerics=setup.numerics, attention=attention_path(config, masked=masked, device=setup.device),
+        ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, head=head, chunk_size=trainer.loss_chunk_size,
+        head_trains=peft is None, embedding_trains=peft is None, params=params,
+    )  # fmt: skip
+
+
+def lm_flops_per_token(config: ModelConfig, seq: int, params: Any, *, head: bool = True) -> float:
+    """Training FLOPs per token: ``ModelConfig.flops_per_token`` (6N + attention), less the weight gradients of
+    frozen matrices (LoRA's base: 2 of the 6), less the LM head where none runs (a scalar head)."""
+    flops = config.flops_per_token(seq) - 2 * params.numel(trains=False, in_block=True)
+    head_matrix = config.vocab_size * config.dim
+    if not head:
+        flops -= 6 * head_matrix
+    elif params.trainable < params.total:  # LoRA: the head is frozen too
+        flops -= 2 * head_matrix
+    return float(flops)
+
+
+def step_timing(
+    target: Target, setup: Setup, trainer: Any, *, tokens_per_step: int, flops_per_token: float, micro_batches: int,
+    params: list[Any], compiled: bool, n_layers: int, extra_flops: float = 0.0, notes: list[str] | None = None,
+) -> Timing | None:  # fmt: skip
+    """The step at the table's MFU, lowered by activation checkpointing's recomputation; FSDP2's collectives (or
+    DDP's all-reduce) at the interconnect's rate; the step is the larger of the two (communication overlaps
+    compute; what is left over is exposed)."""
+    gpu = target.gpu
+    if gpu is None or not peak_flops(gpu, setup.precision, trainer.float32_matmul_precision):
+        return None  # a CPU run, or a GPU whose peak is unknown
+    choice = mfu_for(gpu, compiled, target.mfu)
+    mfu = choice.mfu * recompute_factor(trainer.activation_checkpointing, n_layers, trainer.ac_every)
+    per_gpu_flops = (tokens_per_step * flops_per_token + extra_flops) / setup.world
+    compute = per_gpu_flops / (peak_flops(gpu, setup.precision, trainer.float32_matmul_precision) * mfu)
+    moved = 0.0
+    for model in params:
+        if setup.strategy == "fsdp" and setup.world > 1:
+            moved += micro_batches * fsdp_bytes_per_micro_batch(
+                model, 2 if setup.numerics == "bf16" else 4, setup.world
+            )
+        elif setup.strategy == "ddp" and setup.world > 1:
+            moved += ddp_bytes_per_step(model, state_dtype_bytes(setup.precision), setup.world)
+    comm = collective_time(moved, gpu, trainer.num_nodes, target.fabric, target.bandwidth_gbs)
+    how = f"{gib(comm.bytes_per_step)} GiB per GPU over {comm.fabric} at {comm.bandwidth_gbs:.0f} GB/s" if moved else ""
+    notes = list(notes or [])
+    if sum(p.total for p in params) < 3e8:
+        notes.append(
+            "the MFU figures come from billion-parameter models; one this small is bound by kernel launches and data "
+            "loading, not FLOPs: read the time as a lower bound"
+        )
+    return Timing(
+        tokens_per_step, flops_per_token, mfu, choice.mfu, choice.source, compute, comm.seconds, how,
+        max(compute, comm.seconds), trainer.max_steps, notes,
+    )  # fmt: skip
+
+
+def describe_model(config: ModelConfig, params: Any) -> str:
+    trained = f", {count(params.trainable)} train" if params.trainable < params.total else ""
+    return f"{count(params.total)} parameters{trained} ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size:,})"
+
+
+def describe_run(setup: Setup, trainer: Any, target: Target) -> str:
+    if target.gpu is None:
+        return f"this machine's CPU, {setup.precision}, activation checkpointing {trainer.activation_checkpointing}"
+    nodes = f" on {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
+    strategy = {"fsdp": "FSDP2", "ddp": "DDP", "single": "one process"}[setup.strategy]
+    compiled = ", compiled" if trainer.compile in (True, "auto") else ""
+    return (
+        f"{setup.world} x {target.gpu.name}{nodes}, {strategy}, {setup.precision}, activation checkpointing "
+        f"{trainer.activation_checkpointing}{compiled}"
+    )
+
+
+def finish(plan: StagePlan, target: Target, setup: Setup) -> StagePlan:
+    """The capacity one device has: the GPU's memory less its context, or the host's for a CPU run."""
+    plan.capacity = usable_bytes(target.gpu) if target.gpu else host_memory_bytes()
+    plan.device = f"per {target.gpu.name}" if target.gpu else "of host memory"
+    plan.gpus = setup.world if target.gpu else 0
+    plan.price_per_gpu_hour = target.price_per_gpu_hour
+    return plan
+
+
+def plan_lm_stage(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
+    """Pretraining, SFT, the reward model and DPO: one trained model on micro-batches of rows."""
+    trainer, sections = training_sections(config).trainer, training_sections(config)
+    setup = Setup.of(trainer, target)
+    peft = peft_of(config) if stage != "pretrain" else None
+    scalar = stage == "rm"
+    params = meta_parameters(models.policy, scalar_head=scalar, peft=peft, trainable=("head.",) if scalar else ())
+    micro = sections.loader.micro_batch_size
+    seq = sections.loader.seq_len if stage == "pretrain" else sections.data.seq_len
+    rows = 2 * micro if stage in ("rm", "dpo") else micro  # chosen and rejected sides
+    masked = stage in ("sft", "rm") or (stage == "pretrain" and sections.loader.document_masking)
+    estimate = lm_activations(
+        models.policy, setup, trainer, rows, seq, masked=masked, head="scalar" if scalar else "lm", peft=peft,
+        params=params,
+    )  # fmt: skip
+    items = trained_items("model", params, setup, trainer, peft)
+    phases, notes = [], []
+    on_the_fly = False
+    if stage == "dpo" and config.loss.kind != "simpo" and (config.init.reference or peft is None):
+        ref_params = meta_parameters(models.reference or models.policy)
+        ref_bytes = 2 if setup.numerics == "bf16" else 4  # dpo_module.reference_dtype
+        reference = frozen_items("reference (frozen)", ref_params, ref_bytes, on_host=False)
+        if config.loss.reference_logprobs == "precompute":
+            notes.append("the reference scores every pair once before the first step, then is freed")
+            ref_forward = lm_activations(
+                models.reference or models.policy, setup, trainer, rows, seq, masked=False, peft=peft
+            ).moments["loss forward"]
+            phases.append(
+                Phase("reference pass", [items[0], *reference, Item("reference forward", ref_forward, "no grad")])
+            )
+        else:
+            on_the_fly = True
+            items += reference
+            estimate.moments["reference forward"] = estimate.saved_total + estimate.moments["loss forward"]
+    act, moment = activation_items(estimate, f"({rows} x {seq} tokens)")
+    phases.insert(0, Phase("training", items + act, moment))
+    by_checkpointing = {
+        mode: lm_activations(
+            models.policy, setup, with_overrides(trainer, {"activation_checkpointing": mode}), rows, seq, masked=masked,
+            head="scalar" if scalar else "lm", peft=peft, params=params,
+        ).peak
+        for mode in ("none", "selective", "full")
+    }  # fmt: skip
+    world_tokens = rows * seq * trainer.accumulate_grad_batches * setup.world
+    fpt = lm_flops_per_token(models.policy, seq, params, head=not scalar)
+    extra = world_tokens * fpt / 3 if on_the_fly else 0.0  # the reference's forward: a third of a token's work
+    timing = step_timing(
+        target, setup, trainer, tokens_per_step=world_tokens, flops_per_token=fpt, extra_flops=extra,
+        micro_batches=trainer.accumulate_grad_batches, params=[params], compiled=trainer.compile in (True, "auto"),
+        n_layers=models.policy.n_layers, notes=notes,
+    )  # fmt: skip
+    accumulation = f" x {trainer.accumulate_grad_batches} accumulation" if trainer.accumulate_grad_batches > 1 else ""
+    plan = StagePlan(
+        stage, describe_model(models.policy, params), describe_run(setup, trainer, target),
+        f"{rows} x {seq} tokens per GPU{accumulation} = {world_tokens:,} tokens per step", phases, None, "", 0,
+        timing, notes=notes, by_checkpointing=by_checkpointing,
+    )  # fmt: skip
+    return finish(plan, target, setup)
+
+
+def with_overrides(config: Any, changes: dict[str, Any]) -> Any:
+    """A copy of ``config`` with dotted keys set (the knobs the verdict suggests are tried on copies)."""
+    changed = copy.deepcopy(config)
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        section = changed
+        for part in path:
+            section = getattr(section, part)
+        setattr(section, last, value)
+    return changed

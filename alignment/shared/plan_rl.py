@@ -1,0 +1,265 @@
+"""The plans of the stages that sample: PPO and GRPO / RLOO (one rollout a step: generate, score, then train on it) and
+rejection sampling (sample and score once, then SFT). alignment/shared/plan.py holds the rest of the plan and the
+pieces these share with it.
+
+What an RL step holds (alignment/stages/rl.py, rl_module.py, ppo_module.py, grpo_module.py):
+- the policy (trained; LoRA: adapters only), PPO's critic (a ``ScalarModel``, trained; its own adapters and head under
+  LoRA), the frozen reference (none under LoRA: the policy with its adapters off) and reward models, the last two in
+  ``frozen_dtype`` on ``frozen_device``;
+- generation: under FSDP2 the policy's weights gathered whole for the rollout (``unsharded_for_generation``), and the
+  KV cache of the rollout batch, (prompt + response) positions, in the weights' dtype; on CUDA the compiled decoder
+  keeps it (and the evaluation batch's) between rollouts (models/fast_decode.py), so it stays during training too;
+- scoring: the old log-probs, the reference's and the critic's values, a micro-batch at a time without gradients,
+  with full (B, width, V) logits; the reward models score the whole rollout at once;
+- training: each micro-batch's policy pass with gradients (full logits, fp32 log-softmax and entropy) and, for PPO,
+  the critic's, backpropagated together.
+Time: decoding is bound by memory bandwidth (every step reads the weights and the cache) at ``DECODE_EFFICIENCY`` of
+the GPU's, an assumption until measured; the forward and training passes run at the table's MFU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alignment.shared.plan import (
+    Item,
+    Models,
+    Phase,
+    Setup,
+    StagePlan,
+    Target,
+    activation_items,
+    describe_model,
+    describe_run,
+    finish,
+    frozen_items,
+    lm_flops_per_token,
+    peft_of,
+    step_timing,
+    trained_items,
+)
+from models.memory import (
+    activation_bytes,
+    attention_path,
+    inference_bytes,
+    kv_cache_bytes,
+    logprob_pass_bytes,
+    meta_parameters,
+)
+from trainer.hardware import mfu_for
+from trainer.plan import model_state, peak_flops
+
+DECODE_EFFICIENCY = 0.6  # share of the memory bandwidth a decode step reaches (assumed, not measured by Lantern)
+CACHE_BUCKET = 128  # models/fast_decode.py's LENGTH_BUCKET: static caches are rounded up to it on CUDA
+
+
+def cache_length(width: int, setup: Setup, max_seq_len: int) -> int:
+    length = width - 1  # the last generated token is never fed back
+    if setup.device == "cuda":
+        length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+    return min(length, max_seq_len)
+
+
+def rollout_shape(stage: str, config: Any) -> tuple[Any, int, int]:
+    """(the hyperparameter section, sequences one rollout samples per GPU, prompt + response width)."""
+    hp = config.ppo if stage == "ppo" else config.grpo
+    sequences = hp.rollout_batch_size if stage == "ppo" else hp.prompts_per_rollout * hp.group_size
+    return hp, sequences, config.data.max_prompt_tokens + hp.response_max_tokens
+
+
+def frozen_models(config: Any, models: Models, hp: Any, setup: Setup, reference: bool) -> list[Item]:
+    """The frozen reference (unless LoRA makes the policy its own) and the reward models, in frozen_dtype, on the GPU
+    unless frozen_device is cpu (the reference follows the policy under LoRA, so it costs nothing here)."""
+    width = 2 if hp.frozen_dtype == "bfloat16" else 4
+    on_host = hp.frozen_device == "cpu"
+    items = []
+    if reference:
+        items += frozen_items("reference (frozen)", meta_parameters(models.policy), width, on_host)
+    for index, reward in enumerate(models.rewards, start=1):
+        label = "reward model (frozen)" if len(models.rewards) == 1 else f"reward model {index} (frozen)"
+        items += frozen_items(label, meta_parameters(reward, scalar_head=True), width, on_host)
+    return items
+
+
+def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
+    """PPO or GRPO: the memory of the rollout's generation and scoring and of the training passes, and a rollout's
+    time."""
+    trainer = config.trainer
+    setup = Setup.of(trainer, target)
+    peft = peft_of(config)
+    hp, sequences, width = rollout_shape(stage, config)
+    policy = models.policy
+    params = meta_parameters(policy, peft=peft)
+    trained = trained_items("policy", params, setup, trainer, peft)
+    critic_params = None
+    if stage == "ppo":
+        critic_config = models.critic or policy
+        critic_params = meta_parameters(critic_config, scalar_head=True, peft=peft, trainable=("head.",))
+        trained += trained_items("critic", critic_params, setup, trainer, peft)
+    frozen = frozen_models(config, models, hp, setup, reference=peft is None)
+    cuda = setup.device == "cuda"
+    weights_dtype = 2 if setup.numerics == "bf16" else 4  # the gathered / kept weights the cache takes its dtype from
+    caches = [(sequences, cache_length(width, setup, policy.max_seq_len))]
+    if cuda:
+        eval_width = config.data.max_prompt_tokens + hp.response_max_tokens
+        caches.append((config.eval.batch_size, cache_length(eval_width, setup, policy.max_seq_len)))
+    rollout_cache = kv_cache_bytes(policy, caches[0][0], caches[0][1], weights_dtype)
+    cache = sum(kv_cache_bytes(policy, rows, length, weights_dtype) for rows, length in caches)
+    kept = [Item("KV caches (kept)", cache, "rollout and evaluation batches, compiled decoding")] if cuda else []
+    no_grads = [item for item in trained if "gradients" not in item.name]
+    attention = attention_path(policy, masked=True, device=setup.device)
+    numerics = setup.numerics
+    gathered = (
+        [Item("policy gathered for generation", weights_dtype * params.total, "FSDP2, whole")]
+        if setup.strategy == "fsdp"
+        else []
+    )
+    prefill = inference_bytes(
+        policy, sequences, config.data.max_prompt_tokens, numerics=numerics, attention=attention, head="last"
+    )
+    generation = Phase("rollout: generation", [
+        *no_grads, *frozen, *gathered,
+        Item("KV cache", rollout_cache, f"{sequences} rows x {caches[0][1]} positions"),
+        Item("prefill working set", prefill, "no grad"),
+    ], "prefill")  # fmt: skip
+    micro = hp.micro_batch_size
+    # under FlexAttention the full-sequence passes pad rows to a multiple of 128 (models/generation.py's flex_bucketed)
+    padded = min(-(-width // CACHE_BUCKET) * CACHE_BUCKET, policy.max_seq_len) if attention == "flex" else width
+    scoring = [logprob_pass_bytes(policy, micro, padded, hp.response_max_tokens, numerics=numerics, attention=attention, grad=False).peak]  # fmt: skip
+    if hp.frozen_device != "cpu":  # frozen models on the host score there
+        scoring += [
+            inference_bytes(reward, sequences, padded, numerics=numerics, attention=attention)
+            for reward in models.rewards
+        ]
+    score_phase = Phase("rollout: scoring", [
+        *no_grads, *frozen, *kept, Item("scoring pass", max(scoring), "log-probs, values, rewards; no grad"),
+    ], "the largest scoring pass")  # fmt: skip
+    passes = logprob_pass_bytes(
+        policy, micro, padded, hp.response_max_tokens, numerics=numerics, attention=attention, grad=True,
+        ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, head_trains=peft is None,
+    )  # fmt: skip
+    if critic_params is not None:
+        critic = activation_bytes(
+            models.critic or policy, micro, padded, numerics=numerics, attention=attention, head="scalar",
+            ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, embedding_trains=peft is None,
+        )  # fmt: skip
+        for name, value in critic.saved.items():
+            passes.saved[f"critic {name}"] = value
+        passes.moments = {name: value + critic.saved_total for name, value in passes.moments.items()}
+    act, moment = activation_items(passes, f"({micro} x {width} tokens{', policy + critic' if critic_params else ''})")
+    training = Phase("training", [*trained, *frozen, *kept, *act], moment)
+    timing = rl_timing(stage, config, models, target, setup, params, critic_params, sequences, width)
+    plan = StagePlan(
+        stage, describe_model(policy, params), describe_run(setup, trainer, target),
+        f"{sequences} sequences of up to {width} tokens per GPU a rollout, micro-batches of {micro}, "
+        f"{hp.epochs} epoch(s); one step = one rollout", [generation, score_phase, training], None, "", 0, timing,
+    )  # fmt: skip
+    if models.rewards and hp.frozen_device == "cpu":
+        plan.notes.append("frozen models on the host: their scoring runs on the CPU")
+    return finish(plan, target, setup)
+
+
+def decode_seconds(
+    target: Target, setup: Setup, weights: int, cache: int, rows: int, tokens: int, matmuls: int
+) -> float:
+    """``tokens`` decode steps of ``rows`` rows: each reads the weights and (on average half) the cache, and is bound
+    by memory bandwidth or, for large batches, by compute (2 FLOPs per weight per row, at the table's MFU)."""
+    gpu = target.gpu
+    mfu = mfu_for(gpu, True, target.mfu).mfu
+    reads = (weights + cache / 2) / (gpu.memory_tbs * 1e12 * DECODE_EFFICIENCY)
+    computes = 2 * matmuls * rows / (peak_flops(gpu, setup.precision) * mfu)
+    return tokens * max(reads, computes)
+
+
+def rl_timing(
+    stage: str, config: Any, models: Models, target: Target, setup: Setup, params: Any, critic_params: Any,
+    sequences: int, width: int,
+) -> Any:  # fmt: skip
+    """One rollout: generation (memory-bound decoding), the scoring forwards, the training epochs."""
+    if target.gpu is None:
+        return None
+    trainer, hp = config.trainer, rollout_shape(stage, config)[0]
+    policy = models.policy
+    tokens = sequences * width * setup.world
+    policy_fpt = lm_flops_per_token(policy, width, params)
+    forward = policy_fpt / 3  # a forward is 2 of a training token's 6 units
+    scoring = forward * (2 + (1 if critic_params is not None else 0))  # old log-probs, reference, values
+    scoring += sum(
+        lm_flops_per_token(reward, width, meta_parameters(reward), head=False) / 3 for reward in models.rewards
+    )
+    critic_fpt = 0.0
+    if critic_params is not None:
+        critic_fpt = lm_flops_per_token(models.critic or policy, width, critic_params, head=False)
+    training = hp.epochs * (policy_fpt + critic_fpt)
+    notes = [f"decoding at {DECODE_EFFICIENCY:.0%} of the memory bandwidth (assumed, not measured by Lantern)"]
+    timing = step_timing(
+        target, setup, trainer, tokens_per_step=tokens, flops_per_token=scoring + training,
+        micro_batches=hp.epochs * (sequences // hp.micro_batch_size) * 2,
+        params=[p for p in (params, critic_params) if p is not None], compiled=trainer.compile in (True, "auto"),
+        n_layers=policy.n_layers, notes=notes,
+    )  # fmt: skip
+    if timing is None or not target.gpu.memory_tbs:
+        return timing
+    weights_dtype = 2 if setup.numerics == "bf16" or setup.precision.startswith("bf16") else 4
+    cache = kv_cache_bytes(policy, sequences, width, weights_dtype)
+    matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
+    decode = decode_seconds(
+        target, setup, weights_dtype * params.total, cache, sequences, hp.response_max_tokens, matmuls
+    )
+    choice = mfu_for(target.gpu, trainer.compile in (True, "auto"), target.mfu)
+    prefill = (
+        2 * matmuls * sequences * config.data.max_prompt_tokens / (peak_flops(target.gpu, setup.precision) * choice.mfu)
+    )
+    timing.compute_s += decode + prefill
+    timing.step_s = max(timing.compute_s, timing.communication_s)
+    timing.notes.append(f"generation ~{decode + prefill:.3g} s of the step ({hp.response_max_tokens} decode steps)")
+    return timing
+
+
+def plan_sampling(config: Any, models: Models, target: Target) -> tuple[Phase, Any]:
+    """Rejection sampling's sampling phase: the policy generating ``batch_size x samples_per_prompt`` rows (no
+    optimizer yet), the reward models beside it; and the time of one batch."""
+    setup = Setup.of(config.sft.trainer, target)
+    sampling = config.sampling
+    policy = models.policy
+    params = meta_parameters(policy)
+    rows = sampling.batch_size * sampling.samples_per_prompt
+    width = config.data.max_prompt_tokens + sampling.response_max_tokens
+    weights = 2 if setup.numerics == "bf16" else 4
+    state = model_state(params, setup.precision, trains=False)
+    cache = kv_cache_bytes(policy, rows, cache_length(width, setup, policy.max_seq_len), weights)
+    attention = attention_path(policy, masked=True, device=setup.device)
+    rewards = [
+        item
+        for index, reward in enumerate(models.rewards, start=1)
+        for item in frozen_items(f"reward model {index} (frozen)", meta_parameters(reward, scalar_head=True), 4, False)
+    ]
+    scoring = max(
+        [inference_bytes(policy, rows, config.data.max_prompt_tokens, numerics=setup.numerics, attention=attention, head="last")]
+        + [inference_bytes(r, rows, width, numerics=setup.numerics, attention=attention) for r in models.rewards]
+    )  # fmt: skip
+    phase = Phase("sampling", [
+        Item("policy parameters", state.parameters, "no optimizer yet"), *rewards,
+        Item("KV cache", cache, f"{rows} rows x {width} positions"), Item("prefill / scoring working set", scoring, "no grad"),
+    ], "prefill")  # fmt: skip
+    seconds = None
+    if target.gpu is not None:
+        matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
+        seconds = decode_seconds(
+            target, setup, weights * params.total, cache, rows, sampling.response_max_tokens, matmuls
+        )
+    return phase, seconds
+
+
+def plan_rejection_sampling(config: Any, models: Models, target: Target, plan_sft: Any) -> StagePlan:
+    """Sampling, then the SFT plan of the ``sft`` section on the same policy; the peak is the larger."""
+    phase, seconds = plan_sampling(config, models, target)
+    plan = plan_sft("sft", config.sft, models, target)
+    plan.stage = "rejection_sampling"
+    plan.phases.insert(0, phase)
+    prompts = config.sampling.prompts
+    if seconds is not None:
+        per_batch = f"~{seconds:.3g} s per batch of {config.sampling.batch_size} prompts"
+        total = f"; {prompts} prompts ~{seconds * -(-prompts // config.sampling.batch_size):.3g} s" if prompts else ""
+        plan.notes.append(f"sampling before SFT: {per_batch}{total} (decoding at the bandwidth assumption)")
+    return plan

@@ -1,0 +1,380 @@
+"""What a model costs in memory, counted from the model itself: its parameters (a real ``Transformer`` or
+``ScalarModel`` built on the meta device, with its LoRA adapters when asked), the activations one micro-batch keeps
+for backward and the working sets on top of them, the fused / chunked LM loss, the KV cache and the full-logits
+passes the RL stages score responses with. ``lantern plan`` (trainer/plan.py, alignment/) adds them up.
+
+Choices:
+- Parameter counts come from the module, never from a formula: a change in models/ changes the plan with it.
+- Activation bytes are an op-by-op tally of what ``models/model.py`` and ``models/loss.py`` save for backward under
+  three numerics: ``fp32`` (32-true), ``bf16`` (bf16 weights in compute: bf16-true, FSDP2's bf16 mixed precision),
+  ``autocast`` (fp32 weights under bf16 autocast: bf16-mixed without FSDP, whose residual stream stays fp32 and
+  whose every linear casts its input, and caches its weight, in bf16). tests/models/test_memory.py holds the tally
+  to the bytes autograd really keeps (a saved-tensors hook) and the peak to an allocator trace (torch.profiler).
+- Attention is one of three paths (``attention_path``): ``causal`` (SDPA's causal flash kernel: q, k, v, the output
+  and its log-sum-exp are saved, never the T x T scores), ``dense-mask`` (SDPA with a document mask, CPU or
+  ``attention: sdpa``: the boolean (B, 1, T, T) mask once, and each layer's float copy of it, are saved too) and
+  ``flex`` (FlexAttention on CUDA: a block mask of a few KiB).
+- The peak is found among the moments it may fall on (``ActivationEstimate.moments``), each the saved bytes still
+  held then plus that moment's working set: the loss's forward and backward (its fp32 head gradient, one chunk's
+  logits), the last block's backward or, under checkpointing, one block recomputed, and the embedding's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from models.adapter_config import PeftConfig
+from models.model import ModelConfig, Transformer, TransformerBlock
+
+Numerics = Literal["fp32", "bf16", "autocast"]
+AttentionPath = Literal["causal", "dense-mask", "flex"]
+NUMERICS = ("fp32", "bf16", "autocast")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ParameterShapes:
+    """Every distinct parameter of a model (tied ones once): its shape, whether it trains, and whether it sits in a
+    transformer block (what FSDP2 shards and gathers block by block) or at the root (embeddings, final norm, heads)."""
+
+    tensors: tuple[tuple[tuple[int, ...], bool, bool], ...]  # (shape, trains, in a block)
+    n_blocks: int
+
+    def numel(self, *, trains: bool | None = None, in_block: bool | None = None) -> int:
+        return sum(
+            math.prod(shape)
+            for shape, trainable, block in self.tensors
+            if (trains is None or trainable == trains) and (in_block is None or block == in_block)
+        )
+
+    @property
+    def total(self) -> int:
+        return self.numel()
+
+    @property
+    def trainable(self) -> int:
+        return self.numel(trains=True)
+
+    @property
+    def trainable_tensors(self) -> int:
+        return sum(1 for _, trainable, _ in self.tensors if trainable)
+
+    def shard_numel(self, world: int, rank: int = 0, *, trains: bool | None = None) -> int:
+        """Elements rank ``rank`` of ``world`` holds when FSDP2 shards every parameter on dim 0 (torch.chunk's
+        split: ceil(rows / world) rows to each rank in turn, the last ones fewer or none)."""
+        total = 0
+        for shape, trainable, _ in self.tensors:
+            if trains is not None and trainable != trains:
+                continue
+            rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            per_rank = -(-rows // world)
+            total += max(0, min(per_rank, rows - rank * per_rank)) * rest
+        return total
+
+    def block_numel(self) -> int:
+        """Elements of one transformer block (they are all alike)."""
+        return self.numel(in_block=True) // max(self.n_blocks, 1)
+
+
+def build_meta_model(
+    config: ModelConfig, *, scalar_head: bool = False, peft: PeftConfig | None = None, trainable: tuple[str, ...] = ()
+) -> nn.Module:
+    """The model a stage trains, on the meta device (no memory): a ``Transformer``, or a ``ScalarModel`` (reward model,
+    critic) whose unused LM head is frozen, with ``peft``'s LoRA adapters when enabled (``trainable``: what trains
+    beside them, e.g. a scalar head's ``head.``)."""
+    from models.heads import ScalarModel  # heads reads checkpoints: imported only when a scalar model is asked for
+
+    with torch.device("meta"):
+        model: nn.Module = Transformer(config)
+        if scalar_head:
+            model = ScalarModel.from_backbone(model).freeze_lm_head()
+    if peft is not None and peft.enabled:
+        from models.adapters import add_adapters  # peft: only for adapters
+
+        with torch.device("meta"):
+            add_adapters(model, peft, trainable)
+    return model
+
+
+def parameter_shapes(model: nn.Module) -> ParameterShapes:
+    """Every distinct parameter of ``model``, a real one or one built by ``build_meta_model``."""
+    seen: set[int] = set()
+    tensors = []
+    for name, parameter in model.named_parameters():
+        if id(parameter) in seen:  # tied weights appear twice
+            continue
+        seen.add(id(parameter))
+        tensors.append((tuple(parameter.shape), parameter.requires_grad, ".layers." in f".{name}"))
+    blocks = sum(1 for module in model.modules() if isinstance(module, TransformerBlock))
+    return ParameterShapes(tuple(tensors), max(blocks, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_parameters(config: str, scalar_head: bool, peft: str, trainable: tuple[str, ...]) -> ParameterShapes:
+    model_config = ModelConfig.from_dict(json.loads(config))
+    peft_config = PeftConfig(**json.loads(peft)) if peft else None
+    model = build_meta_model(model_config, scalar_head=scalar_head, peft=peft_config, trainable=trainable)
+    return parameter_shapes(model)
+
+
+def meta_parameters(
+    config: ModelConfig, *, scalar_head: bool = False, peft: PeftConfig | None = None, trainable: tuple[str, ...] = ()
+) -> ParameterShapes:
+    """The parameters of the model ``build_meta_model`` makes, counted once per distinct config (knob searches plan
+    the same models many times)."""
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    peft_key = json.dumps(asdict(peft), sort_keys=True) if peft is not None and peft.enabled else ""
+    return _meta_parameters(key, scalar_head, peft_key, tuple(trainable))
+
+
+def attention_path(config: ModelConfig, *, masked: bool, device: str) -> AttentionPath:
+    """Which attention a full-sequence pass runs (models/attention.py's ``use_flex_attention``): FlexAttention for
+    document-masked rows on CUDA (or ``attention: flex``), SDPA with a dense mask for other masked rows, SDPA's causal
+    kernel for plain causal rows."""
+    if not masked:
+        return "causal"
+    if config.attention == "flex" or (config.attention == "auto" and device == "cuda"):
+        return "flex"
+    return "dense-mask"
+
+
+def numerics_bytes(numerics: Numerics) -> tuple[int, int]:
+    """(bytes of the residual stream, bytes of what the matmuls compute in)."""
+    return {"fp32": (4, 4), "bf16": (2, 2), "autocast": (4, 2)}[numerics]
+
+
+def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numerics, attention: AttentionPath) -> int:
+    """Bytes one transformer block saves for backward without checkpointing (its input counted with it), op by op:
+    each RMSNorm its input (an fp32 copy when the stream is bf16), its rsqrt and its normalised output before and
+    after the gain; the q/k/v projections their input (under autocast each casts it anew); SDPA q, k, v, its output
+    and log-sum-exp (plus the float mask on the dense-mask path); the SwiGLU its two projections, their silu and
+    their product. RoPE saves only its cos / sin tables (shared by every block, counted once elsewhere)."""
+    n, d = batch * seq, config.dim
+    kv = config.n_kv_heads * config.head_dim
+    ffn = config.hidden_dim
+    compute = numerics_bytes(numerics)[1]
+    if numerics == "bf16":  # RMSNorm calls x.float() twice: two fp32 copies; the bf16 input itself is not kept
+        norm_input, normed, attn_inputs, ffn_inputs = 8 * n * d, 2 * n * d, 2 * n * d, 2 * n * d
+    elif numerics == "autocast":  # fp32 stream; each linear casts its fp32 input to bf16 and keeps the copy
+        norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 3 * 2 * n * d, 2 * 2 * n * d
+    else:
+        norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 4 * n * d, 4 * n * d
+    norms = 2 * (norm_input + normed + 4 * n)  # attention_norm and ffn_norm, each with its (B, T, 1) rsqrt
+    sdpa = compute * (2 * n * d + 2 * n * kv) + 4 * batch * config.n_heads * seq  # q, out, k, v; lse
+    if attention == "dense-mask":
+        sdpa += batch * seq * seq * compute  # SDPA's float copy of the boolean mask, made by every layer
+    return norms + attn_inputs + sdpa + ffn_inputs + 4 * compute * n * ffn
+
+
+@dataclass
+class ActivationEstimate:
+    """Bytes a micro-batch holds from its forward into its backward (``saved``), and what is live at each moment a
+    peak may fall on (``moments``: the saved bytes still held then plus that moment's working set); ``peak`` is the
+    largest of them."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+    moments: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def saved_total(self) -> int:
+        return sum(self.saved.values())
+
+    @property
+    def peak(self) -> int:
+        return max(self.saved_total, *self.moments.values())
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self.moments.__getitem__) if self.moments else "end of forward"
+
+
+def checkpointed_blocks(n_layers: int, ac: str, every: int) -> int:
+    """Blocks trainer/parallel.py's ``apply_activation_checkpointing`` wraps: all (full), every ``every``-th from the
+    first (selective), none."""
+    if ac == "full":
+        return n_layers
+    if ac == "selective":
+        return len(range(0, n_layers, max(every, 1)))
+    return 0
+
+
+def activation_bytes(
+    config: ModelConfig,
+    batch: int,
+    seq: int,
+    *,
+    numerics: Numerics,
+    attention: AttentionPath,
+    ac: str = "none",
+    ac_every: int = 2,
+    head: Literal["lm", "scalar"] = "lm",
+    chunk_size: int | None = 1024,
+    head_trains: bool = True,
+    embedding_trains: bool = True,
+    params: ParameterShapes | None = None,
+) -> ActivationEstimate:
+    """The activations of one training micro-batch of ``batch`` rows of ``seq`` tokens: the blocks (``ac``: none,
+    full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
+    final norm and the head: the LM loss (``chunk_size``: fused and chunked, models/loss.py; None: full logits) or a
+    scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
+    gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
+    default: the plain model's.
+
+    Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
+    backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
+    flowing into it and the SwiGLU's two input gradients, once the loss, the final norm and the plain blocks behind it
+    have let go), and the embedding's backward (its dense weight gradient; with tied embeddings autograd holds the LM
+    head's gradient of the same weight from the loss's backward until then, to add the two)."""
+    n, d, layers = batch * seq, config.dim, config.n_layers
+    residual, compute = numerics_bytes(numerics)
+    block = block_saved_bytes(config, batch, seq, numerics, attention)
+    wrapped = checkpointed_blocks(layers, ac, ac_every)
+    estimate = ActivationEstimate()
+    estimate.saved["blocks"] = (layers - wrapped) * block + wrapped * residual * n * d
+    # cos / sin (B, T, head_dim / 2) fp32, shared by every block; the token ids the embedding keeps
+    estimate.saved["rope, ids"] = 4 * n * config.head_dim + 8 * n
+    if attention == "dense-mask" and wrapped:
+        estimate.saved["masks"] = batch * seq * seq  # the boolean (B, 1, T, T) mask a checkpointed block keeps
+    if numerics == "autocast":  # bf16 copies of the weights of every block whose forward is not recomputed
+        params = meta_parameters(config) if params is None else params
+        estimate.saved["autocast weight copies"] = (layers - wrapped) * autocast_block_weight_bytes(params)
+    final_input = (8 if numerics == "bf16" else 4) * n * d
+    final_normed = (2 if numerics == "bf16" else 4) * n * d
+    estimate.saved["final norm"] = final_input + final_normed + 4 * n
+    if head == "scalar":  # the head reads the final norm's output (a bf16 cast of it under autocast)
+        estimate.saved["head"] = (2 if numerics == "autocast" else residual) * n * d + 8 * batch
+    else:
+        saved, working = loss_bytes(config, n, numerics=numerics, chunk_size=chunk_size, weight_trains=head_trains)
+        estimate.saved["loss"] = saved
+        total = estimate.saved_total
+        estimate.moments.update({moment: total + extra for moment, extra in working.items()})
+    weight = (2 if numerics == "bf16" else 4) * config.vocab_size * d
+    held = weight if config.tie_embeddings and head == "lm" and head_trains else 0
+    released = estimate.saved["final norm"] + estimate.saved.get("loss", 0) + estimate.saved.get("head", 0)
+    flowing = 2 * compute * n * config.hidden_dim + residual * n * d
+    if wrapped:  # plain blocks behind the last checkpointed one are done, and freed, before its recompute
+        last = layers - 1 if ac == "full" else (layers - 1) // ac_every * ac_every
+        after = (layers - 1 - last) * block
+        recast = autocast_block_weight_bytes(params) if numerics == "autocast" else 0  # autocast casts them again
+        estimate.moments["one block recomputed"] = (
+            estimate.saved_total - released - after + block + recast + flowing + held
+        )
+    else:
+        estimate.moments["last block backward"] = estimate.saved_total - released + flowing + held
+    if embedding_trains:
+        estimate.moments["embedding backward"] = 8 * n + weight + held + residual * n * d
+    return estimate
+
+
+def loss_bytes(
+    config: ModelConfig, tokens: int, *, numerics: Numerics, chunk_size: int | None, weight_trains: bool = True
+) -> tuple[int, dict[str, int]]:
+    """(bytes the LM loss keeps for backward, its working sets) for ``tokens`` positions.
+
+    Fused and chunked (models/loss.py's ``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
+    validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
+    a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
+    softmax gradient at a time. Full logits (``chunk_size`` None): the (tokens, V) fp32 logits are kept."""
+    d, vocab = config.dim, config.vocab_size
+    residual, compute = numerics_bytes(numerics)
+    ids = 8 * tokens + tokens  # the targets (int64) and the valid mask (bool)
+    if chunk_size is None:
+        hidden = 2 * tokens * d if numerics == "autocast" else residual * tokens * d
+        saved = hidden + 4 * tokens * vocab + 4 * tokens + ids
+        # backward: gather's and logsumexp's gradients of the (tokens, V) fp32 logits, their sum and the
+        # exp(logits - lse) behind them; the compute-dtype copy of the sum for the head's matmuls
+        logits_grad = 4 * 4 * tokens * vocab + (compute * tokens * vocab if compute != 4 else 0)
+        weight_grad = 4 * vocab * d if weight_trains else 0
+        forward = compute * tokens * vocab + (4 * tokens * vocab if compute != 4 else 0)
+        return saved, {"loss backward": logits_grad + weight_grad, "loss forward": forward}
+    chunk = min(chunk_size, tokens) * vocab
+    cast = numerics == "autocast"  # the Function casts hidden and weight to bf16 itself, in forward and backward
+    low = cast or numerics == "bf16"  # the head's matmuls run in bf16
+    saved = residual * tokens * d + 4 * tokens + ids  # hidden (the final norm's output), log-sum-exp
+    # one chunk at a time: its fp32 logits, logits - lse and their exp (the gradient of the logits, returned in the
+    # compute dtype and alive until the next chunk's replaces it); in bf16 the product added into the fp32 weight
+    # gradient is a (V, d) bf16 tensor of its own, as is that gradient's cast back at the end
+    previous = (2 if low else 4) * chunk if tokens > chunk_size else 0
+    product = 2 * chunk + 2 * vocab * d if low and weight_trains else 0
+    working = previous + max(3 * 4 * chunk, product)
+    backward = (
+        (4 * vocab * d if weight_trains else 0)  # the fp32 weight gradient, accumulated chunk by chunk
+        + (2 * vocab * d + 2 * tokens * d if cast else 0)  # autocast: bf16 copies of the weight and hidden
+        + residual * tokens * d  # the hidden states' gradient
+        + working
+    )
+    forward = 8 * tokens + 3 * 4 * chunk + (2 * vocab * d + 2 * tokens * d if cast else 0)
+    return saved, {"loss backward": backward, "loss forward": forward}
+
+
+def autocast_block_weight_bytes(params: ParameterShapes) -> int:
+    """bf16 copies autocast caches of one block's matrices (its adapters' too), kept for backward (the LM head's
+    weight is cast by the fused loss itself, and counted there)."""
+    matrices = sum(math.prod(shape) for shape, _, block in params.tensors if block and len(shape) == 2)
+    return 2 * matrices // max(params.n_blocks, 1)
+
+
+def kv_cache_bytes(config: ModelConfig, batch: int, length: int, dtype_bytes: int) -> int:
+    """models/attention.py's ``KVCache``: keys and values of every layer, (batch, n_kv_heads, length, head_dim), in the
+    weights' dtype, plus an int64 document id per position."""
+    per_layer = 2 * batch * config.n_kv_heads * length * config.head_dim * dtype_bytes
+    return config.n_layers * per_layer + 8 * batch * length
+
+
+def inference_bytes(
+    config: ModelConfig, batch: int, seq: int, *, numerics: Numerics, attention: AttentionPath,
+    head: Literal["lm", "scalar", "last"] = "scalar", chunk_size: int | None = 1024,
+) -> int:  # fmt: skip
+    """The working set of a forward without gradients (a frozen reference or reward model scoring rows, a critic's
+    values, a generation's prefill): the residual stream in and out of a block, one block's intermediates at a time
+    (the SwiGLU's three (n, hidden) tensors, or attention's q, k, v, output and mask), then the head's: one chunk's
+    logits (``lm``, the fused loss), a score per position (``scalar``) or the last position's logits (``last``)."""
+    n, d = batch * seq, config.dim
+    residual, compute = numerics_bytes(numerics)
+    kv = config.n_kv_heads * config.head_dim
+    mask = batch * seq * seq * (1 + compute) if attention == "dense-mask" else 0
+    block = max(3 * compute * n * config.hidden_dim, compute * (3 * n * d + 2 * n * kv) + mask)
+    heads = {
+        "lm": 3 * 4 * min(chunk_size or n, n) * config.vocab_size + 4 * n,
+        "scalar": 4 * n,
+        "last": 2 * 4 * batch * config.vocab_size,
+    }
+    return 2 * residual * n * d + compute * n * d + block + heads[head]
+
+
+def logprob_pass_bytes(
+    config: ModelConfig, batch: int, width: int, response: int, *, numerics: Numerics, attention: AttentionPath,
+    grad: bool, ac: str = "none", ac_every: int = 2, head_trains: bool = True,
+) -> ActivationEstimate:  # fmt: skip
+    """One pass of alignment/shared/responses.py's ``response_logprobs`` over ``batch`` rows of ``width`` tokens
+    (prompt + response): the full (B, width, V) logits, then the fp32 log-softmax, its exp and the entropy of the
+    ``response`` last positions. With ``grad`` (the RL training pass) the blocks' activations, the log-softmax and its
+    exp are kept, and the backward of the slice makes a (B, width, V) gradient of the logits; without (rollout old
+    log-probs, the reference, evaluation) only the pass's working set counts."""
+    vocab = config.vocab_size
+    rows = batch * response * vocab  # (B, response, V)
+    residual, compute = numerics_bytes(numerics)
+    logits = compute * batch * width * vocab  # the head's output
+    upcast = 4 * rows if compute != 4 else 0  # logits.float() of the response positions
+    hidden = (2 if numerics == "autocast" else residual) * batch * width * config.dim  # what the head reads
+    if not grad:
+        working = hidden + logits + upcast + 3 * 4 * rows  # log-softmax, then its exp and their product
+        return ActivationEstimate(moments={"log-prob pass": working})
+    estimate = activation_bytes(
+        config, batch, width, numerics=numerics, attention=attention, ac=ac, ac_every=ac_every, head="scalar",
+        head_trains=head_trains,
+    )  # fmt: skip
+    estimate.saved["head"] = hidden + 2 * 4 * rows + 8 * batch * response  # + log-softmax and exp; gather's index
+    saved = estimate.saved_total
+    weight_grad = (2 if numerics == "bf16" else 4) * vocab * config.dim if head_trains else 0
+    estimate.moments["log-prob forward"] = saved + logits + max(upcast, 4 * rows)
+    # backward: the log-softmax and exp are released, the slice's gradient is a zero-filled (B, width, V) tensor
+    estimate.moments["log-prob backward"] = saved - 4 * rows + logits + upcast // 2 + weight_grad
+    return estimate

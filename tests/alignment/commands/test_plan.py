@@ -1,0 +1,190 @@
+"""``lantern plan`` as a user types it (in-process through ``main``): every stage preset and a pipeline preset, as a
+table and as JSON; bad input as one line; the verdict's knob on configs that do not fit, each suggestion planned
+again and fitting; and the plan line a stage prints before it trains, which never fails the run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignment.commands.cli import main
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.stages import pretrain as pretrain_stage
+from models.checkpoint import save_checkpoint
+from models.model import ModelConfig, Transformer
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+PRESETS = sorted(
+    str(path.relative_to(ROOT)) for path in (ROOT / "configs").glob("*/*.yaml") if path.parent.name not in ("model", "pipeline")
+)  # fmt: skip
+
+
+def plan(capsys, *args: str) -> str:
+    assert main(["plan", *args]) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def plan_json(capsys, *args: str) -> dict:
+    return json.loads(plan(capsys, *args, "--json"))
+
+
+def error(capsys, *args: str) -> str:
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err.strip()
+
+
+def needs_model(path: str) -> list[str]:
+    """The presets whose model folder comes from an earlier stage are planned with a named model."""
+    return (
+        []
+        if "/pretrain/" in path or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml"))
+        else ["--model", "tiny"]
+    )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_stage_preset_plans_as_a_table_and_as_json(capsys, preset):
+    table = plan(capsys, preset, *needs_model(preset))
+    assert table.startswith("lantern plan: ") and "memory per GPU" in table and "\nverdict: " in table
+    assert "MFU" in table and "not measured by Lantern" in table
+    result = plan_json(capsys, preset, *needs_model(preset))
+    assert result["verdict"] in ("fits", "fits, tight", "does not fit")
+    assert result["peak_bytes"] == max(phase["bytes"] for phase in result["phases"]) > 0
+    assert result["time"]["step_s"] > 0 and result["time"]["tokens_per_s"] > 0
+
+
+def test_a_pipeline_preset_plans_every_model_stage(capsys, tmp_path, monkeypatch):
+    """Each stage from the pipeline's resolved config, each fine-tuning stage on the model pretraining trains."""
+    monkeypatch.chdir(tmp_path)  # the pipeline's out_dir is relative: nothing is written, but read from here
+    table = plan(capsys, "configs/pipeline/tiny.yaml", "--gpu", "a100-80g")
+    stages = ("pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling")
+    assert "pipeline summary" in table and all(f"lantern plan: {stage}" in table for stage in stages)
+    result = plan_json(capsys, "configs/pipeline/default.yaml", "--gpu", "cpu")
+    assert [s["stage"] for s in result["stages"]] == ["pretrain", "sft", "rm", "ppo", "grpo"]
+    tiny = "4 layers, dim 128"  # the pipeline's model=tiny reaches every stage through the wiring
+    assert all(tiny in s["model"] and s["gpus"] == 0 and s["time"] is None for s in result["stages"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_input_is_one_line(capsys, tmp_path):
+    unknown = error(capsys, "configs/pretrain/tiny.yaml", "--gpu", "h300")
+    assert "h300" in unknown and "h100, h100-pcie, h200, a100-80g" in unknown and "\n" not in unknown
+    assert "trainer.nope" in error(capsys, "configs/pretrain/tiny.yaml", "trainer.nope=1")
+    assert "does not exist" in error(capsys, str(tmp_path / "missing.yaml"))
+    missing = error(capsys, "configs/ppo/tiny.yaml")
+    assert "init.policy" in missing and "--model" in missing and "\n" not in missing
+    assert "--fabric" in error(capsys, "configs/pretrain/tiny.yaml", "--fabric", "carrier-pigeon")
+    assert "--mfu" in error(capsys, "configs/pretrain/tiny.yaml", "--mfu", "1.5")
+    assert "trainer.strategy 'single'" in error(capsys, "configs/pretrain/tiny.yaml", "trainer.devices=8")
+    (tmp_path / "odd.yaml").write_text("run: {name: x}\ntrainer: {max_steps: 2}\n")
+    assert "--stage" in error(capsys, str(tmp_path / "odd.yaml"))
+    assert "pipeline" in error(capsys, "configs/pretrain/tiny.yaml", "--stage", "finetune")
+
+
+def test_a_model_folder_is_read_for_its_config(capsys, tmp_path, tok):
+    folder = save_checkpoint(Transformer(ModelConfig.from_preset("tiny", n_layers=3)), tmp_path / "sft-final")
+    result = plan_json(capsys, "configs/grpo/tiny.yaml", f"init.policy={folder}", "--stage", "grpo")
+    assert "3 layers, dim 128" in result["model"]
+
+
+def knob_settings(knob: str) -> list[list[str]]:
+    """The knob's alternatives, each as overrides: 'set A, or B ≤ 2, or C (x=1 y=2)'."""
+    options = knob.split(": set ", 1)[1].split(", or ") if ": set " in knob else [knob.split("together: ", 1)[1]]
+    settings = []
+    for option in options:
+        found = [f"{key}={value}" for key, value in re.findall(r"([a-z_]+\.[a-z_.]+)\s*(?:=|≤)\s*([\w.-]+)", option)]
+        settings.append(found)
+    return settings
+
+
+def test_a_config_that_does_not_fit_names_the_knob_that_makes_it_fit(capsys):
+    """Llama 3.1 8B pretraining on one A100 40GB: the 8-GPU preset on one GPU fits with more GPUs or CPU offload;
+    one process without checkpointing fits with nothing alone, but with the settings named together. Every
+    suggestion is planned again here and fits."""
+    args = ["configs/pretrain/llama3.2-1b.yaml", "model=llama3.1-8b", "trainer.devices=1", "--gpu", "a100-40g"]
+    result = plan_json(capsys, *args)
+    assert result["verdict"] == "does not fit" and result["peak_bytes"] > result["capacity_bytes"]
+    assert result["line"].startswith("does not fit: peak ") and result["line"].endswith(result["knob"])
+    assert result["knob"].startswith("model optimizer states ")
+    for option in knob_settings(result["knob"]):
+        assert plan_json(capsys, *args, *option)["verdict"] != "does not fit", option
+    single = [*args, "trainer.strategy=single", "trainer.init_device=cpu", "trainer.activation_checkpointing=none"]
+    result = plan_json(capsys, *single)
+    assert result["verdict"] == "does not fit" and "together: " in result["knob"]
+    (together,) = knob_settings(result["knob"])
+    assert "trainer.strategy=fsdp" in together and plan_json(capsys, *single, *together)["verdict"] != "does not fit"
+
+
+def test_each_suggested_setting_alone_makes_it_fit(capsys):
+    """The one-GPU 1B preset at 16 sequences a micro-batch: activations lead, and every option offered fits."""
+    args = ["configs/pretrain/llama3.2-1b-1gpu.yaml", "loader.micro_batch_size=16"]
+    result = plan_json(capsys, *args)
+    assert result["verdict"] == "does not fit" and result["knob"].startswith("activations ")
+    options = knob_settings(result["knob"])
+    assert any("trainer.activation_checkpointing" in o[0] for o in options)
+    assert any("loader.micro_batch_size" in o[0] for o in options)
+    for option in options:
+        assert plan_json(capsys, *args, *option)["verdict"] != "does not fit", option
+
+
+def test_time_cost_and_interconnect(capsys):
+    """70B on 8 nodes of 8 H100s: step = max(compute, the collectives over InfiniBand); cost from the price."""
+    args = [
+        "configs/pretrain/llama3.2-1b.yaml",
+        "model=llama3.1-70b",
+        "trainer.num_nodes=8",
+        "--price-per-gpu-hour",
+        "2",
+    ]
+    time = plan_json(capsys, *args)["time"]
+    assert time["communication_s"] > 0 and "ib-ndr" in time["communication"]
+    assert time["step_s"] == max(time["compute_s"], time["communication_s"])
+    assert time["tokens_per_s"] == pytest.approx(time["tokens_per_step"] / time["step_s"])
+    assert time["gpu_hours"] == pytest.approx(time["total_s"] / 3600 * 64)
+    assert time["cost"] == pytest.approx(2 * time["gpu_hours"])
+    slow = plan_json(capsys, *args, "--bandwidth", "1")["time"]
+    assert slow["communication_s"] > time["communication_s"] and slow["step_s"] == slow["communication_s"]
+    half = plan_json(capsys, *args, "--mfu", "0.195")["time"]
+    assert half["compute_s"] == pytest.approx(2 * time["compute_s"], rel=1e-3)
+
+
+def test_lora_stages_keep_no_reference_copy(capsys):
+    """DPO, PPO and GRPO with peft.kind=lora: the reference is the policy with its adapters off, not a copy."""
+
+    def items(*args: str) -> set[str]:
+        result = plan_json(capsys, *args)
+        return {item["name"] for phase in result["phases"] for item in phase["items"]}
+
+    dpo = ["configs/dpo/tiny.yaml", "loss.reference_logprobs=on_the_fly"]
+    assert "reference (frozen)" in items(*dpo) and "reference (frozen)" not in items(*dpo, "peft.kind=lora")
+    for preset in ("configs/ppo/tiny.yaml", "configs/grpo/tiny.yaml"):
+        assert "reference (frozen)" in items(preset, "--model", "tiny")
+        assert "reference (frozen)" not in items(preset, "--model", "tiny", "peft.kind=lora")
+
+
+def test_a_stage_prints_its_plan_before_training_and_an_estimate_error_never_fails_it(
+    capsys, caplog, tmp_path, data_dir, monkeypatch
+):  # fmt: skip
+    config = load_config(
+        PretrainConfig, "configs/pretrain/tiny.yaml",
+        [f"data.out_dir={data_dir}", f"run.out_dir={tmp_path}", "trainer.max_steps=1", "trainer.accelerator=cpu",
+         "logger.kind=none", "checkpoint.every_n_steps=1", "trainer.val_every_n_steps=1"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    assert pretrain_stage.run_pretrain(config) is not None
+    assert re.search(r"^plan: CPU run: peak [\d.]+ GiB estimated", capsys.readouterr().out, re.MULTILINE)
+
+    def broken(*args, **kwargs) -> str:
+        raise ZeroDivisionError("an estimator bug")
+
+    monkeypatch.setattr(pretrain_stage, "stage_plan_line", broken)
+    config.run.name = "second"
+    assert pretrain_stage.run_pretrain(config) is not None
+    assert "an estimator bug" in caplog.text

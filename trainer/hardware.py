@@ -1,0 +1,150 @@
+"""The hardware ``lantern plan`` plans for: GPUs (memory, peak FLOP/s, memory bandwidth), the interconnects between
+them, and the MFU a training step reaches on each, every figure with its source.
+
+Choices:
+- Datasheet figures (dense, no sparsity) for peak FLOP/s and bandwidth; memory as the driver reports it (nvidia-smi's
+  total), which is what a process can be given, less the CUDA context the plan keeps back (``CONTEXT_GIB``).
+- MFU is a measured figure, never a guess presented as one: Lantern has measured none on a GPU yet
+  (docs/distributed.md), so the defaults are published peer figures (torchtitan's, FSDP2 on Llama 3 models, stated
+  as theirs and marked "not measured by Lantern"), recomputed with Lantern's own FLOPs per token
+  (``ModelConfig.flops_per_token``) from the tokens/s they report. A GPU with no figure borrows the closest one's,
+  and says so. ``--mfu`` overrides.
+- Interconnect bandwidth is the nominal line rate per GPU in one direction; collectives are assumed to reach
+  ``COLLECTIVE_EFFICIENCY`` of it (an assumption: NCCL's bus bandwidth on large messages); ``--bandwidth``
+  overrides with a figure taken as achieved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.errors import ConfigError
+
+CONTEXT_GIB = 1.0  # CUDA context, NCCL buffers and the allocator's own: kept back from the GPU's memory
+COLLECTIVE_EFFICIENCY = 0.8  # share of the line rate an all-gather / reduce-scatter reaches (assumed, not measured)
+
+
+@dataclass(frozen=True)
+class GPU:
+    key: str
+    name: str
+    memory_gib: float  # total, as nvidia-smi reports it
+    bf16_tflops: float  # dense tensor-core peak
+    tf32_tflops: float  # dense: 32-true matmuls on CUDA (trainer.float32_matmul_precision auto = high)
+    fp32_tflops: float  # without tensor cores (float32_matmul_precision highest)
+    memory_tbs: float  # HBM / GDDR bandwidth, TB/s
+    intra_fabric: str  # between the GPUs of one node
+    inter_fabric: str  # between nodes, unless --fabric names another
+
+
+GPUS: dict[str, GPU] = {
+    gpu.key: gpu
+    for gpu in (
+        GPU("h100", "H100 SXM 80GB", 79.6, 989.4, 494.7, 66.9, 3.35, "nvlink4", "ib-ndr"),
+        GPU("h100-pcie", "H100 PCIe 80GB", 79.6, 756.0, 378.0, 51.2, 2.0, "pcie5", "ib-ndr"),
+        GPU("h200", "H200 SXM 141GB", 140.4, 989.4, 494.7, 66.9, 4.8, "nvlink4", "ib-ndr"),
+        GPU("a100-80g", "A100 SXM 80GB", 80.0, 312.0, 156.0, 19.5, 2.039, "nvlink3", "ib-hdr"),
+        GPU("a100-40g", "A100 SXM 40GB", 40.0, 312.0, 156.0, 19.5, 1.555, "nvlink3", "ib-hdr"),
+        GPU("l40s", "L40S 48GB", 45.0, 362.0, 183.0, 91.6, 0.864, "pcie4", "eth-100g"),
+        GPU("a10g", "A10G 24GB", 22.5, 125.0, 62.5, 31.2, 0.6, "pcie4", "eth-100g"),
+        GPU("l4", "L4 24GB", 22.5, 121.0, 60.0, 30.3, 0.3, "pcie4", "eth-100g"),
+    )
+}
+
+# (nominal GB/s per GPU, one direction; what it is)
+FABRICS: dict[str, tuple[float, str]] = {
+    "nvlink4": (450.0, "NVLink 4 through NVSwitch (H100 / H200 SXM): 900 GB/s per GPU, both directions"),
+    "nvlink3": (300.0, "NVLink 3 through NVSwitch (A100 SXM): 600 GB/s per GPU, both directions"),
+    "pcie5": (64.0, "PCIe Gen5 x16"),
+    "pcie4": (32.0, "PCIe Gen4 x16"),
+    "ib-ndr": (50.0, "InfiniBand NDR, one 400 Gb/s link per GPU (DGX / HGX H100)"),
+    "ib-hdr": (25.0, "InfiniBand HDR, one 200 Gb/s link per GPU (DGX A100)"),
+    "efa-p5": (50.0, "AWS EFA on p5: 3200 Gb/s per 8 GPUs"),
+    "efa-p4d": (6.25, "AWS EFA on p4d: 400 Gb/s per 8 GPUs"),
+    "roce-400g": (50.0, "RoCE, 400 Gb/s per GPU"),
+    "eth-100g": (1.5625, "100 Gb/s Ethernet per node of 8 GPUs"),
+}
+
+
+@dataclass(frozen=True)
+class MFUFigure:
+    gpus: tuple[str, ...]  # the GPU keys it applies to
+    compiled: bool
+    mfu: float
+    workload: str
+    source: str
+    date: str
+    measured_by_lantern: bool = False
+
+
+TORCHTITAN_H100 = (
+    "pytorch/torchtitan docs/performance.md at commit d4c86e3 (2025-01-30), Table 1: Llama 3.1 8B, FSDP2 on 8 H100 "
+    "(Grand Teton: HBM2e, 500 W, so below an SXM part's peak), bf16, selective activation checkpointing, local batch "
+    "2 x 8192"
+)
+TORCHTITAN_A100 = (
+    "pytorch/torchtitan docs/performance.md at commit 1ea476e (2024-04-24): Llama 3 8B, FSDP2 on 64 A100 80GB, bf16, "
+    "selective (op) activation checkpointing, local batch 1 x 8192"
+)
+MFU_FIGURES: tuple[MFUFigure, ...] = (
+    # MFU = tokens/s per GPU x ModelConfig.flops_per_token(8192) of llama3.1-8b / the GPU's dense bf16 peak
+    MFUFigure(("h100", "h200", "h100-pcie"), True, 0.390, "6,667 tokens/s per GPU, torch.compile", TORCHTITAN_H100,
+              "2024-12 (torch of 2024-12-23)"),
+    MFUFigure(("h100", "h200", "h100-pcie"), False, 0.337, "5,762 tokens/s per GPU, eager", TORCHTITAN_H100,
+              "2024-12 (torch of 2024-12-23)"),
+    MFUFigure(("a100-80g", "a100-40g"), True, 0.552, "2,973 tokens/s per GPU (compile not stated)", TORCHTITAN_A100,
+              "2024-04"),
+)  # fmt: skip
+
+
+def gpu_named(name: str) -> GPU:
+    """The GPU a ``--gpu`` name means (case and ``_`` / ``-`` ignored); one line listing the known ones otherwise."""
+    key = name.strip().lower().replace("_", "-")
+    if key in GPUS:
+        return GPUS[key]
+    raise ConfigError(f"--gpu {name!r} is not a GPU Lantern knows: {', '.join(GPUS)}")
+
+
+def gpu_from_device_name(device_name: str) -> GPU | None:
+    """The table's entry for what ``torch.cuda.get_device_name`` says (e.g. 'NVIDIA H100 80GB HBM3'), if any."""
+    name = device_name.upper()
+    for key, gpu in sorted(GPUS.items(), key=lambda item: -len(item[0])):  # h100-pcie before h100, l40s before l4
+        family, _, variant = key.upper().partition("-")
+        if family in name and (not variant or variant.rstrip("G") in name or variant in name):
+            return gpu
+    return None
+
+
+def fabric_named(name: str) -> tuple[float, str]:
+    key = name.strip().lower()
+    if key in FABRICS:
+        return FABRICS[key]
+    raise ConfigError(f"--fabric {name!r} is not an interconnect Lantern knows: {', '.join(FABRICS)}")
+
+
+@dataclass(frozen=True)
+class MFUChoice:
+    mfu: float
+    source: str  # one line: where the figure comes from, and whether Lantern measured it
+
+
+def mfu_for(gpu: GPU, compiled: bool, override: float | None = None) -> MFUChoice:
+    """The MFU a step is planned at on ``gpu``: ``override`` (``--mfu``), else the table's figure for that GPU and
+    compile setting, else the closest figure, marked as borrowed."""
+    if override is not None:
+        return MFUChoice(override, "--mfu (given)")
+    for figure in MFU_FIGURES:
+        if gpu.key in figure.gpus and figure.compiled == compiled:
+            return MFUChoice(figure.mfu, _cite(figure, gpu))
+    for figure in MFU_FIGURES:
+        if gpu.key in figure.gpus:
+            return MFUChoice(figure.mfu, _cite(figure, gpu) + f"; compile={compiled} not measured there")
+    figure = MFU_FIGURES[0 if compiled else 1]
+    return MFUChoice(figure.mfu, f"no figure for the {gpu.name}: the H100's borrowed, " + _cite(figure, gpu))
+
+
+def _cite(figure: MFUFigure, gpu: GPU) -> str:
+    who = "measured by Lantern" if figure.measured_by_lantern else "not measured by Lantern"
+    source = figure.source.split(" at commit")[0]
+    own = figure.gpus[0] == gpu.key
+    return f"{source}, {figure.date}{'' if own else f', a {figure.gpus[0]} figure'}; {who}"

@@ -1,0 +1,199 @@
+"""The training-state and time model of ``lantern plan``, stage-agnostic: what a trained model's parameters, gradients
+and AdamW states take per GPU at a precision and under a strategy, FSDP2's gathered working weights and its
+collectives per step, the step time at an MFU, the verdict against a GPU's memory, and the one line a stage prints
+before it trains. The stages' own shapes (which models, which batches) are alignment/shared/plan.py's.
+
+Precision rules (trainer/parallel.py, trainer/optim.py): ``32-true`` and ``bf16-mixed`` keep fp32 parameters, fp32
+gradients and two fp32 AdamW moments (bf16-mixed computes in bf16: FSDP2 gathers bf16 copies, a single process
+runs under autocast, which caches bf16 copies of the weights); ``bf16-true`` keeps parameters, gradients and
+moments in bf16 (FSDP2 still reduces gradients in fp32 and casts them back). AdamW (trainer/optim.py) holds state
+for trainable parameters only, plus a 4-byte step count per tensor; frozen ones (LoRA's base) keep their weights
+only. ``auto`` is planned as what it resolves to on the device (``resolve_precision``): bf16-mixed on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from models.memory import GiB, Numerics, ParameterShapes
+from trainer.hardware import COLLECTIVE_EFFICIENCY, CONTEXT_GIB, GPU, fabric_named
+from trainer.storage import is_global_rank_zero
+
+log = logging.getLogger(__name__)
+
+TIGHT = 0.9  # above this share of the usable memory a run fits only just: fragmentation may still push it over
+
+
+def planned_precision(precision: str, on_gpu: bool) -> str:
+    """``auto`` as a run resolves it (trainer/build.py's ``resolve_precision``): bf16-mixed on a GPU, 32-true on CPU."""
+    if precision == "auto":
+        return "bf16-mixed" if on_gpu else "32-true"
+    return precision
+
+
+def numerics_of(precision: str, strategy: str) -> Numerics:
+    """How a forward computes: bf16 weights (bf16-true, or FSDP2's bf16 mixed precision), fp32 weights under bf16
+    autocast (bf16-mixed without FSDP), or fp32."""
+    if precision == "bf16-true" or (precision == "bf16-mixed" and strategy == "fsdp"):
+        return "bf16"
+    return "autocast" if precision == "bf16-mixed" else "fp32"
+
+
+def state_dtype_bytes(precision: str) -> int:
+    """Bytes per element of the kept parameters, their gradients and AdamW's moments."""
+    return 2 if precision == "bf16-true" else 4
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes one GPU holds for a model's weights, gradients and optimizer states."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def model_state(
+    params: ParameterShapes, precision: str, *, sharded_over: int = 1, rank: int = 0, trains: bool = True
+) -> ModelState:
+    """What ``rank`` holds of a model trained with AdamW at ``precision``, its parameters sharded by FSDP2 over
+    ``sharded_over`` GPUs (1: whole, as a single process or DDP keeps them). ``trains`` False: a frozen model, whose
+    weights are all there is. Exactly what a run allocates: tests/trainer/test_plan.py compares them."""
+    width = state_dtype_bytes(precision)
+    parameters = width * params.shard_numel(sharded_over, rank)
+    if not trains:
+        return ModelState(parameters, 0, 0)
+    trainable = params.shard_numel(sharded_over, rank, trains=True)
+    steps = 4 * params.trainable_tensors  # AdamW's step count: a 0-dim fp32 tensor per parameter
+    return ModelState(parameters, width * trainable, 2 * width * trainable + steps)
+
+
+def fsdp_working_bytes(params: ParameterShapes, compute_bytes: int, world: int) -> int:
+    """FSDP2's unsharded weights in use at once: the root's (embeddings, final norm, heads: gathered for the whole
+    step), the block that computes and the one prefetched, in the compute dtype; plus one block's unsharded gradient
+    in fp32 for the reduce-scatter, and its output shard."""
+    block = params.block_numel()
+    root = params.numel(in_block=False)
+    return compute_bytes * (root + 2 * block) + 4 * block + 4 * -(-block // world)
+
+
+@dataclass(frozen=True)
+class Communication:
+    bytes_per_step: int  # what one GPU sends (= receives) per optimizer step
+    bandwidth_gbs: float  # achieved, per GPU
+    fabric: str
+    seconds: float
+
+
+def collective_time(
+    bytes_per_step: float, gpu: GPU, nodes: int, fabric: str | None, bandwidth_gbs: float | None
+) -> Communication:
+    """Ring collectives: each GPU moves (W - 1) / W of the data, at its link's rate: NVLink / PCIe inside one node,
+    the network between nodes (``fabric``, default the GPU's usual one) once there are several."""
+    if bandwidth_gbs is not None:
+        achieved, name = bandwidth_gbs, "--bandwidth"
+    else:
+        name = fabric or (gpu.inter_fabric if nodes > 1 else gpu.intra_fabric)
+        achieved = fabric_named(name)[0] * COLLECTIVE_EFFICIENCY
+    return Communication(int(bytes_per_step), achieved, name, bytes_per_step / (achieved * 1e9))
+
+
+def fsdp_bytes_per_micro_batch(params: ParameterShapes, compute_bytes: int, world: int) -> float:
+    """FSDP2 per micro-batch (Lightning's FSDP2 strategy reduce-scatters at every backward, accumulating or not):
+    all-gather of every weight in forward and again in backward, reduce-scatter of the trainable ones' gradients in
+    fp32; each GPU moves (W - 1) / W of each."""
+    share = (world - 1) / world
+    return share * (2 * compute_bytes * params.total + 4 * params.trainable)
+
+
+def ddp_bytes_per_step(params: ParameterShapes, grad_bytes: int, world: int) -> float:
+    """DDP: one all-reduce of the gradients per optimizer step (no sync while accumulating): 2 (W - 1) / W of them."""
+    return 2 * (world - 1) / world * grad_bytes * params.trainable
+
+
+def peak_flops(gpu: GPU, precision: str, float32_matmul_precision: str = "auto") -> float:
+    """FLOP/s the matmuls can reach: bf16 tensor cores under bf16, TF32 under 32-true (``high``, what ``auto`` is on
+    CUDA), plain fp32 under ``highest``."""
+    if precision.startswith("bf16"):
+        return gpu.bf16_tflops * 1e12
+    return (gpu.fp32_tflops if float32_matmul_precision == "highest" else gpu.tf32_tflops) * 1e12
+
+
+def recompute_factor(ac: str, n_layers: int, every: int) -> float:
+    """Model FLOPs over the FLOPs the GPU runs: checkpointed blocks run their forward twice (2 of the 6 units of a
+    training token), so full checkpointing does 8/6 of the work, selective 1 + 1/3 of the wrapped share."""
+    from models.memory import checkpointed_blocks
+
+    share = checkpointed_blocks(n_layers, ac, every) / max(n_layers, 1)
+    return 6 / (6 + 2 * share)
+
+
+def usable_bytes(gpu: GPU) -> int:
+    return int((gpu.memory_gib - CONTEXT_GIB) * GiB)
+
+
+def verdict(peak: int, capacity: int) -> str:
+    """fits / fits, tight / does not fit, against ``capacity`` bytes."""
+    if peak > capacity:
+        return "does not fit"
+    return "fits, tight" if peak > TIGHT * capacity else "fits"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (CPU runs are judged against it), if the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(value: float) -> str:
+    """Bytes as GiB for a person: 0.004, 0.38, 7.6, 143."""
+    amount = value / GiB
+    if amount >= 100:
+        return f"{amount:.0f}"
+    if amount >= 10:
+        return f"{amount:.1f}"
+    return f"{amount:.2f}" if amount >= 0.01 else f"{amount:.3f}"
+
+
+def count(value: float) -> str:
+    """A parameter or token count for a person: 1.24B, 11.3M, 512k."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.0f}"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 86400:.3g} days"
+
+
+def announce_plan(line: Callable[[], str] | None) -> None:
+    """Log the plan's one line before a stage trains (trainer/build.py's ``fit_stage``). An estimator that fails
+    says so as a warning: the plan is advice and never stops a run."""
+    if line is None or not is_global_rank_zero():
+        return
+    try:
+        text = line()
+    except Exception as error:  # anything an estimate raises is only worth a warning
+        log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
+        return
+    print(f"plan: {text}", flush=True)
