@@ -491,16 +491,9 @@ def run_heldout(args: argparse.Namespace) -> dict[str, Any]:
                 lora_root / f"{lora['name']}.log",
             )
         models[lora["name"]] = run / "final"
-    out = lora_root / "score-models"
     start = time.perf_counter()
-    from benchmarks import score_models
-
-    score_models.main(
-        ["--pipeline", str(pipeline), "--config", args.config, "--out", str(out)]
-        + [f"{name}={path}" for name, path in models.items()]
-    )
+    scored = score_beside_sft(args.config, pipeline, models)
     walls["scoring"] = time.perf_counter() - start
-    scored = json.loads((out / "score_models.json").read_text())
     finals = {"base": pipeline / "pretrain" / "final", "sft": pipeline / "sft" / "final", **models}
     losses = answer_losses(pipeline / "data" / "demo" / "val.jsonl", load_yaml(sft_config)["data"]["tokenizer"], finals)
     full = load_yaml(sft_config)
@@ -518,6 +511,42 @@ def run_heldout(args: argparse.Namespace) -> dict[str, Any]:
         "heldout_prompts": scored["heldout_prompts"],
         "results": scored["results"],
         "answer_loss": losses,
+    }
+
+
+def score_beside_sft(config_path: str, pipeline: Path, models: dict[str, Path]) -> dict[str, Any]:
+    """benchmarks/score_models.py's scoring (the pipeline report's: greedy and sampled accuracy, pass@k, each model
+    paired with the pipeline's SFT model), with each model's result cached in its folder's parent under the
+    folder's fingerprint, so that an interrupted run scores only what is left."""
+    from alignment.commands.pipeline import Pipeline, load_pipeline_config
+    from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts, without_per_prompt
+    from alignment.shared.evaluation import json_safe
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.digests import content_key, folder_fingerprint
+
+    config = load_pipeline_config(config_path, [f"out_dir={pipeline}", "logger.kind=csv"])
+    config.start_checkpoint = None
+    runner = Pipeline(config)
+    runner.write_demo(only_if_current=True)  # refuses demo data written with other settings
+    sft = runner.stage_dir("sft") / "final"
+    tokenizer = Tokenizer.load(runner.load_stage_config("sft")[0].data.tokenizer)
+    prompts = heldout_prompts(runner.demo, config.report, tokenizer)
+    results = {}
+    for name, path in {"sft": sft, **models}.items():
+        cache = path.parent / "bench_lora_score.json"
+        key = content_key(folder_fingerprint(path), folder_fingerprint(sft), runner.demo_hash, str(config.report))
+        cached = json.loads(cache.read_text()) if cache.is_file() else {}
+        if cached.get("key") == key:
+            results[name] = cached["result"]
+            continue
+        results[name] = json_safe(
+            evaluate_stage(config.report, name, path, prompts, tokenizer, None if name == "sft" else sft)
+        )
+        cache.write_text(json.dumps({"key": key, "result": results[name]}) + "\n")
+    compare_with_sft(results)
+    return {
+        "heldout_prompts": len(prompts),
+        "results": {name: without_per_prompt(result) for name, result in results.items()},
     }
 
 
