@@ -12,8 +12,13 @@ moments, all fp32 (16 bytes per trained parameter, 4 per frozen one); the "bf16 
 in bf16 (2 bytes per frozen parameter). Gradients and AdamW moments exist only for what trains.
 
 ``memory``: each variant of each step runs in a fresh subprocess and reports its peak resident memory
-(``ru_maxrss``) above a baseline taken after the imports and before any model is built, so the figure holds the
-weights, the reference, gradients, AdamW's moments and the step's activations. Variants: ``lora-shared`` (LoRA, the
+(``ru_maxrss``) above the resident size after the imports and a warm-up step on a one-layer model (the first call
+of each kernel and the threads take ~20 MiB once per process; the figure above the post-import peak is kept as
+``cold_peak_mib``), so the figure holds the weights, the reference, gradients, AdamW's moments and the step's
+activations. Each runs twice: with glibc's mmap threshold fixed at 128 KiB, so that the resident size follows the
+live tensors (the table's figure), and with glibc's default, whose heap fragmentation adds what a plain run on this
+machine really holds. ``saved`` is what autograd saves for backward in the policy's pass (saved-tensor hooks, each
+storage once, parameters left out). Variants: ``lora-shared`` (LoRA, the
 reference is the same model with its adapters off: ``models.adapters.adapters_disabled``), ``lora-copy`` (LoRA, a
 frozen ``copy.deepcopy`` of the base as the reference), ``full-copy`` (every weight trains, a frozen copy as the
 reference: the default without peft). One step is built from the library's pieces as the stages use them: DPO =
@@ -21,12 +26,15 @@ policy forward + backward over chosen + rejected rows (``Transformer.token_losse
 reference forward (``loss.reference_logprobs=on_the_fly``), ``preference_loss``, an AdamW step over what trains
 (``trainer.optim.build_optimizer``); GRPO = a group sampled with the KV cache (``models.generation.generate``), old and
 reference log-probs without grad (``alignment.shared.responses.response_logprobs``), ``group_advantages`` of random
-scores, the policy's forward + backward (``ppo_policy_loss`` + k3 ``kl_penalty``) and an AdamW step.
+scores, the policy's forward + backward (``ppo_policy_loss`` + k3 ``kl_penalty``) and an AdamW step. ``--label``
+stores another shape beside the default one; the PNG (results/lora_memory.png) draws every stored shape.
 
 ``heldout``: runs (or reuses) ``lantern pipeline configs/pipeline/default.yaml stages=[prepare,pretrain,sft]``, then
 the same SFT stage (its resolved config.yaml) with ``peft.kind=lora`` at each ``--lora`` setting, and scores every
-LoRA model with benchmarks/score_models.py: greedy accuracy on the same 400 held-out prompts, each paired with the
-pipeline's full-SFT model (a gain or a loss only beyond 2 SE).
+model as benchmarks/score_models.py does (the report's scoring: greedy and sampled accuracy and pass@k on the same
+400 held-out prompts, each paired with the pipeline's full-SFT model, a gain or a loss only beyond 2 SE; each
+model's result cached in its run folder), and each model's loss on the val answers' end-of-turn token and other
+tokens. A run or score already made is reused.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ RESULTS = ROOT / "benchmarks" / "results" / "lora.json"
 PRESETS = ("small", "llama3.2-1b", "llama3.1-8b")
 VARIANTS = ("lora-shared", "lora-copy", "full-copy")
 STEPS = ("dpo", "grpo")
+DEFAULT_LORA_RUNS = (  # NAME:RANK:ALPHA:LR; alpha / rank = 2 throughout; the full SFT's lr is 1e-3
+    "lora-r16:16:32:1e-2", "lora-r64:64:128:1e-2", "lora-r16-lr3e-3:16:32:3e-3", "lora-r64-lr3e-3:64:128:3e-3",
+    "lora-r16-lr1e-3:16:32:1e-3",
+)  # fmt: skip
 GIB, MIB = 2**30, 2**20
 STEP_MODULES = (
     "alignment.shared.losses", "alignment.shared.responses", "models.adapters", "models.generation", "models.loss",
@@ -202,6 +214,35 @@ def reference_context(policy, reference):
     return (reference, nullcontext()) if reference is not None else (policy, adapters_disabled(policy))
 
 
+class SavedForBackward:
+    """The bytes autograd saves for backward in a pass (every storage once, the parameters left out): the
+    activations the step holds between its forward and its backward."""
+
+    def __init__(self, model) -> None:
+        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in self.parameters:
+            self.storages[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def __enter__(self):
+        import torch
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def mib(self) -> float:
+        return sum(self.storages.values()) / MIB
+
+
 def optimizer_for(policy):
     from trainer.optim import build_optimizer
 
@@ -211,7 +252,7 @@ def optimizer_for(policy):
     return optimizer
 
 
-def dpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
+def dpo_step(args: argparse.Namespace, policy, reference, optimizer) -> dict[str, float]:
     import torch
 
     from alignment.shared.losses import preference_loss
@@ -223,10 +264,10 @@ def dpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
     targets = torch.roll(input_ids, -1, dims=1)
     targets[:, : args.prompt_len - 1] = IGNORE_INDEX  # the response tokens only, as the DPO batches hold
     targets[:, -1] = IGNORE_INDEX
-    optimizer = optimizer_for(policy)
     timings = {}
     start = time.perf_counter()
-    policy_sums = -policy.token_losses(input_ids, targets, chunk_size=args.chunk_size).sum(-1)
+    with SavedForBackward(policy) as saved:
+        policy_sums = -policy.token_losses(input_ids, targets, chunk_size=args.chunk_size).sum(-1)
     model, context = reference_context(policy, reference)
     with torch.no_grad(), context:
         reference_sums = -model.token_losses(input_ids, targets, chunk_size=args.chunk_size).sum(-1)
@@ -240,10 +281,10 @@ def dpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
     optimizer.step()
     optimizer.zero_grad()
     timings["step_seconds"] = time.perf_counter() - start
-    return {"loss": float(loss.detach()), **timings}
+    return {"loss": float(loss.detach()), "saved_activations_mib": saved.mib, **timings}
 
 
-def grpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
+def grpo_step(args: argparse.Namespace, policy, reference, optimizer) -> dict[str, float]:
     import torch
 
     from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
@@ -254,7 +295,6 @@ def grpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
     vocab, temperature = policy.config.vocab_size, 1.0
     prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=generator).tolist()
     group = [p for p in prompts for _ in range(args.group)]  # each prompt's responses side by side
-    optimizer = optimizer_for(policy)
     start = time.perf_counter()
     out = generate(
         policy, group, max_new_tokens=args.new_tokens, temperature=temperature, pad_id=0, generator=generator
@@ -272,7 +312,8 @@ def grpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
         advantages = group_advantages(scores).flatten()
     token_advantages = advantages[:, None].expand_as(mask).float()
     tokens = mask.sum().clamp(min=1).float()
-    logp, _ = response_logprobs(policy, input_ids, real, P, temperature)
+    with SavedForBackward(policy) as saved:
+        logp, _ = response_logprobs(policy, input_ids, real, P, temperature)
     policy_loss, _ = ppo_policy_loss(logp, old_logp, token_advantages, mask, 0.2, tokens)
     kl = torch.where(mask, kl_penalty(logp, ref_logp, "k3"), 0.0)
     loss = policy_loss + (0.04 * kl * mask).sum() / tokens
@@ -281,6 +322,7 @@ def grpo_step(args: argparse.Namespace, policy, reference) -> dict[str, float]:
     optimizer.zero_grad()
     return {
         "loss": float(loss.detach()),
+        "saved_activations_mib": saved.mib,
         "generation_seconds": generation,
         "response_tokens": int(mask.sum()),
         "step_seconds": time.perf_counter() - start,
@@ -313,7 +355,10 @@ def warm_up(args: argparse.Namespace, step) -> None:
     small = copy.copy(args)
     small.pairs, small.seq_len, small.prompt_len, small.prompts, small.group, small.new_tokens = 1, 16, 4, 1, 2, 4
     config = ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=32, max_seq_len=64)
-    step(small, *build_models(small, config))
+    policy, reference = build_models(small, config)
+    optimizer = optimizer_for(policy)
+    for _ in range(args.repeat):
+        step(small, policy, reference, optimizer)
 
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
@@ -332,9 +377,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     release_free_memory()
     warm_baseline, warm_up_peak = current_rss(), peak_rss()
     policy, reference = build_models(args)
+    optimizer = optimizer_for(policy)
     after_models = current_rss()
-    result = step(args, policy, reference)
+    # AdamW makes its moments at its first step: from the second on, a step's peak is a training run's
+    steps = [step(args, policy, reference, optimizer) for _ in range(args.repeat)]
     peak = peak_rss()
+    result = {**steps[-1], "first_step_seconds": steps[0]["step_seconds"], "steps": args.repeat}
     trained = sum(p.numel() for p in unique_parameters(policy) if p.requires_grad)
     policy_weights = sum(p.numel() for p in unique_parameters(policy))
     reference_weights = 0 if reference is None else sum(p.numel() for p in unique_parameters(reference))
@@ -369,13 +417,22 @@ def breakdown(r: dict[str, Any]) -> dict[str, float]:
     return parts
 
 
+# glibc's default: a freed block above the mmap threshold raises the threshold (up to 32 MiB), so the activations'
+# blocks land on the heap and what fragments there stays resident. A fixed threshold maps every block above 128 KiB
+# on its own and unmaps it when freed: the resident size then follows the live tensors.
+ALLOCATORS = {"fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "glibc-default": {}}
+
+
 def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    import os
+
     shape = {
         "dpo": f"{args.pairs} pairs x {args.seq_len} tokens (prompt {args.prompt_len}), fused chunked loss",
         "grpo": f"{args.prompts} prompts x group {args.group}, prompt {args.prompt_len} + {args.new_tokens} new tokens",
     }
-    print(f"one step's peak RSS, {args.preset}, CPU fp32, LoRA r={args.rank}, each variant in a fresh process: above "
-          "the RSS after a warm-up step on a one-layer model (peak), and above the post-import peak (cold)")  # fmt: skip
+    print(f"one step's peak RSS above the RSS after a warm-up step on a one-layer model, {args.preset}, CPU fp32, "
+          f"LoRA r={args.rank}, each variant in a fresh process; glibc with a fixed mmap threshold (the live "
+          "tensors) and with its default (what a plain run holds)")  # fmt: skip
     results = []
     for step in args.steps:
         for variant in VARIANTS:
@@ -384,46 +441,88 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                 "--preset", args.preset, "--rank", str(args.rank), "--pairs", str(args.pairs),
                 "--seq-len", str(args.seq_len), "--prompt-len", str(args.prompt_len), "--prompts", str(args.prompts),
                 "--group", str(args.group), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                "--chunk-size", str(args.chunk_size),
+                "--chunk-size", str(args.chunk_size), "--repeat", str(args.repeat),
             ]  # fmt: skip
-            wall = time.perf_counter()
-            output = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
-            result = json.loads(output.strip().splitlines()[-1])
-            result["process_seconds"] = time.perf_counter() - wall
+            runs = {}
+            for allocator, settings in ALLOCATORS.items():
+                env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | settings
+                wall = time.perf_counter()
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
+                runs[allocator] = json.loads(done.stdout.strip().splitlines()[-1])
+                runs[allocator]["process_seconds"] = time.perf_counter() - wall
+            result = runs["fixed-mmap"]
+            result["glibc_default"] = {
+                key: runs["glibc-default"][key] for key in ("peak_mib", "cold_peak_mib", "step_seconds", "loss")
+            }
             result["breakdown_mib"] = breakdown(result)
             results.append(result)
-            print(f"  {step} {variant}: {result['peak_mib']:.0f} MiB, step {result['step_seconds']:.1f} s", flush=True)
-    print(f"\n{'step':<6}{'variant':<13}{'peak MiB':>10}{'cold MiB':>10}{'weights':>9}{'ref':>7}{'grads':>7}"
-          f"{'Adam':>7}{'activ.+rest':>13}{'step s':>8}")  # fmt: skip
+            print(
+                f"  {step} {variant}: {result['peak_mib']:.0f} MiB (glibc default "
+                f"{result['glibc_default']['peak_mib']:.0f}), step {result['step_seconds']:.1f} s",
+                flush=True,
+            )
+    print(f"\n{'step':<6}{'variant':<13}{'peak MiB':>10}{'weights':>9}{'ref':>7}{'grads':>7}{'Adam':>7}"
+          f"{'activ.+rest':>13}{'saved':>7}{'glibc default':>15}{'step s':>8}")  # fmt: skip
     for r in results:
         b = r["breakdown_mib"]
         print(
-            f"{r['step']:<6}{r['variant']:<13}{r['peak_mib']:>10.0f}{r['cold_peak_mib']:>10.0f}{b['weights']:>9.0f}"
-            f"{b['reference']:>7.0f}{b['grads']:>7.0f}{b['adam']:>7.0f}{b['activations_and_rest']:>13.0f}"
-            f"{r['step_seconds']:>8.1f}"
+            f"{r['step']:<6}{r['variant']:<13}{r['peak_mib']:>10.0f}{b['weights']:>9.0f}{b['reference']:>7.0f}"
+            f"{b['grads']:>7.0f}{b['adam']:>7.0f}{b['activations_and_rest']:>13.0f}{r['saved_activations_mib']:>7.0f}"
+            f"{r['glibc_default']['peak_mib']:>15.0f}{r['step_seconds']:>8.1f}"
         )
     ratios = {}
     for step in args.steps:
-        for key, suffix in (("peak_mib", ""), ("cold_peak_mib", "_cold")):
-            peaks = {r["variant"]: r[key] for r in results if r["step"] == step}
+        for name, peak in (("", lambda r: r["peak_mib"]), ("_glibc_default", lambda r: r["glibc_default"]["peak_mib"])):
+            peaks = {r["variant"]: peak(r) for r in results if r["step"] == step}
             ratios.setdefault(step, {}).update({
-                f"lora_shared_over_lora_copy{suffix}": peaks["lora-shared"] / peaks["lora-copy"],
-                f"lora_shared_over_full_copy{suffix}": peaks["lora-shared"] / peaks["full-copy"],
+                f"lora_shared_over_lora_copy{name}": peaks["lora-shared"] / peaks["lora-copy"],
+                f"lora_shared_over_full_copy{name}": peaks["lora-shared"] / peaks["full-copy"],
             })  # fmt: skip
         q = ratios[step]
         print(
             f"{step}: lora-shared / lora-copy = {q['lora_shared_over_lora_copy']:.2f}x "
-            f"(cold {q['lora_shared_over_lora_copy_cold']:.2f}x), lora-shared / full-copy = "
-            f"{q['lora_shared_over_full_copy']:.2f}x (cold {q['lora_shared_over_full_copy_cold']:.2f}x)"
+            f"(glibc default {q['lora_shared_over_lora_copy_glibc_default']:.2f}x), lora-shared / full-copy = "
+            f"{q['lora_shared_over_full_copy']:.2f}x (glibc default {q['lora_shared_over_full_copy_glibc_default']:.2f}x)"
         )
     return {
         "preset": args.preset,
         "rank": args.rank,
         "threads": args.threads,
+        "steps_per_run": args.repeat,
+        "allocators": ALLOCATORS,
         "shapes": {step: shape[step] for step in args.steps},
         "results": results,
         "ratios": ratios,
     }
+
+
+def plot_memory(data: dict[str, Any], path: Path) -> None:
+    """Every memory part of the results file (one panel per shape): each variant's peak as stacked parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = {key: value for key, value in data.items() if key.startswith("memory")}
+    figure, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
+    colors = {"weights": "#4c72b0", "reference": "#8172b2", "grads": "#dd8452", "adam": "#c44e52"}
+    for axis, part in zip(axes[0], parts.values()):
+        labels = [f"{r['step']}\n{r['variant']}" for r in part["results"]]
+        bottom = [0.0] * len(labels)
+        for name in (*colors, "activations_and_rest"):
+            values = [max(r["breakdown_mib"][name], 0.0) for r in part["results"]]
+            axis.bar(labels, values, bottom=bottom, label=name.replace("_", " "), color=colors.get(name, "#55a868"))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        axis.scatter(labels, [r["glibc_default"]["peak_mib"] for r in part["results"]], color="black", marker="_",
+                     s=400, label="peak, glibc default", zorder=3)  # fmt: skip
+        shapes = "\n".join(f"{step}: {shape}" for step, shape in part["shapes"].items())
+        axis.set_title(f"{part['preset']}, CPU fp32, LoRA r={part['rank']}\n{shapes}", fontsize=8)
+        axis.set_ylabel("peak RSS above the warm baseline (MiB)")
+        axis.tick_params(axis="x", labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -501,8 +600,14 @@ def run_heldout(args: argparse.Namespace) -> dict[str, Any]:
     trained.update(
         {name: count_preset(full["model"], s["rank"], s["alpha"])["lora_params"] for name, s in settings.items()}
     )
+    report = json.loads((pipeline / "report.json").read_text()) if (pipeline / "report.json").is_file() else {}
+    stage_seconds = {stage: r.get("seconds") for stage, r in report.get("stages", {}).items()}
     return {
         "full_lr": full["optim"]["lr"],
+        # training time of each run, from its folder (config.yaml written at the start, final/ at the end), so that
+        # runs made by an earlier invocation keep theirs; the pipeline's stages as its report has them
+        "run_seconds": {"pretrain": stage_seconds.get("pretrain"), "sft": stage_seconds.get("sft")}
+        | {name: folder_seconds(path.parent) for name, path in models.items()},
         "trained_params": trained,
         "pipeline": str(pipeline),
         "lora_runs": str(lora_root),
@@ -579,6 +684,10 @@ def answer_losses(val: Path, tokenizer_spec: str, finals: dict[str, Path], limit
     return result
 
 
+def folder_seconds(run: Path) -> float:
+    return (run / "final" / "lantern.json").stat().st_mtime - (run / "config.yaml").stat().st_mtime
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -616,6 +725,9 @@ def main(argv: list[str] | None = None) -> None:
         "--chunk-size", type=int, default=1024, help="DPO: the fused loss's chunk (trainer.loss_chunk_size)"
     )
     memory.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    memory.add_argument("--repeat", type=int, default=2, help="steps taken (the peak is over all; default 2: AdamW's "
+                        "moments exist from the second on)")  # fmt: skip
+    memory.add_argument("--label", default="", help="store the results as memory:LABEL (e.g. another shape)")
     memory.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
 
     heldout = parts.add_parser("heldout", help="held-out accuracy of LoRA SFT vs full SFT on the demo pipeline")
@@ -627,7 +739,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=None,
         metavar="NAME:RANK:ALPHA:LR",
-        help="a LoRA SFT run (repeatable; default lora-r16:16:32:1e-2 and lora-r64:64:128:1e-2)",
+        help="a LoRA SFT run (repeatable; default: the five of docs/lora.md, r 16 and 64 at lr 1e-2 and 3e-3, r 16 at 1e-3)",
     )
     args = parser.parse_args(argv)
 
@@ -640,12 +752,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.part == "memory":
         result = run_memory(args)
     else:
-        args.lora = args.lora or ["lora-r16:16:32:1e-2", "lora-r64:64:128:1e-2"]
+        args.lora = args.lora or list(DEFAULT_LORA_RUNS)
         result = run_heldout(args)
         print_heldout(result)
     result["machine"] = machine()
-    update_results(args.json, args.part, result)
-    print(f"\nwrote {args.json} ({args.part})")
+    part = f"memory:{args.label}" if args.part == "memory" and args.label else args.part
+    update_results(args.json, part, result)
+    print(f"\nwrote {args.json} ({part})")
+    if args.part == "memory":
+        plot = args.json.with_name(args.json.stem + "_memory.png")
+        plot_memory(json.loads(args.json.read_text()), plot)
+        print(f"wrote {plot}")
 
 
 def print_heldout(result: dict[str, Any]) -> None:
@@ -654,13 +771,14 @@ def print_heldout(result: dict[str, Any]) -> None:
         print(f"  {name:<16}{parts['eot']['loss']:>7.2f} / {parts['other']['loss']:.2f}")
     print(f"\n{result['heldout_prompts']} held-out prompts; every model paired with the full SFT model (2-SE verdict)")
     print(f"{'model':<16}{'rank':>5}{'lr':>8}{'trained':>11}  {'greedy':<15}{'vs full SFT':<36}"
-          f"{'sampled':<15}{'vs full SFT':<36}")  # fmt: skip
+          f"{'sampled':<15}{'vs full SFT':<36}{'train s':>8}")  # fmt: skip
     for name, r in result["results"].items():
         setting = result["settings"].get(name, {"rank": "-", "lr": result.get("full_lr", "-")})
         trained = result.get("trained_params", {}).get(name) or 0
         print(
             f"{name:<16}{setting['rank']!s:>5}{setting['lr']!s:>8}{trained:>11,}  {fmt(r.get('heldout')):<15}"
             f"{paired(r.get('vs_sft')):<36}{fmt(r.get('sampled')):<15}{paired(r.get('vs_sft_sampled')):<36}"
+            f"{result.get('run_seconds', {}).get(name) or 0:>8.0f}"
         )
 
 

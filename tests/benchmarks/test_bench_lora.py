@@ -38,7 +38,7 @@ def test_the_adapters_off_reference_scores_what_a_copy_of_the_base_scores(step):
     config = ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=32, max_seq_len=64)
     args = argparse.Namespace(
         step=step, preset=None, rank=4, pairs=2, seq_len=24, prompt_len=6, prompts=2, group=2, new_tokens=5,
-        chunk_size=8,
+        chunk_size=8, repeat=1,
     )  # fmt: skip
     run = bench_lora.dpo_step if step == "dpo" else bench_lora.grpo_step
     losses = {}
@@ -46,5 +46,5 @@ def test_the_adapters_off_reference_scores_what_a_copy_of_the_base_scores(step):
         args.variant = variant
         policy, reference = bench_lora.build_models(args, config)
         assert (reference is None) == (variant == "lora-shared")
-        losses[variant] = run(args, policy, reference)["loss"]
+        losses[variant] = run(args, policy, reference, bench_lora.optimizer_for(policy))["loss"]
     assert losses["lora-shared"] == pytest.approx(losses["lora-copy"], abs=1e-6)
