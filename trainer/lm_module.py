@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from models.adapter_config import PeftConfig, adapter_config, lantern_targets
+from models.adapters import trained_names
 from models.errors import CheckpointError, NonFiniteLossError
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
@@ -235,7 +236,7 @@ class LanguageModelModule(L.LightningModule):
         return name.split(".", 1)[0] not in self.adapter_bases or name in trained
 
     def _trained_names(self) -> set[str]:
-        return {plain_name(name) for name, parameter in self.named_parameters() if parameter.requires_grad}
+        return {plain_name(name) for name in trained_names(self)}
 
     def check_adapter_checkpoint(self, checkpoint: Mapping[str, Any], path: Any) -> None:
         """Refuse, in one line naming ``path``, a checkpoint whose adapters were trained on another base (or with

@@ -75,6 +75,19 @@ def read_metric(run_dir: Path, csv_name: str, metric: str) -> dict[int, float]:
         return {int(r["step"]): float(r["value"]) for r in csv.DictReader(handle) if r["metric"] == metric}
 
 
+def run_metrics(run_dir: Path, accuracy: str) -> dict[str, dict[int, float]]:
+    """A DPO run's losses, train reward margin and ``accuracy`` (train/ or val/reward_accuracy), by step."""
+    return {
+        metric: read_metric(run_dir, csv_name, metric)
+        for csv_name, metric in [
+            ("metrics.csv", "train/loss"),
+            ("metrics.csv", "val/loss"),
+            ("rewards.csv", "train/reward_margin"),
+            ("accuracy.csv", accuracy),
+        ]
+    }
+
+
 def eval_batch(config: DPOConfig, split: str = "train") -> dict[str, torch.Tensor]:
     datamodule = DPODataModule(config.data, micro_batch_size=config.loader.micro_batch_size)
     return datamodule.eval_batches(split)[0]
@@ -193,15 +206,7 @@ def test_precomputed_and_on_the_fly_reference_give_the_same_losses(setup, tmp_pa
     runs = {}
     for mode in ("precompute", "on_the_fly"):
         run_dir = run_dpo(dpo_config(setup, tmp_path / mode, *common, f"loss.reference_logprobs={mode}", pairs="demo"))
-        runs[mode] = {
-            metric: read_metric(run_dir, csv_name, metric)
-            for csv_name, metric in [
-                ("metrics.csv", "train/loss"),
-                ("metrics.csv", "val/loss"),
-                ("rewards.csv", "train/reward_margin"),
-                ("accuracy.csv", "val/reward_accuracy"),
-            ]
-        }
+        runs[mode] = run_metrics(run_dir, "val/reward_accuracy")
         assert len(list(run_dir.glob("reference-logprobs-*.pt"))) == (mode == "precompute")
     assert runs["precompute"]["train/loss"][1] == pytest.approx(LOG2, abs=1e-6)
     assert runs["on_the_fly"]["train/loss"][1] == pytest.approx(LOG2, abs=1e-6)

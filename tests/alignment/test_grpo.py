@@ -5,6 +5,8 @@ FSDP2 on CPU matches a single process. The advantage maths by hand is in test_lo
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -72,8 +74,10 @@ def test_a_verifiable_toy_reward_rises(setup, tmp_path, baseline, aggregation):
     assert '"before"' in heldout and '"after"' in heldout and '"se"' in heldout
 
 
-def test_first_ratio_is_exactly_one(setup, tmp_path):
-    """The training pass's first minibatch reproduces the rollout's old log-probs bit for bit."""
+@contextmanager
+def first_log_ratios() -> Iterator[list[float]]:
+    """The first minibatch's max |log ratio| of every GRPO rollout run inside (0 when the training pass reproduces
+    the rollout's log-probs), in order."""
     from alignment.stages.grpo_module import GRPOModule
 
     captured: list[float] = []
@@ -84,9 +88,15 @@ def test_first_ratio_is_exactly_one(setup, tmp_path):
         captured.append(stats["first_minibatch_max_log_ratio"])
         return stats
 
-    config = grpo_config(setup, tmp_path, "trainer.max_steps=2", "eval.every_n_rollouts=100", "eval.pass_k=0")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(GRPOModule, "update", spy)
+        yield captured
+
+
+def test_first_ratio_is_exactly_one(setup, tmp_path):
+    """The training pass's first minibatch reproduces the rollout's old log-probs bit for bit."""
+    config = grpo_config(setup, tmp_path, "trainer.max_steps=2", "eval.every_n_rollouts=100", "eval.pass_k=0")
+    with first_log_ratios() as captured:
         run_grpo(config)
     assert captured == [0.0, 0.0]
 

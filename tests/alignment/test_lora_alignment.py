@@ -23,9 +23,9 @@ from alignment.stages.ppo import run_ppo
 from models.adapters import base_fingerprint
 from models.checkpoint import load_checkpoint
 from models.heads import load_scalar_model
-from tests.alignment.test_dpo import dpo_config, eval_batch, read_metric
+from tests.alignment.test_dpo import dpo_config, eval_batch, run_metrics
 from tests.alignment.test_dpo import setup as dpo_setup  # noqa: F401 (a module fixture, used by name)
-from tests.alignment.test_grpo import TOY, grpo_config, series
+from tests.alignment.test_grpo import TOY, first_log_ratios, grpo_config, series
 from tests.alignment.test_ppo import ppo_config
 
 LOG2 = math.log(2)
@@ -136,15 +136,7 @@ def test_dpo_with_lora_learns_and_precompute_equals_on_the_fly(dpo_setup, tmp_pa
         config = dpo_config(dpo_setup, tmp_path / mode, *common, f"loss.reference_logprobs={mode}")
         run_dir = fresh(run_dpo, config, extra_callbacks=[observe])
         observed[mode] = observe.seen
-        runs[mode] = {
-            metric: read_metric(run_dir, csv_name, metric)
-            for csv_name, metric in [
-                ("metrics.csv", "train/loss"),
-                ("metrics.csv", "val/loss"),
-                ("rewards.csv", "train/reward_margin"),
-                ("accuracy.csv", "train/reward_accuracy"),
-            ]
-        }
+        runs[mode] = run_metrics(run_dir, "train/reward_accuracy")
         assert len(list(run_dir.glob("reference-logprobs-*.pt"))) == (mode == "precompute")
         seen = observe.seen
         assert seen["frozen"] == {} and seen["parameters"] == seen["model_parameters"]  # no reference copy
@@ -184,17 +176,8 @@ def test_dpo_with_lora_and_an_explicit_reference_keeps_that_reference(dpo_setup,
 
 def grpo_first_rollouts(setup, out_dir: Path, *overrides: str) -> tuple[Path, list[float], dict]:
     """A short GRPO run with LoRA; the first minibatch's max |log ratio| of every rollout, and what the module held."""
-    captured: list[float] = []
-    update = GRPOModule.update
-
-    def spy(self, *args):
-        stats = update(self, *args)
-        captured.append(stats["first_minibatch_max_log_ratio"])
-        return stats
-
     observe = Observe()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(GRPOModule, "update", spy)
+    with first_log_ratios() as captured:
         run_dir = fresh(run_grpo, grpo_config(setup, out_dir, *LORA, *overrides), extra_callbacks=[observe])
     return run_dir, captured, observe.seen
 
