@@ -10,7 +10,9 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TextIO
 
+from alignment.commands.export_cli import add_export_command
 from alignment.commands.plan_cli import add_plan_command
 from models.errors import LanternError, one_line
 from trainer.interrupts import interrupted_message, received_signal, watch_signals
@@ -217,28 +219,6 @@ def _demo_data(args: argparse.Namespace) -> None:
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
 
-def _export(args: argparse.Namespace) -> None:
-    from models.atomic import StorageError
-    from trainer.export import export_training_checkpoint
-
-    if args.adapter and args.format == "native":
-        raise LanternError(
-            "--adapter writes a Hugging Face base (OUT/base) and a peft adapter (OUT/adapter): drop --format native, "
-            "or use --merge for a native model"
-        )
-    fmt = args.format or "native"
-    try:
-        out = export_training_checkpoint(
-            args.checkpoint, args.out, overwrite=args.overwrite, format=fmt, adapter=args.adapter
-        )
-    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
-        raise LanternError(str(error)) from error
-    if args.adapter:
-        print(f"wrote the Hugging Face base to {out / 'base'} and its LoRA adapter (peft) to {out / 'adapter'}")
-    else:
-        print(f"wrote {'Hugging Face' if fmt == 'hf' else 'native'} checkpoint to {out}")
-
-
 def _add_stage(commands, name: str, help: str, handler) -> None:
     stage = commands.add_parser(name, help=help)
     stage.add_argument("config", help="YAML config (e.g. configs/pretrain/shakespeare.yaml)")
@@ -334,39 +314,27 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.set_defaults(handler=_demo_data)
 
-    export = commands.add_parser(
-        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a model folder"
-    )
-    export.add_argument("checkpoint")
-    export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
-    export.add_argument(
-        "--format", choices=["native", "hf"], default=None, help="native (default) or Hugging Face (LlamaForCausalLM)"
-    )
-    adapters = export.add_mutually_exclusive_group()
-    adapters.add_argument(
-        "--merge",
-        action="store_true",
-        help="LoRA adapters folded into the weights: one plain model (the default; a no-op without adapters)",
-    )
-    adapters.add_argument(
-        "--adapter",
-        action="store_true",
-        help="LoRA adapters kept apart: OUT/base (Hugging Face) and OUT/adapter (peft's adapter_config.json and "
-        "adapter_model.safetensors)",
-    )
-    export.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty destination (never one that contains the checkpoint)",
-    )
-    export.set_defaults(handler=_export)
+    add_export_command(commands)
     return parser
+
+
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is logged, not as it was when main() first ran: in a long-lived
+    process (a notebook, a test run) that first stream may since have been replaced and closed."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # StreamHandler.__init__ assigns one; the property ignores it
+        pass
 
 
 def _configure_logging(level: int) -> None:
     """Our packages log to stderr; Lightning keeps its own handler (configuring the root would print its
     messages twice)."""
-    handler = logging.StreamHandler()
+    handler = _CurrentStderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     for name in ("lantern", "trainer", "data", "models", "alignment"):
         package_logger = logging.getLogger(name)

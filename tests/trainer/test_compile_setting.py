@@ -77,11 +77,15 @@ def test_a_bad_value_set_in_code_is_refused_before_the_run():
 
 
 def test_cpu_presets_follow_auto():
-    """Only the GPU pretraining presets name trainer.compile (true: they need GPUs); every other preset runs on
-    the default, auto, which keeps the CPU pipeline eager."""
-    named = {}
+    """Only GPU presets (trainer.accelerator: gpu) name trainer.compile, and then true; every CPU preset runs on the
+    default, auto, which keeps the CPU pipeline eager."""
+    named, gpu_presets = {}, set()
     for path in sorted((ROOT / "configs").glob("*/*.yaml")):
         trainer = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("trainer") or {}
+        name = path.relative_to(ROOT).as_posix()
+        if trainer.get("accelerator") == "gpu":
+            gpu_presets.add(name)
         if "compile" in trainer:
-            named[path.relative_to(ROOT).as_posix()] = trainer["compile"]
-    assert named == {"configs/pretrain/llama3.2-1b.yaml": True, "configs/pretrain/llama3.2-1b-1gpu.yaml": True}
+            named[name] = trainer["compile"]
+    assert {"configs/pretrain/llama3.2-1b.yaml", "configs/sft/llama3.2-1b-lora.yaml"} <= set(named)
+    assert set(named) <= gpu_presets and set(named.values()) == {True}

@@ -1,7 +1,10 @@
 """The ``lantern`` command as a user types it (in-process through ``main`` unless a subprocess is needed)."""
 
+import contextlib
 import dataclasses
 import importlib
+import io
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +160,20 @@ def test_every_training_command_names_a_schema_that_imports():
         schema = getattr(importlib.import_module(module), name)
         assert dataclasses.is_dataclass(schema), command
         assert f"_{command.replace('-', '_')}" in dir(cli), f"no handler for {command}"
+
+
+def test_log_lines_go_to_the_stderr_of_each_call(capsys, monkeypatch):
+    """main() in a long-lived process (a notebook, a test run) logs to the sys.stderr of the current call: a handler
+    bound to the first call's stream would write into it after it closed ('--- Logging error ---' and a traceback)."""
+    for name in ("lantern", "trainer", "data", "models", "alignment"):
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])  # as in a fresh process
+    first = io.StringIO()
+    with contextlib.redirect_stderr(first):
+        cli._configure_logging(logging.INFO)  # what main() does first
+        logging.getLogger("trainer.checks").warning("during the first call")
+    assert first.getvalue() == "WARNING trainer.checks: during the first call\n"
+    first.close()
+    logging.getLogger("trainer.checks").warning("after the first call")
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert err == "WARNING trainer.checks: after the first call\n"

@@ -1,0 +1,62 @@
+"""``lantern export``: a training checkpoint (a .ckpt file or a sharded folder) into a model folder, native or
+Hugging Face, with LoRA adapters merged or kept apart in peft's format (trainer/export.py does the work; this module
+parses and reports, importing torch only when the command runs, so that ``lantern --help`` stays light)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from models.errors import LanternError
+
+
+def add_export_command(commands: Any) -> None:
+    """``lantern export CHECKPOINT OUT [--format native|hf] [--merge|--adapter] [--overwrite]`` on ``commands``."""
+    export = commands.add_parser(
+        "export", help="turn a training checkpoint (.ckpt file or sharded folder) into a model folder"
+    )
+    export.add_argument("checkpoint")
+    export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
+    export.add_argument(
+        "--format", choices=["native", "hf"], default=None, help="native (default) or Hugging Face (LlamaForCausalLM)"
+    )
+    adapters = export.add_mutually_exclusive_group()
+    adapters.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA adapters folded into the weights: one plain model (the default; a no-op without adapters)",
+    )
+    adapters.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA adapters kept apart: OUT/base (Hugging Face) and OUT/adapter (peft's adapter_config.json and "
+        "adapter_model.safetensors)",
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty destination (never one that contains the checkpoint)",
+    )
+    export.set_defaults(handler=_export)
+
+
+def _export(args: argparse.Namespace) -> None:
+    from models.atomic import StorageError
+    from trainer.export import export_training_checkpoint
+
+    if args.adapter and args.format == "native":
+        raise LanternError(
+            "--adapter writes a Hugging Face base (OUT/base) and a peft adapter (OUT/adapter): drop --format native, "
+            "or use --merge for a native model"
+        )
+    fmt = args.format or "native"
+    try:
+        out = export_training_checkpoint(
+            args.checkpoint, args.out, overwrite=args.overwrite, format=fmt, adapter=args.adapter
+        )
+    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
+        raise LanternError(str(error)) from error
+    if args.adapter:
+        print(f"wrote the Hugging Face base to {out / 'base'} and its LoRA adapter (peft) to {out / 'adapter'}")
+    else:
+        print(f"wrote {'Hugging Face' if fmt == 'hf' else 'native'} checkpoint to {out}")
