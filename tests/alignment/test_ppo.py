@@ -413,28 +413,6 @@ def test_too_long_prompts_are_truncated_or_dropped_and_counted(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_ppo_on_two_processes(setup, tmp_path):
-    """2-process FSDP2 PPO on CPU: generation with weights gathered once, losses reduced over ranks; its
-    first rollout's score equals a single process's with the same prompts (the same global batch)."""
-    common = [
-        f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}", f"data.train=[{setup['train_prompts']}]",
-        f"data.val=[{setup['prompts']}]",
-        "logger.kind=none", "trainer.max_steps=2", "eval.every_n_rollouts=2", "trainer.accelerator=cpu", "run.name=run",
-        "ppo.temperature=0",  # greedy rollouts: the same responses whatever the rank layout
-    ]  # fmt: skip
-    runs = {
-        "single": ["ppo.rollout_batch_size=8", "ppo.minibatch_size=4"],
-        "fsdp": ["trainer.strategy=fsdp", "trainer.devices=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2"],
-    }
-    scores = {}
-    for name, extra in runs.items():
-        run_cli("ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path / name}", *common, *extra)
-        run_dir = tmp_path / name / "run"
-        scores[name] = metrics(run_dir)["ppo/score"]
-        assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "eval.png").is_file()
-    assert scores["fsdp"][0] == pytest.approx(scores["single"][0], abs=1e-4)
-
-
 # ---- devices: the sampler and the frozen models ----
 
 
@@ -538,17 +516,26 @@ def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path)
     decoded by the compiled static decode step (made the CPU's ``auto`` by tests/alignment/compiled_decode.py). The
     fullgraph trace used to stop at the FSDP2-wrapped compiled blocks (``Unsupported: Attempted to inline function
     marked as skipped ... OptimizedModule.__call__``) at the first generation; now every rank's every generate call
-    gives the eager decode's greedy tokens."""
+    gives the eager decode's greedy tokens. Generation gathers the weights once and the losses are reduced over ranks:
+    the first rollout's score equals a single process's over the same prompts (the same global batch)."""
+    common = [
+        str(ROOT / "configs/ppo/tiny.yaml"), "run.name=run", f"init.policy={setup['policy']}",
+        f"init.reward_model={setup['reward']}", f"data.train=[{setup['train_prompts']}]",
+        f"data.val=[{setup['prompts']}]", "logger.kind=csv", "trainer.accelerator=cpu", "trainer.max_steps=2",
+        "eval.every_n_rollouts=2", "eval.generations=4", "ppo.epochs=1",
+        "ppo.temperature=0",  # greedy rollouts: the same responses whatever the rank layout
+    ]  # fmt: skip
     records = run_checked(
-        "ppo", str(ROOT / "configs/ppo/tiny.yaml"), f"run.out_dir={tmp_path}", "run.name=run",
-        f"init.policy={setup['policy']}", f"init.reward_model={setup['reward']}",
-        f"data.train=[{setup['train_prompts']}]", f"data.val=[{setup['prompts']}]", "logger.kind=none",
-        "trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2", "trainer.compile=true",
-        "trainer.activation_checkpointing=full", "trainer.max_steps=2", "eval.every_n_rollouts=2", "eval.generations=4",
-        "ppo.temperature=0", "ppo.rollout_batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2", "ppo.epochs=1",
-        log=tmp_path / "decode.jsonl",
+        "ppo", *common, f"run.out_dir={tmp_path / 'fsdp'}", "trainer.strategy=fsdp", "trainer.devices=2",
+        "trainer.compile=true", "trainer.activation_checkpointing=full", "ppo.rollout_batch_size=4",
+        "ppo.minibatch_size=2", "ppo.micro_batch_size=2", log=tmp_path / "decode.jsonl",
     )  # fmt: skip
-    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    run_cli("ppo", *common, f"run.out_dir={tmp_path / 'single'}", "ppo.rollout_batch_size=8", "ppo.minibatch_size=4")
+    for name in ("fsdp", "single"):
+        assert (tmp_path / name / "run" / "final" / "model.safetensors").is_file()
+        assert (tmp_path / name / "run" / "eval.png").is_file()
+    first_score = {name: metrics(tmp_path / name / "run")["ppo/score"][0] for name in ("fsdp", "single")}
+    assert first_score["fsdp"] == pytest.approx(first_score["single"], abs=1e-4)
     assert {r["rank"] for r in records} == {0, 1}
     rollouts = [r for r in records if r["rows"] == 4]  # (the held-out answers: 2 per rank)
     assert len(rollouts) == 4 and all(r["compiled_steps"] > 0 for r in records)

@@ -115,9 +115,7 @@ SAVED_CASES = [
     ("small", 1, 512, None, "none", "fp32", True, 1024),
     ("small", 1, 512, None, "full", "fp32", True, 1024),
     ("small", 1, 512, None, "selective", "fp32", True, 1024),
-    pytest.param("llama3.2-1b", 1, 512, 2, "none", "fp32", True, 1024, marks=SLOW_1B),
-    pytest.param("llama3.2-1b", 1, 512, 2, "full", "fp32", True, 1024, marks=SLOW_1B),
-]
+]  # the 1B shape is checked against the allocator's peak below, which is what a plan's verdict rests on
 
 
 @pytest.mark.parametrize(("preset", "batch", "seq", "layers", "ac", "numerics", "masked", "chunk"), SAVED_CASES)
