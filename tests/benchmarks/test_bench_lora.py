@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from benchmarks import bench_lora
+from benchmarks.lora import memory, params
 from models.model import ModelConfig
 
 TINY = ModelConfig.from_preset("tiny")
@@ -16,7 +16,7 @@ TINY = ModelConfig.from_preset("tiny")
 
 def test_params_match_the_closed_form():
     rank = 16
-    row = bench_lora.count_preset("tiny", rank, 32.0)
+    row = params.count_preset("tiny", rank, 32.0)
     kv = TINY.n_kv_heads * TINY.head_dim
     shapes = [(TINY.dim, TINY.dim), (TINY.dim, kv), (TINY.dim, kv), (TINY.dim, TINY.dim)]
     shapes += [(TINY.dim, TINY.hidden_dim), (TINY.hidden_dim, TINY.dim), (TINY.dim, TINY.hidden_dim)]
@@ -29,7 +29,7 @@ def test_params_match_the_closed_form():
 
 
 def test_tied_embeddings_count_once():
-    row = bench_lora.count_preset({**TINY.to_dict(), "tie_embeddings": True}, 16, 32.0)
+    row = params.count_preset({**TINY.to_dict(), "tie_embeddings": True}, 16, 32.0)
     assert row["base_params"] == TINY.num_params() - TINY.vocab_size * TINY.dim
 
 
@@ -40,11 +40,11 @@ def test_the_adapters_off_reference_scores_what_a_copy_of_the_base_scores(step):
         step=step, preset=None, rank=4, pairs=2, seq_len=24, prompt_len=6, prompts=2, group=2, new_tokens=5,
         chunk_size=8, repeat=1,
     )  # fmt: skip
-    run = bench_lora.dpo_step if step == "dpo" else bench_lora.grpo_step
+    run = memory.dpo_step if step == "dpo" else memory.grpo_step
     losses = {}
-    for variant in bench_lora.VARIANTS:
+    for variant in memory.VARIANTS:
         args.variant = variant
-        policy, reference = bench_lora.build_models(args, config)
+        policy, reference = memory.build_models(args, config)
         assert (reference is None) == (variant == "lora-shared")
-        losses[variant] = run(args, policy, reference, bench_lora.optimizer_for(policy))["loss"]
+        losses[variant] = run(args, policy, reference, memory.optimizer_for(policy))["loss"]
     assert losses["lora-shared"] == pytest.approx(losses["lora-copy"], abs=1e-6)
