@@ -57,7 +57,7 @@ from alignment.stages.pretrain import PretrainModule, pretrain_datamodule
 from data.pretrain.prepare import prepare
 from models.hf_format import config_to_hf
 from models.model import Transformer
-from trainer.build import make_trainer, resolve_precision, run_directory
+from trainer.build import make_trainer, resolve_compile, resolve_precision, run_directory
 from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops
 from trainer.config import load_config
 from trainer.optim import build_optimizer
@@ -139,6 +139,7 @@ def build_config(args: argparse.Namespace, precision: str | None, out_dir: Path,
             f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
         )
     resolve_precision(config.trainer)  # `auto` -> what this device trains in, for the contenders outside Lightning too
+    resolve_compile(config.trainer)  # `auto` -> eager on CPU, as Lightning runs it: a truthy 'auto' compiled the others
     return config
 
 
@@ -457,7 +458,7 @@ def main() -> None:
             "benchmark": "pretrain", "mode": "fsdp-ac" if args.fsdp_ac else "compare", "device": device_name,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "preset": args.preset or Path(args.config).stem, "params": config.model.num_params(), "seq_len": config.loader.seq_len,
-            "micro_batch": config.loader.micro_batch_size, "flops_per_token": config.model.flops_per_token(config.loader.seq_len),
+            "micro_batch": config.loader.micro_batch_size, "compile": config.trainer.compile, "flops_per_token": config.model.flops_per_token(config.loader.seq_len),
             "args": vars(args), "results": results,
         }, indent=2))  # fmt: skip
 
