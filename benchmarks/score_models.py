@@ -36,13 +36,19 @@ def open_pipeline(
     its report scores it: (pipeline, SFT folder, tokenizer, held-out prompts, SFT results). Every model is compared
     with the pipeline's own SFT model, so a start_checkpoint, which would stand in for it, is dropped. No finished
     SFT stage, or demo data written with other settings, exits with one line."""
-    config = load_pipeline_config(config_path, [*overrides, f"out_dir={root}", "logger.kind=csv"])
-    config.start_checkpoint = None
-    pipeline = Pipeline(config)
+    pipeline = pipeline_at(config_path, root, overrides)
     try:
         return pipeline, *score_sft(pipeline)
     except (ConfigError, DataError) as error:
         raise SystemExit(f"{error} (`lantern pipeline {config_path}`)") from None
+
+
+def pipeline_at(config_path: str, root: Path, overrides: list[str]) -> Pipeline:
+    """The pipeline of ``config_path`` (with ``overrides``) in the folder ``root``, for scoring beside its own SFT
+    model: a start_checkpoint, which would stand in for that model, is dropped."""
+    config = load_pipeline_config(config_path, [*overrides, f"out_dir={root}", "logger.kind=csv"])
+    config.start_checkpoint = None
+    return Pipeline(config)
 
 
 def named_models(pairs: list[str]) -> dict[str, Path]:

@@ -91,17 +91,22 @@ def evaluate_stage(
     return result
 
 
-def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
+def scoring_inputs(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]]]:
     """What scoring other models beside a finished pipeline's SFT model needs: (the SFT model's folder, the
-    tokenizer, the held-out prompts, the SFT model's results), scored as the report scores it. The demo files are
-    written first where missing (their hash is part of the evaluation's key); ones written with other demo settings
-    than the config's are refused (DataError)."""
+    tokenizer, the held-out prompts). The demo files are written first where missing (their hash is part of the
+    evaluation's key); ones written with other demo settings than the config's are refused (DataError), and so is a
+    pipeline folder without a finished SFT stage of this config (ConfigError)."""
     pipeline.write_demo(only_if_current=True)
     sft = pipeline.upstream("sft")[0]
     if sft is None or sft != pipeline.stage_dir("sft") / "final":
         raise ConfigError(f"{pipeline.root} has no finished SFT stage of this pipeline config: run the pipeline first")
     tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
-    prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+    return sft, tokenizer, heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+
+
+def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
+    """``scoring_inputs`` and the SFT model's results, scored as the report scores it."""
+    sft, tokenizer, prompts = scoring_inputs(pipeline)
     return sft, tokenizer, prompts, evaluate_stage(pipeline.config.report, "sft", sft, prompts, tokenizer, None)
 
 

@@ -82,8 +82,8 @@ def run_heldout(args: argparse.Namespace) -> dict[str, Any]:
     scored = score_beside_sft(args.config, pipeline, models)
     walls["scoring"] = time.perf_counter() - start
     finals = {"base": pipeline / "pretrain" / "final", "sft": pipeline / "sft" / "final", **models}
-    losses = answer_losses(pipeline / "data" / "demo" / "val.jsonl", load_yaml(sft_config)["data"]["tokenizer"], finals)
     full = load_yaml(sft_config)
+    losses = answer_losses(pipeline / "data" / "demo" / "val.jsonl", full["data"]["tokenizer"], finals)
     trained = {"sft": count_preset(full["model"], 16, 32.0)["base_params"]}
     trained.update(
         {name: count_preset(full["model"], s["rank"], s["alpha"])["lora_params"] for name, s in settings.items()}
@@ -111,19 +111,14 @@ def score_beside_sft(config_path: str, pipeline: Path, models: dict[str, Path]) 
     """benchmarks/score_models.py's scoring (the pipeline report's: greedy and sampled accuracy, pass@k, each model
     paired with the pipeline's SFT model), with each model's result cached in its folder's parent under the
     folder's fingerprint, so that an interrupted run scores only what is left."""
-    from alignment.commands.pipeline import Pipeline, load_pipeline_config
-    from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, heldout_prompts, without_per_prompt
+    from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, scoring_inputs, without_per_prompt
     from alignment.shared.evaluation import json_safe
-    from data.tokenizer.tokenizer import Tokenizer
+    from benchmarks.score_models import pipeline_at
     from models.digests import content_key, folder_fingerprint
 
-    config = load_pipeline_config(config_path, [f"out_dir={pipeline}", "logger.kind=csv"])
-    config.start_checkpoint = None
-    runner = Pipeline(config)
-    runner.write_demo(only_if_current=True)  # refuses demo data written with other settings
-    sft = runner.stage_dir("sft") / "final"
-    tokenizer = Tokenizer.load(runner.load_stage_config("sft")[0].data.tokenizer)
-    prompts = heldout_prompts(runner.demo, config.report, tokenizer)
+    runner = pipeline_at(config_path, pipeline, [])
+    config = runner.config
+    sft, tokenizer, prompts = scoring_inputs(runner)  # refuses demo data written with other settings
     results = {}
     for name, path in {"sft": sft, **models}.items():
         cache = path.parent / "bench_lora_score.json"
