@@ -89,24 +89,28 @@ def fsync_tree(root: PathLike) -> None:
         fsync_dir(dirpath)
 
 
-def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file") -> Path:
+def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file", durable: bool = True) -> Path:
     """Replace ``path`` with ``data`` by write-then-rename: readers and a crash (kill -9, full disk) see the
     whole old file or the whole new one, never a truncated one. The temporary is unique per call, so two
-    writers never collide on it, and removed when the write fails (raised as a StorageError)."""
+    writers never collide on it, and removed when the write fails (raised as a StorageError). ``durable=False``
+    skips the fsyncs, for a record rewritten at every logged step whose version one step stale after a machine
+    crash costs little (trainer/wandb_run.py); a kill -9 still leaves the whole old or new file."""
     path = Path(path)
     temporary = path.with_name(f".tmp-{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
     payload = data.encode("utf-8") if isinstance(data, str) else data  # UTF-8 whatever the locale
     try:
         with open(temporary, "wb") as handle:
             handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except OSError as error:
         remove_path(temporary)
         kept = "the previous version is unchanged" if path.exists() else "nothing was written"
         raise storage_error(error, path, what, kept=kept) from error
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return path
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from models.atomic import write_atomically
 
 RUN_RECORD = "wandb-run.json"
 LOG_MODEL = ("off", "final", "all")
@@ -39,10 +40,8 @@ def read_run_record(run_dir: Path) -> dict[str, Any] | None:
 
 def write_run_record(run_dir: Path, record: Mapping[str, Any]) -> None:
     """Replace the record by write-then-rename (a reader never sees half of it); no fsync (see the module notes)."""
-    path = Path(run_dir) / RUN_RECORD
-    temporary = path.with_name(f".tmp-{RUN_RECORD}.{os.getpid()}")
-    temporary.write_text(json.dumps(dict(record), indent=1) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    payload = json.dumps(dict(record), indent=1) + "\n"
+    write_atomically(Path(run_dir) / RUN_RECORD, payload, what="W&B run record", durable=False)
 
 
 def new_run_id() -> str:
