@@ -97,7 +97,8 @@ class LoggerConfig:
     job_type: str | None = None  # None: the stage (pretrain, sft, rm, ...)
     tags: list[str] = field(default_factory=list)
     # W&B system charts (GPU utilisation, memory, power; CPU, RAM, disk, network), sampled every 15 s by W&B's
-    # service: on, since they cost nothing measurable even on a CPU smoke run (docs/configuration.md)
+    # service: on, since they cost nothing measurable even on a CPU smoke run (30 tiny pretraining steps, offline:
+    # 0.015 CPU-seconds of W&B's service, start and finish no longer; docs/configuration.md)
     system_stats: bool = True
     # checkpoints as W&B model artifacts: off | final (final/ at the end) | all (also every checkpoint as it is
     # written); YAML's false / true read as off / final

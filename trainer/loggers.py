@@ -275,7 +275,7 @@ def make_logger(
                     tags=list(config.tags),
                     mode=attempt,
                     config=hyperparameters,
-                    settings=_wandb_settings(attempt, system_stats(config)),
+                    settings=_wandb_settings(attempt, config.system_stats),
                     run_dir=run_dir,
                     record=record,
                     log_model=log_model,
@@ -302,13 +302,6 @@ def resumes_run(run_dir: Path, resume: str | None) -> bool:
 def job_type(config: LoggerConfig, run_dir: Path) -> str | None:
     """``logger.job_type``, else the stage the run folder was claimed for (its marker, models/folders.py)."""
     return config.job_type or (folder_record(Path(run_dir)) or {}).get("stage")
-
-
-def system_stats(config: LoggerConfig) -> bool:
-    """``logger.system_stats``: W&B's system charts (GPU utilisation, memory and power are what a GPU job is looked
-    at for first). On by default everywhere: measured on a CPU smoke run (30 tiny pretraining steps, offline), the
-    sampler took 0.015 CPU-seconds of W&B's service per run and start and finish no longer (docs/configuration.md)."""
-    return bool(config.system_stats)
 
 
 @contextlib.contextmanager
@@ -365,7 +358,7 @@ def _finish_failed_wandb_run() -> None:
 def _wandb_settings(mode: str, stats: bool) -> Any:
     import wandb  # deferred: only runs that log to W&B pay for importing it
 
-    # No console capture (Lantern's own log lines and metrics say it all). System stats: see system_stats.
+    # No console capture (Lantern's own log lines and metrics say it all). System stats: LoggerConfig.system_stats.
     timeout = {"init_timeout": WANDB_ONLINE_INIT_TIMEOUT_S} if mode == "online" else {}
     return wandb.Settings(console="off", x_disable_stats=not stats, silent=True, **timeout)
 

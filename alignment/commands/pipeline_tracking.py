@@ -88,8 +88,9 @@ def track_report(pipeline: Pipeline) -> None:
     if logger.kind != "wandb" or report is None:
         return
     written = dict(tracking.record.get("summaries") or {})
-    for stage, entry in report["stages"].items():
-        run_dir, summary = pipeline.stage_dir(stage), stage_summary(entry)
+    summaries = {stage: stage_summary(entry) for stage, entry in report["stages"].items()}
+    for stage, summary in summaries.items():
+        run_dir = pipeline.stage_dir(stage)
         record = read_run_record(run_dir)  # none: the stage logged no W&B run (another logger, W&B failed)
         key = content_key(summary, record and record["id"])  # a re-trained stage is a new run: written again
         if record is None or not summary or written.get(stage) == key:
@@ -119,8 +120,8 @@ def track_report(pipeline: Pipeline) -> None:
         run.summary.update(
             {
                 f"{stage}/{k.removeprefix('report/')}": v
-                for stage, e in report["stages"].items()
-                for k, v in stage_summary(e).items()
+                for stage, summary in summaries.items()
+                for k, v in summary.items()
             }
         )
         try:

@@ -28,7 +28,6 @@ from trainer.loggers import (
     close_logger,
     make_logger,
     recorded_run,
-    system_stats,
 )
 from trainer.plots import read_csv_rows
 from trainer.storage import claim_run_directory
@@ -249,10 +248,16 @@ def test_log_model_is_off_final_or_all_named_in_one_line(tmp_path):
     assert load_config(PretrainConfig, TINY, ["logger.log_model=off"]).logger.log_model is False  # YAML's off
 
 
-def test_system_charts_are_on_unless_switched_off():
+def test_system_charts_are_on_unless_switched_off(tmp_path):
     """``logger.system_stats``: W&B's system charts (GPU utilisation, memory, power; CPU, RAM, disk) are on by
     default (docs/configuration.md has what they cost a CPU smoke run: nothing measurable); false switches them off."""
-    assert system_stats(LoggerConfig()) is True
-    assert system_stats(LoggerConfig(system_stats=False)) is False
+    assert LoggerConfig().system_stats is True
     assert _wandb_settings("offline", stats=True).x_disable_stats is False
     assert _wandb_settings("offline", stats=False).x_disable_stats is True
+    for on in (True, False):  # what make_logger hands W&B
+        (run_dir := tmp_path / str(on)).mkdir()
+        logger = make_logger(LoggerConfig(mode="offline", system_stats=on), run_dir, "run", {})
+        try:
+            assert logger._wandb_init["settings"].x_disable_stats is not on
+        finally:
+            close_logger(logger)
