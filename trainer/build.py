@@ -34,7 +34,7 @@ from trainer.callbacks import (
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
-from trainer.plan import announce_plan
+from trainer.plan import announce_plan, planned_precision
 from trainer.storage import (
     claim_run_directory,
     has_checkpoints,
@@ -167,7 +167,7 @@ def resolve_precision(config: TrainerConfig) -> str:
     without native bf16 kernels is honoured with a warning that says what it costs."""
     on_cuda = _runs_on_cuda(config)
     if config.precision == "auto":
-        config.precision = "bf16-mixed" if on_cuda and torch.cuda.is_bf16_supported() else "32-true"
+        config.precision = planned_precision("auto", on_gpu=on_cuda and torch.cuda.is_bf16_supported())
     elif config.precision.startswith("bf16") and not on_cuda and not cpu_has_native_bf16():
         warnings.warn(
             f"trainer.precision={config.precision} on a CPU without native bf16 kernels (no AVX-512 BF16 / AMX): "

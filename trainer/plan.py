@@ -28,7 +28,8 @@ TIGHT = 0.9  # above this share of the usable memory a run fits only just: fragm
 
 
 def planned_precision(precision: str, on_gpu: bool) -> str:
-    """``auto`` as a run resolves it (trainer/build.py's ``resolve_precision``): bf16-mixed on a GPU, 32-true on CPU."""
+    """``auto`` on a GPU (with bf16) or not: bf16-mixed, else 32-true; the one rule for a run (trainer/build.py's
+    ``resolve_precision``, on the device it has) and a plan (on the device it plans for)."""
     if precision == "auto":
         return "bf16-mixed" if on_gpu else "32-true"
     return precision
