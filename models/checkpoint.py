@@ -1,4 +1,5 @@
-"""Checkpoint interop, the one public entry: Lantern's native folder, Hugging Face Llama folders and Meta's
+"""Checkpoint interop, the one public entry: Lantern's native folder, Hugging Face Llama-family folders (Llama,
+Mistral, Qwen2) and Meta's
 consolidated.*.pth, all loaded into one in-memory model (``models.model.Transformer``, whose parameter names are
 Meta's).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,13 @@ from models.errors import CheckpointError
 from models.hf_format import config_to_hf, hf_special_ids, load_hf, load_hf_config, native_to_hf_state, write_hf_weights
 from models.meta_format import load_meta, load_meta_config
 from models.model import ModelConfig, Transformer
+from models.tokenizer_files import (
+    TokenizerFiles,
+    as_tokenizer_files,
+    copy_tokenizer_files,
+    special_ids,
+    tokenizer_files_in,
+)
 
 __all__ = [
     "FORMATS",
@@ -48,7 +55,6 @@ __all__ = [
 FORMATS = ("native", "hf", "meta")
 NATIVE_FORMAT_VERSION = 1
 NATIVE_CONFIG = "lantern.json"
-TOKENIZER = "tokenizer.model"
 
 PathLike = str | os.PathLike
 
@@ -70,7 +76,7 @@ def detect_format(path: PathLike) -> str:
     raise FileNotFoundError(
         f"{directory} is not a recognised checkpoint folder. Expected one of: "
         f"{NATIVE_CONFIG} + {WEIGHTS} (Lantern); config.json + model.safetensors, "
-        "model.safetensors.index.json or pytorch_model.bin (Hugging Face Llama); "
+        "model.safetensors.index.json or pytorch_model.bin (Hugging Face Llama, Mistral or Qwen2); "
         f"params.json + consolidated.00.pth (Meta). Found: {present}"
     )
 
@@ -197,7 +203,7 @@ def save_checkpoint(
     model: nn.Module,
     directory: PathLike,
     *,
-    tokenizer_path: PathLike | None = None,
+    tokenizer_path: PathLike | TokenizerFiles | None = None,
     metadata: Mapping[str, Any] | None = None,
     if_exists: IfExists = "replace-lantern",
     sources: tuple[PathLike, ...] = (),
@@ -205,7 +211,8 @@ def save_checkpoint(
     """Write ``model`` as a native checkpoint folder, atomically.
 
     ``metadata`` must be JSON-serialisable (step, tokenizer ids, ...); it is stored in lantern.json.
-    ``tokenizer_path`` is copied in as tokenizer.model. An existing non-empty folder is replaced only when
+    ``tokenizer_path`` (a tiktoken rank file, copied in as tokenizer.model, or a tokenizer's ``files``: Hugging
+    Face's tokenizer.json and companions) is copied in. An existing non-empty folder is replaced only when
     Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never with
     "refuse"; never one that contains ``sources`` (see ``models.atomic.check_destination``).
     """
@@ -217,15 +224,13 @@ def save_checkpoint(
         "metadata": dict(metadata or {}),
     }
     text = json.dumps(info, indent=2)  # fail on non-JSON metadata before touching the disk
-    if tokenizer_path is not None and not Path(tokenizer_path).is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
+    tokenizer_files = as_tokenizer_files(tokenizer_path)
     state = _native_state(model)
     target = Path(directory)
     with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
         save_safetensors(state, tmp / WEIGHTS)
         (tmp / NATIVE_CONFIG).write_text(text + "\n")
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
+        copy_tokenizer_files(tokenizer_files, tmp)
     return target
 
 
@@ -258,14 +263,16 @@ def export_hf(
     *,
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
-    tokenizer_path: PathLike | None = None,
+    tokenizer_path: PathLike | TokenizerFiles | None = None,
     if_exists: IfExists = "replace-lantern",
 ) -> Path:
-    """Write a Hugging Face LlamaForCausalLM folder (config.json, safetensors, generation_config.json), atomically.
+    """Write a Hugging Face folder of the model's family (``ModelConfig.hf_architecture``: config.json, safetensors,
+    generation_config.json), atomically.
     An existing folder is replaced as ``save_checkpoint`` says (``if_exists``).
 
     Accepts a Transformer or any checkpoint folder load_checkpoint reads. The tokenizer (``tokenizer_path`` or the
-    checkpoint's tokenizer.model) goes to original/tokenizer.model, as in Meta's Hugging Face repos. bos/eos ids
+    checkpoint's own files) is copied: tokenizer.json and its companions at the top, a tiktoken rank file to
+    original/tokenizer.model, as in Meta's Hugging Face repos. bos/eos ids
     come from the checkpoint metadata (bos_token_id / eos_token_id) or else from that tokenizer file.
     """
     metadata: dict[str, Any] = {}
@@ -279,7 +286,7 @@ def export_hf(
         if detect_format(source) == "native":
             metadata = read_json(source / NATIVE_CONFIG).get("metadata", {})
         if tokenizer_path is None:
-            tokenizer_path = _find_tokenizer(source)
+            tokenizer_path = tokenizer_files_in(source)
     return _export_hf(model, out_dir, _as_dtype(dtype), max_shard_size, tokenizer_path, metadata, if_exists, sources)
 
 
@@ -288,14 +295,15 @@ def _export_hf(
     out_dir: PathLike,
     dtype: torch.dtype | None,
     max_shard_size: int | str | None,
-    tokenizer_path: PathLike | None,
+    tokenizer_path: PathLike | TokenizerFiles | None,
     metadata: Mapping[str, Any],
     if_exists: IfExists = "replace-lantern",
     sources: tuple[PathLike, ...] = (),
 ) -> Path:
+    tokenizer_files = as_tokenizer_files(tokenizer_path)
     bos, eos = metadata.get("bos_token_id"), metadata.get("eos_token_id")
-    if tokenizer_path is not None and (bos is None or eos is None):
-        guessed_bos, guessed_eos = _special_ids_from_tokenizer(Path(tokenizer_path))
+    if tokenizer_files and (bos is None or eos is None):
+        guessed_bos, guessed_eos = special_ids(tokenizer_files)
         bos = guessed_bos if bos is None else bos
         eos = guessed_eos if eos is None else eos
     state = _native_state(model, dtype)
@@ -310,31 +318,8 @@ def _export_hf(
         if bos is not None or eos is not None:
             generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if tokenizer_path is not None:
-            (tmp / "original").mkdir()
-            shutil.copyfile(tokenizer_path, tmp / "original" / TOKENIZER)
+        copy_tokenizer_files(tokenizer_files, tmp, rank_file_in_original=True)
     return target
-
-
-def _special_ids_from_tokenizer(path: Path) -> tuple[int | None, list[int] | None]:
-    """bos / stop ids of a Lantern / Llama 3 tiktoken rank file: its N ranks are followed by Meta's 256 specials,
-    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9 (see data/tokenizer/tokenizer.py)."""
-    try:
-        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-        ranks = [int(line.split()[1]) for line in lines]
-    except (OSError, ValueError, IndexError):
-        return None, None  # not a rank file (e.g. a sentencepiece model): ids unknown
-    if ranks != list(range(len(ranks))):
-        return None, None
-    n = len(ranks)
-    return n, [n + 1, n + 8, n + 9]
-
-
-def _find_tokenizer(directory: Path) -> Path | None:
-    for candidate in (directory / TOKENIZER, directory / "original" / TOKENIZER):
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def convert(
@@ -346,10 +331,11 @@ def convert(
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str | None = None,
     overwrite: bool = False,
+    tokenizer_path: PathLike | TokenizerFiles | None = None,
 ) -> Path:
     """Convert a checkpoint folder (hf / meta / native / auto) to a native or Hugging Face folder.
 
-    A tokenizer.model in ``src`` or ``src/original`` travels along; Hugging Face bos/eos ids are kept in the
+    The tokenizer files in ``src`` (``models.tokenizer_files``), or ``tokenizer_path``, travel along; Hugging Face bos/eos ids are kept in the
     native metadata (and written back on export). ``dtype`` None keeps the source dtype. A non-empty ``dst``
     is refused unless ``overwrite``, and a ``dst`` that is or contains ``src`` always (checked before reading
     any weights).
@@ -365,7 +351,7 @@ def convert(
     check_destination(dst, if_exists=if_exists, sources=(source,))
     fmt = _resolve_format(source, src_format)
     model = load_checkpoint(source, format=fmt, dtype=dtype)
-    tokenizer = _find_tokenizer(source)
+    tokenizer = tokenizer_path if tokenizer_path is not None else tokenizer_files_in(source)
     metadata: dict[str, Any] = {}
     if fmt == "native":
         metadata = read_json(source / NATIVE_CONFIG).get("metadata", {})

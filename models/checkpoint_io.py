@@ -129,7 +129,18 @@ def check_state(state: Mapping[str, Tensor], config: ModelConfig, source: str) -
 
 
 # what decides a model's tensors and their shapes; the rest (max_seq_len, RoPE, attention backend) may change
-ARCHITECTURE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings", "qk_norm")
+ARCHITECTURE = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "hidden_dim",
+    "tie_embeddings",
+    "qk_norm",
+    "qkv_bias",
+)
 
 
 def architecture_differences(old: ModelConfig, new: ModelConfig) -> list[tuple[str, Any, Any]]:

@@ -323,7 +323,7 @@ def complete(
     if not removed:
         return tokenizer.decode(new_tokens)
     # Cut in bytes, not characters: the removed bytes may end inside a multi-byte character.
-    text = tokenizer.encoding.decode_bytes(new_tokens)
+    text = tokenizer.decode_bytes(new_tokens)
     return text[len(removed) :].decode("utf-8", errors="replace")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,7 +100,7 @@ def save_scalar_model(
     model: ScalarModel,
     directory: str | Path,
     *,
-    tokenizer_path: str | Path | None = None,
+    tokenizer_path: str | Path | Mapping[str, Path] | None = None,
     metadata: dict[str, Any] | None = None,
     state: dict[str, Tensor] | None = None,
 ) -> Path:

@@ -1,19 +1,17 @@
-"""The Hugging Face Llama folder: ``config.json`` (``LlamaForCausalLM``) + ``model.safetensors`` / sharded
-``*.index.json`` / ``pytorch_model.bin``.
+"""The Hugging Face Llama-family folder: ``config.json`` (``LlamaForCausalLM``, ``MistralForCausalLM`` or
+``Qwen2ForCausalLM``) + ``model.safetensors`` / sharded ``*.index.json`` / ``pytorch_model.bin``.
 
-Owns: LlamaConfig dict <-> ``ModelConfig``, the one table of parameter names (``HF_NAME_MAP``), the wq/wk
-permutation, and reading and writing the weights (sharded or not) and the bos/eos ids of such a folder; also LoRA
-adapters in peft's own folder for such a model (``native_to_hf_adapter_state``, ``write_hf_adapter``). It does not
-pick the format, build the model, nor write the folder as a whole (atomicity, tokenizer, generation_config.json):
-``models.checkpoint`` does; file reading and state checks are ``models.checkpoint_io``'s.
+Owns: the one table of parameter names (``HF_NAME_MAP``, the same for the three families), the wq/wk permutation,
+and reading and writing the weights (sharded or not) and the bos/eos ids of such a folder; also LoRA adapters in
+peft's own folder for such a model (``native_to_hf_adapter_state``, ``write_hf_adapter``). The config.json mapping
+(which families and features are supported, refusals) is ``models.hf_config``'s (``config_to_hf`` is re-exported
+here). It does not pick the format, build the model, nor write the folder as a whole (atomicity, tokenizer,
+generation_config.json): ``models.checkpoint`` does; file reading and state checks are ``models.checkpoint_io``'s.
 
 Choices:
 
-* Hugging Face rotates half-splits of each head, Meta (and we) rotate interleaved pairs, so wq/wk rows are
-  permuted both ways (transformers' ``convert_llama_weights_to_hf`` permutation);
-* configs the native model cannot represent (biases, other activations, other RoPE types) are refused with every
-  problem listed; both transformers 5 (``rope_parameters``) and 4.x (``rope_theta`` / ``rope_scaling``) configs
-  are read, and both are written;
+* Hugging Face rotates half-splits of each head, Meta (and we) rotate interleaved pairs, so wq/wk rows (and
+  Qwen2's wq/wk biases) are permuted both ways (transformers' ``convert_llama_weights_to_hf`` permutation);
 * shards follow Hugging Face's layout and ``max_shard_size`` units (decimal KB/MB/GB, binary KiB/MiB/GiB).
 """
 
@@ -28,9 +26,11 @@ import torch
 from torch import Tensor
 
 from models.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, read_torch_weights, save_safetensors
-from models.model import ModelConfig, RopeScaling
+from models.hf_config import HF_FAMILIES, config_to_hf, hf_to_config
+from models.model import ModelConfig
 
 __all__ = [
+    "HF_FAMILIES",
     "HF_NAME_MAP",
     "config_to_hf",
     "hf_special_ids",
@@ -43,7 +43,7 @@ __all__ = [
     "write_hf_weights",
 ]
 
-# The one table of native <-> Hugging Face names. "{i}" is the layer index.
+# The one table of native <-> Hugging Face names, the same for every family. "{i}" is the layer index.
 HF_NAME_MAP: dict[str, str] = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
@@ -51,6 +51,9 @@ HF_NAME_MAP: dict[str, str] = {
     "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",  # + rope permute
     "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attention.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",  # qkv_bias (Qwen2); + rope permute
+    "layers.{i}.attention.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",  # + rope permute
+    "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
@@ -76,7 +79,7 @@ _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def load_hf_config(directory: Path) -> ModelConfig:
-    return _hf_to_config(read_json(directory / "config.json"), directory / "config.json")
+    return hf_to_config(read_json(directory / "config.json"), directory / "config.json")
 
 
 def load_hf(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -124,125 +127,36 @@ def hf_special_ids(directory: Path) -> dict[str, Any]:
 # configs
 
 
-def _hf_to_config(hf: dict[str, Any], source: Path) -> ModelConfig:
-    """Map a Hugging Face LlamaConfig dict to ModelConfig; refuse what the native model cannot represent."""
-    problems = []
-    architectures = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-        problems.append(f"model_type {hf.get('model_type')!r} / architectures {architectures} is not Llama")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            problems.append(f"{flag}=true (the native model has no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu / SwiGLU is supported)")
-    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // n_heads):
-        problems.append(f"head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads = {dim // n_heads}")
-
-    # RoPE: transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; 4.x wrote top-level rope_theta
-    # and rope_scaling {rope_type or type, ...} (None when unscaled). Accept both.
-    params = hf.get("rope_parameters") or {}
-    legacy = hf.get("rope_scaling") or {}
-    if any(isinstance(v, dict) for v in params.values()):
-        problems.append("per-layer-type rope_parameters are not supported")
-        params = {}
-    rope = params if ("rope_type" in params or "type" in params) else legacy
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    rope_theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))  # 10000: LlamaConfig's default
-    rope_scaling = None
-    if rope_type == "llama3":
-        rope_scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type != "default":
-        problems.append(f"rope type {rope_type!r} (only 'default' and 'llama3' are supported)")
-    if problems:
-        raise ValueError(f"{source}: unsupported Hugging Face config:\n  " + "\n  ".join(problems))
-    return ModelConfig(
-        dim=dim,
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        vocab_size=hf["vocab_size"],
-        ffn_hidden_dim=hf["intermediate_size"],
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # LlamaConfig's defaults for absent keys
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | list[int] | None) -> dict:
-    problems = []
-    if config.qk_norm:
-        problems.append("qk_norm=True")
-    if config.logit_softcap is not None:
-        problems.append(f"logit_softcap={config.logit_softcap}")
-    if problems:
-        raise ValueError(f"cannot export to Hugging Face Llama, which has no {' / '.join(problems)}")
-    scaling = config.rope_scaling
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    rope_scaling = None
-    if scaling is not None:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
-        rope_parameters = {**rope_scaling, "rope_theta": config.rope_theta}
-    dtype_name = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": config.dim,
-        "intermediate_size": config.hidden_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": None,
-        "rope_parameters": rope_parameters,  # read by transformers >= 5
-        "rope_theta": config.rope_theta,  # read by transformers 4.x
-        "rope_scaling": rope_scaling,  # read by transformers 4.x
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,  # transformers 4.x name
-    }
-
-
 # ---------------------------------------------------------------------------------------------------------
 # name mapping and RoPE permutation
 
 
+_Q = ("attention.wq.weight", "attention.wq.bias")
+_K = ("attention.wk.weight", "attention.wk.bias")
+
+
 def native_to_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Hugging Face names and wq/wk layout; a Qwen2 export of a model without ``qkv_bias`` gets zero q/k/v biases
+    (Qwen2 always has them; zeros compute the same)."""
     out = {}
     for name, tensor in state.items():
-        if name.endswith("attention.wq.weight"):
+        if name.endswith(_Q):
             tensor = _permute_to_hf(tensor, config.n_heads)
-        elif name.endswith("attention.wk.weight"):
+        elif name.endswith(_K):
             tensor = _permute_to_hf(tensor, config.n_kv_heads)
         hf_name = _rename(name, _NATIVE_TO_HF)
         if hf_name is None:
             raise ValueError(f"no Hugging Face name for parameter {name!r}")
         out[hf_name] = tensor.contiguous()
+        if (
+            config.hf_architecture == "Qwen2ForCausalLM"
+            and not config.qkv_bias
+            and name.endswith("attention.wv.weight")
+        ):
+            for projection in ("q", "k", "v"):
+                width = state[name.replace("wv.weight", f"w{projection}.weight")].shape[0]
+                bias_name = hf_name.replace("v_proj.weight", f"{projection}_proj.bias")
+                out[bias_name] = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
     return out
 
 
@@ -287,12 +201,14 @@ def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: s
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # tied: transformers itself ignores a stored lm_head and uses embed_tokens
         native = _rename(name, _HF_TO_NATIVE)
+        if native is not None and native.endswith(".bias") and not config.qkv_bias:
+            native = None  # reported under its own name: this family has no such bias
         out[native if native is not None else f"<unmapped Hugging Face key> {name}"] = tensor
     check_state(out, config, source)  # before permuting: a wrong shape would make the view below fail
     for name in out:
-        if name.endswith("attention.wq.weight"):
+        if name.endswith(_Q):
             out[name] = _permute_from_hf(out[name], config.n_heads)
-        elif name.endswith("attention.wk.weight"):
+        elif name.endswith(_K):
             out[name] = _permute_from_hf(out[name], config.n_kv_heads)
     return out
 
@@ -306,15 +222,16 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
 
 
 def _permute_to_hf(w: Tensor, n_heads: int) -> Tensor:
-    """Interleaved-pair rows (Meta) -> half-split rows (HF): transformers' convert_llama_weights_to_hf permute."""
-    dim1, dim2 = w.shape
-    return w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+    """Interleaved-pair rows (Meta) -> half-split rows (HF): transformers' convert_llama_weights_to_hf permute.
+    ``w`` is a weight (rows, dim) or a bias (rows,); rows = n_heads · head_dim."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
 def _permute_from_hf(w: Tensor, n_heads: int) -> Tensor:
     """Inverse of _permute_to_hf."""
-    dim1, dim2 = w.shape
-    return w.view(n_heads, 2, dim1 // n_heads // 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numer
     and log-sum-exp (plus the float mask on the dense-mask path); the SwiGLU its two projections, their silu and
     their product. RoPE saves only its cos / sin tables (shared by every block, counted once elsewhere)."""
     n, d = batch * seq, config.dim
-    kv = config.n_kv_heads * config.head_dim
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim  # q is d unless head_dim_override
     ffn = config.hidden_dim
     compute = numerics_bytes(numerics)[1]
     if numerics == "bf16":  # RMSNorm calls x.float() twice: two fp32 copies; the bf16 input itself is not kept
@@ -167,7 +167,7 @@ def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numer
     else:
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 4 * n * d, 4 * n * d
     norms = 2 * (norm_input + normed + 4 * n)  # attention_norm and ffn_norm, each with its (B, T, 1) rsqrt
-    sdpa = compute * (2 * n * d + 2 * n * kv) + 4 * batch * config.n_heads * seq  # q, out, k, v; lse
+    sdpa = compute * (2 * n * q + 2 * n * kv) + 4 * batch * config.n_heads * seq  # q, out, k, v; lse
     if attention == "dense-mask":
         sdpa += batch * seq * seq * compute  # SDPA's float copy of the boolean mask, made by every layer
     return norms + attn_inputs + sdpa + ffn_inputs + 4 * compute * n * ffn
@@ -338,9 +338,9 @@ def inference_bytes(
     logits (``lm``, the fused loss), a score per position (``scalar``) or the last position's logits (``last``)."""
     n, d = batch * seq, config.dim
     residual, compute = numerics_bytes(numerics)
-    kv = config.n_kv_heads * config.head_dim
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     mask = batch * seq * seq * (1 + compute) if attention == "dense-mask" else 0
-    block = max(3 * compute * n * config.hidden_dim, compute * (3 * n * d + 2 * n * kv) + mask)
+    block = max(3 * compute * n * config.hidden_dim, compute * (n * d + 2 * n * q + 2 * n * kv) + mask)
     heads = {
         "lm": 3 * 4 * min(chunk_size or n, n) * config.vocab_size + 4 * n,
         "scalar": 4 * n,

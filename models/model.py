@@ -2,8 +2,9 @@
 
 Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...),
 so Meta checkpoints load without renaming and the Hugging Face mapping lives in one table
-(``models/hf_format.py``). RoPE rotates interleaved pairs (Meta's convention); Hugging Face's rotate-half
-layout is handled by permuting wq/wk on import/export.
+(``models/hf_format.py``). RoPE rotates interleaved pairs (Meta's convention; ``models/rope.py``); Hugging Face's
+rotate-half layout is handled by permuting wq/wk on import/export. The same module is Hugging Face's Mistral, and
+Qwen2 with ``qkv_bias``; heads may be narrower or wider than dim / n_heads (``head_dim_override``).
 
 Packed rows: ``document_ids`` (B, T) mark which document each token belongs to. Attention never crosses a
 document boundary and positions restart at 0 in each document, so a packed row computes exactly what running
@@ -35,18 +36,24 @@ from models.attention import (
 )
 from models.loss import cross_entropy, fused_linear_cross_entropy
 from models.resources import model_preset_path, model_presets
+from models.rope import ROPE_SCALINGS, RopeScaling, apply_rope, rope_cos_sin, rope_frequencies
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "HF_ARCHITECTURES",
+    "ROPE_SCALINGS",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "apply_rope",
+    "rope_cos_sin",
+    "rope_frequencies",
+]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-
-
-@dataclass
-class RopeScaling:
-    """Llama 3.1 frequency-dependent RoPE scaling (long-context extension)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+# The Hugging Face families this model is (models/hf_format.py maps each); ModelConfig.hf_architecture names one.
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
@@ -55,6 +62,10 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    # None: dim // n_heads. Set (e.g. Mistral Nemo's 128 for dim 5120 / 32 heads) when the heads are not dim wide:
+    # wq (n_heads·head_dim, dim), wo (dim, n_heads·head_dim). ``head_dim`` reads the value in use. Kept None when
+    # derived (not filled in): a config merged over the defaults (OmegaConf) must not inherit a stale value.
+    head_dim_override: int | None = None
     vocab_size: int = 4096
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
@@ -65,10 +76,14 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
+    qkv_bias: bool = False  # biases on wq / wk / wv, none on wo (Qwen2)
     logit_softcap: float | None = None
     # auto: FlexAttention on CUDA when documents are masked (a block-sparse kernel instead of SDPA with a dense
     # boolean mask, which falls off flash), SDPA otherwise (CPU, plain causal flash, KV-cache decoding).
     attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # the Hugging Face family exported to (config.json's architectures / model_type), one of HF_ARCHITECTURES;
+    # import records the source's, so a Qwen2 or Mistral checkpoint goes back out as one
+    hf_architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -80,7 +95,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.dim % self.n_heads:
+        override = self.head_dim_override
+        if override is not None and (not isinstance(override, int) or override <= 0 or override % 2):
+            raise ValueError(f"ModelConfig.head_dim_override must be a positive even integer (RoPE), got {override!r}")
+        if override is not None and override * self.n_heads == self.dim:
+            self.head_dim_override = None  # the derived value: kept unset, so equal configs compare equal
+        if self.head_dim_override is None and self.dim % self.n_heads:
             raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
@@ -98,15 +118,18 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
-        scaling = self.rope_scaling
-        if scaling is not None and (scaling.factor < 1 or scaling.high_freq_factor <= scaling.low_freq_factor):
+        problem = self.rope_scaling.problem() if self.rope_scaling is not None else None
+        if problem:
+            raise ValueError(f"ModelConfig.rope_scaling {problem}")
+        if self.hf_architecture not in HF_ARCHITECTURES:
             raise ValueError(
-                f"ModelConfig.rope_scaling needs factor >= 1 and high_freq_factor > low_freq_factor, got {scaling}"
+                f"ModelConfig.hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
             )
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Width of one attention head: ``head_dim_override``, else dim // n_heads."""
+        return self.head_dim_override if self.head_dim_override is not None else self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -141,18 +164,20 @@ class ModelConfig:
 
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         ffn = 3 * self.dim * self.hidden_dim
         norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + self.dim + embeddings
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 x matmul weights + attention's 12·L·d·T (PaLM, app. B).
+        """Training FLOPs per token (forward + backward): 6 x matmul weights + attention's 12·L·d·T (PaLM, app. B),
+        d being the query width n_heads·head_dim (dim unless ``head_dim_override``).
 
         The embedding lookup is no matmul; the output projection is, tied or not.
         """
         matmul_params = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+        return 6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 class RMSNorm(nn.Module):
@@ -170,53 +195,14 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_frequencies(config: ModelConfig, device: torch.device | None = None) -> Tensor:
-    """Inverse frequencies (head_dim / 2,) in fp32, with Llama 3.1 scaling when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is not None:
-        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen < high_wavelen, inv_freq, torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
-        )
-    return inv_freq.float()
-
-
-def rope_cos_sin(config: ModelConfig, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """cos/sin tables (B, T, head_dim / 2) for the given positions, computed in fp32.
-
-    Computed per forward from positions rather than stored as a buffer: it costs B·T·head_dim/2 multiplies,
-    stays fp32 whatever precision the module is cast to, and needs no re-init after meta-device construction.
-    """
-    inv_freq = rope_frequencies(config, position_ids.device)
-    angles = position_ids.float()[..., None] * inv_freq
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x (B, T, H, D) by the position angles."""
-    x_pairs = x.float().unflatten(-1, (-1, 2))
-    x_even, x_odd = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
@@ -291,12 +277,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """std 0.02 everywhere; residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) (GPT-2)."""
+        """std 0.02 everywhere; residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) (GPT-2); biases 0."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:  # qkv_bias
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, RMSNorm):

@@ -31,6 +31,7 @@ from trainer.callbacks import (
     Throughput,
     device_peak_flops,
 )
+from trainer.checks import resolve_stage_tokenizer
 from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
@@ -117,6 +118,7 @@ def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> Non
     trainer = config.trainer if trainer is None else trainer
     check_ranges(config)
     check_trainer_config(trainer)
+    resolve_stage_tokenizer(config)
     optim = getattr(config, "optim", None)
     if optim is not None and optim.warmup_steps > trainer.max_steps:
         log.warning(
@@ -352,7 +354,7 @@ def stage_callbacks(
     callbacks: list[L.Callback] = [
         DataProgress(),
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
-        ExportFinal(run_dir / "final", tokenizer.file, metadata=metadata),
+        ExportFinal(run_dir / "final", tokenizer.files, metadata=metadata),
     ]
     if throughput is not None:
         callbacks.append(Throughput(*throughput, peak_flops(config.trainer)))

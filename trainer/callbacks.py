@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -347,7 +347,7 @@ class ExportFinal(L.Callback):
     def __init__(
         self,
         directory: str | Path,
-        tokenizer_path: str | None,
+        tokenizer_path: str | Path | Mapping[str, Path] | None,
         metadata: dict[str, Any] | Callable[[L.LightningModule], dict[str, Any]] | None = None,
         attribute: str = "model",
     ) -> None:

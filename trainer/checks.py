@@ -6,7 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from data.tokenizer.tokenizer import Tokenizer
+from data.tokenizer.base import load_tokenizer, resolve_tokenizer_spec
+from data.tokenizer.files import find_tokenizer
 from models.errors import ConfigError
 from models.model import ModelConfig
 
@@ -31,28 +32,35 @@ def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, mode
 def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> None:
     """A checkpoint folder that carries its tokenizer must be used with that tokenizer: a different one of the
     same size would silently map every id to another token. A Hugging Face or Meta folder that carries none
-    (``save_pretrained`` writes no tiktoken file; Meta's downloads have ``original/tokenizer.model``) says nothing of
-    its tokenizer, so the bundled default, which would fit its vocabulary all the same, is refused there."""
+    says nothing of its tokenizer, so the bundled default, which could fit its vocabulary all the same, is refused
+    there."""
     folder = Path(checkpoint_dir)
-    for candidate in (folder / "tokenizer.model", folder / "original" / "tokenizer.model"):
-        if candidate.is_file():
-            saved = Tokenizer.from_file(candidate)
-            if saved.fingerprint != tokenizer.fingerprint:
-                raise ValueError(
-                    f"{checkpoint_dir} was trained with the tokenizer in {candidate}, but {key} is {tokenizer.path}: "
-                    f"set {key}={candidate}"
-                )
-            return
+    found = find_tokenizer(folder) if folder.is_dir() else None
+    if found is not None:
+        saved = load_tokenizer(found)
+        if saved.fingerprint != tokenizer.fingerprint:
+            raise ConfigError(
+                f"{checkpoint_dir} carries its tokenizer ({found}), but {key} is {tokenizer.path}: set {key}={found} "
+                "or leave it at auto"
+            )
+        return
     foreign = any((folder / name).is_file() for name in ("config.json", "params.json", "original/params.json"))
-    if (
-        foreign
-        and not (folder / "lantern.json").is_file()
-        and tokenizer.fingerprint == Tokenizer.load("default").fingerprint
-    ):
+    if foreign and not (folder / "lantern.json").is_file() and tokenizer.fingerprint == load_tokenizer().fingerprint:
         raise ConfigError(
-            f"{folder} carries no tiktoken tokenizer.model (nor original/tokenizer.model): set {key} to the "
-            "tokenizer file the model was trained with (Llama 3's original/tokenizer.model), not the default"
+            f"{folder} carries no tokenizer (tokenizer.json, tokenizer.model or original/tokenizer.model): set {key} "
+            "to the tokenizer the model was trained with, not the bundled default"
         )
+
+
+def resolve_stage_tokenizer(config: Any) -> None:
+    """``data.tokenizer: auto`` becomes the tokenizer of the checkpoint the stage starts from (``init.checkpoint``
+    or ``init.policy``), else the bundled default; config.yaml then records which."""
+    data = getattr(config, "data", None)
+    if data is None or getattr(data, "tokenizer", None) != "auto":
+        return
+    init = getattr(config, "init", None)
+    start = getattr(init, "checkpoint", None) or getattr(init, "policy", None)
+    data.tokenizer = resolve_tokenizer_spec("auto", start)
 
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:

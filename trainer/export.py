@@ -12,6 +12,7 @@ base beside the adapter in peft's own format (``adapter=True``: ``OUT/base`` and
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
+from data.tokenizer.convert import hf_export_files, hf_tokenizer_folder
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
@@ -27,13 +29,14 @@ from models.atomic import IfExists, atomic_directory, check_destination
 from models.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from models.checkpoint_io import read_torch_file
 from models.errors import CheckpointError, one_line
+from models.gguf_format import check_gguf_destination, write_gguf
 from models.hf_format import native_to_hf_adapter_state, write_hf_adapter
 from models.model import ModelConfig, Transformer
 from trainer.parallel import plain_name
 
 log = logging.getLogger(__name__)
 
-ExportFormat = Literal["native", "hf"]
+ExportFormat = Literal["native", "hf", "gguf"]
 
 
 def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -67,14 +70,19 @@ def export_training_checkpoint(
     overwrite: bool = False,
     format: ExportFormat = "native",
     adapter: bool = False,
+    gguf_dtype: str = "f16",
 ) -> Path:
     """Write the ``prefix``-ed submodule of a training checkpoint (the LM by default) as a native folder, or a
-    Hugging Face one (``format="hf"``). A checkpoint with LoRA adapters is written merged, or, with ``adapter``, as
+    Hugging Face one (``format="hf"``, with tokenizer.json even for a tiktoken tokenizer), or a GGUF file
+    (``format="gguf"``, in ``gguf_dtype``). A checkpoint with LoRA adapters is written merged, or, with ``adapter``, as
     ``out/base`` (the Hugging Face base) and ``out/adapter`` (peft's adapter folder); ``adapter`` on a checkpoint
     without adapters is refused. A non-empty ``out`` is refused unless ``overwrite``; one that is or contains
     ``path``, always (both checked before anything is read)."""
     if_exists: IfExists = "replace" if overwrite else "refuse"
-    check_destination(out, if_exists=if_exists, sources=(path,))
+    if format == "gguf":
+        check_gguf_destination(out, overwrite=overwrite, sources=(path,))
+    else:
+        check_destination(out, if_exists=if_exists, sources=(path,))
     checkpoint = read_training_checkpoint(path)
     try:
         config = checkpoint["hyper_parameters"]["config"]
@@ -87,7 +95,7 @@ def export_training_checkpoint(
         for name, tensor in checkpoint["state_dict"].items()
         if name.startswith(prefix)
     }
-    tokenizer_path = _tokenizer_path(config)
+    tokenizer = (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
     metadata: dict[str, Any] = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
     record = (checkpoint.get("adapters") or {}).get(prefix.removesuffix("."))
     if record is None:
@@ -99,16 +107,23 @@ def export_training_checkpoint(
         model = _plain_model(path, state, ModelConfig.from_dict(config["model"]))
     else:
         model = model_with_adapters(path, record, state)
+        if not adapter:
+            merge_adapters(model)
+            metadata["merged_adapters"] = {k: record.get(k) for k in ("checkpoint", "seed", "fingerprint", "peft")}
+            log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
+    with tempfile.TemporaryDirectory() as scratch:
+        if format == "gguf":
+            return write_gguf(
+                model, out, hf_tokenizer_folder(tokenizer, scratch), dtype=gguf_dtype, overwrite=overwrite
+            )
+        files = _tokenizer_files(tokenizer, hf=format == "hf" or adapter, scratch=scratch)
         if adapter:
-            return _write_adapter(path, model, out, tokenizer_path, if_exists)
-        merge_adapters(model)
-        metadata["merged_adapters"] = {key: record.get(key) for key in ("checkpoint", "seed", "fingerprint", "peft")}
-        log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
-    if format == "hf":
-        return export_hf(model, out, tokenizer_path=tokenizer_path, if_exists=if_exists)
-    return save_checkpoint(
-        model, out, tokenizer_path=tokenizer_path, metadata=metadata, if_exists=if_exists, sources=(path,)
-    )
+            return _write_adapter(path, model, out, files, if_exists)
+        if format == "hf":
+            return export_hf(model, out, tokenizer_path=files, if_exists=if_exists)
+        return save_checkpoint(
+            model, out, tokenizer_path=files, metadata=metadata, if_exists=if_exists, sources=(path,)
+        )
 
 
 def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config: ModelConfig) -> Transformer:
@@ -124,14 +139,17 @@ def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config:
     return model
 
 
-def _tokenizer_path(config: Mapping[str, Any]) -> str | Path | None:
-    """The tokenizer file the run trained with (copied into the export), or None (a named encoding, or gone)."""
-    tokenizer = (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
-    tokenizer_path = tokenizer if tokenizer and Path(str(tokenizer)).is_file() else None
-    if tokenizer_path is None and tokenizer:
-        resolved = Tokenizer.load(tokenizer).path
-        tokenizer_path = resolved if Path(str(resolved)).is_file() else None
-    return tokenizer_path
+def _tokenizer_files(spec: str | None, *, hf: bool, scratch: str) -> dict[str, Path]:
+    """The files of the tokenizer the run trained with (copied into the export), as a Hugging Face folder carries
+    them when ``hf`` (``hf_export_files``); none for a named encoding (cl100k_base) or one that is gone."""
+    if not spec:
+        return {}
+    if hf:
+        return hf_export_files(spec, scratch)
+    try:
+        return Tokenizer.load(spec).files
+    except (OSError, ValueError):
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +234,7 @@ def _base_model(model: Transformer) -> Transformer:
 
 
 def _write_adapter(
-    path: str | Path, model: Transformer, out: str | Path, tokenizer_path: str | Path | None, if_exists: IfExists
+    path: str | Path, model: Transformer, out: str | Path, tokenizer_files: dict[str, Path], if_exists: IfExists
 ) -> Path:
     """``out/base``: the Hugging Face export of the base; ``out/adapter``: the adapters in peft's format for it
     (Hugging Face module names, ``base_model_name_or_path`` the absolute ``out/base``, so that
@@ -231,6 +249,6 @@ def _write_adapter(
     lora.base_model_name_or_path = str(target / "base")
     adapters = {name: tensor for name, tensor in model.state_dict().items() if "lora_" in name}
     with atomic_directory(target, if_exists=if_exists, sources=(path,), what="adapter export") as tmp:
-        export_hf(_base_model(model), tmp / "base", tokenizer_path=tokenizer_path, if_exists="refuse")
+        export_hf(_base_model(model), tmp / "base", tokenizer_path=tokenizer_files, if_exists="refuse")
         write_hf_adapter(native_to_hf_adapter_state(adapters, model.config), lora, tmp / "adapter")
     return target

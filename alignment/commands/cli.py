@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from alignment.commands.convert_cli import add_convert_command
 from alignment.commands.export_cli import add_export_command
 from alignment.commands.plan_cli import add_plan_command
+from data.tokenizer.base import resolve_tokenizer_spec
 from models.errors import LanternError, one_line
 from trainer.interrupts import interrupted_message, received_signal, watch_signals
 
@@ -54,27 +56,22 @@ def _load_model_for_generation(args: argparse.Namespace):
 
 
 def _resolve_tokenizer_spec(args: argparse.Namespace) -> str:
-    """--tokenizer wins; else the tokenizer saved in the checkpoint folder; else the bundled default."""
-    if args.tokenizer:
-        return args.tokenizer
-    if args.checkpoint:
-        for candidate in (
-            Path(args.checkpoint) / "tokenizer.model",
-            Path(args.checkpoint) / "original" / "tokenizer.model",
-        ):
-            if candidate.is_file():
-                return str(candidate)
-    return "default"
+    """--tokenizer wins; else the tokenizer the checkpoint folder carries; else the bundled default."""
+    return resolve_tokenizer_spec(args.tokenizer or "auto", args.checkpoint)
 
 
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
     from data.tokenizer.tokenizer import Tokenizer
+    from models.checkpoint import load_model_config
     from models.generation import complete
-    from trainer.checks import check_tokenizer_fits_model
+    from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
 
     tokenizer = Tokenizer.load(_resolve_tokenizer_spec(args))
+    if args.checkpoint:  # before the weights are read: a tokenizer that does not fit the folder is refused
+        check_tokenizer_fits_model(tokenizer, load_model_config(args.checkpoint), model_name=args.checkpoint)
+        check_same_tokenizer(tokenizer, args.checkpoint, key="--tokenizer")
     model = _load_model_for_generation(args)
     check_tokenizer_fits_model(tokenizer, model.config, model_name=args.checkpoint or f"preset {args.preset}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,23 +92,10 @@ def _generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         # the generator lives where sampling happens (torch.multinomial refuses a CPU generator on CUDA)
         generator=torch.Generator(model.tok_embeddings.weight.device).manual_seed(args.seed),
-        heal=args.heal and not args.chat,  # a chat prompt ends in header tokens: nothing to heal
+        heal=args.heal and not args.chat,  # a chat prompt ends in the template's assistant header: nothing to heal
         decode="compiled" if args.compile else args.decode,
     )
     print(args.prompt + text)
-
-
-def _convert(args: argparse.Namespace) -> None:
-    from models.atomic import StorageError
-    from models.checkpoint import convert
-
-    try:
-        out = convert(
-            src=args.src, src_format=args.src_format, dst=args.dst, dst_format=args.dst_format, overwrite=args.overwrite
-        )
-    except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
-        raise LanternError(str(error)) from error
-    print(f"wrote {args.dst_format} checkpoint to {out}")
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -264,15 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true", help="same as --decode compiled")
     gen.set_defaults(handler=_generate)
 
-    convert = commands.add_parser("convert", help="convert checkpoints between formats")
-    convert.add_argument("--from", dest="src_format", choices=["auto", "hf", "meta", "native"], default="auto")
-    convert.add_argument("src", help="source checkpoint folder")
-    convert.add_argument("--to", dest="dst_format", choices=["hf", "native"], required=True)
-    convert.add_argument("dst", help="destination folder (empty or new, unless --overwrite)")
-    convert.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty destination (never one that contains the source)"
-    )
-    convert.set_defaults(handler=_convert)
+    add_convert_command(commands)
 
     _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
     _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)

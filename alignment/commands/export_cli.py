@@ -18,7 +18,17 @@ def add_export_command(commands: Any) -> None:
     export.add_argument("checkpoint")
     export.add_argument("out", help="destination folder (empty or new, unless --overwrite)")
     export.add_argument(
-        "--format", choices=["native", "hf"], default=None, help="native (default) or Hugging Face (LlamaForCausalLM)"
+        "--format",
+        choices=["native", "hf", "gguf"],
+        default=None,
+        help="native (default), Hugging Face (the model's family: Llama, Mistral or Qwen2), or gguf (OUT is then a "
+        ".gguf file, for llama.cpp, Ollama and transformers' GGUF loader)",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float16",
+        help="the GGUF file's weights (default float16; native and Hugging Face exports keep the checkpoint's)",
     )
     adapters = export.add_mutually_exclusive_group()
     adapters.add_argument(
@@ -50,13 +60,16 @@ def _export(args: argparse.Namespace) -> None:
             "or use --merge for a native model"
         )
     fmt = args.format or "native"
+    if args.adapter and fmt == "gguf":
+        raise LanternError("--adapter writes a peft adapter beside a Hugging Face base: drop --format gguf")
+    gguf_dtype = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[args.dtype]
     try:
         out = export_training_checkpoint(
-            args.checkpoint, args.out, overwrite=args.overwrite, format=fmt, adapter=args.adapter
+            args.checkpoint, args.out, overwrite=args.overwrite, format=fmt, adapter=args.adapter, gguf_dtype=gguf_dtype
         )
     except (FileExistsError, StorageError) as error:  # the destination refused or the disk failed: one line
         raise LanternError(str(error)) from error
     if args.adapter:
         print(f"wrote the Hugging Face base to {out / 'base'} and its LoRA adapter (peft) to {out / 'adapter'}")
     else:
-        print(f"wrote {'Hugging Face' if fmt == 'hf' else 'native'} checkpoint to {out}")
+        print(f"wrote {dict(hf='Hugging Face', gguf='GGUF').get(fmt, 'native')} checkpoint to {out}")

@@ -112,7 +112,7 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
         raise ConfigError("sft.init.checkpoint and sft.data.train are set by the stage (init.policy, the samples)")
     if sft.run != RunConfig():
         raise ConfigError("sft.run is the stage's run section: set run.name / run.out_dir / run.seed instead")
-    if sft.data.tokenizer not in ("default", config.data.tokenizer):
+    if sft.data.tokenizer not in ("auto", "default", config.data.tokenizer):
         raise ConfigError(f"sft.data.tokenizer ({sft.data.tokenizer}) must be data.tokenizer ({config.data.tokenizer})")
     try:
         model = load_model_config(config.init.policy)

@@ -36,7 +36,7 @@ class PreferenceDataConfig:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     system_prompt: str | None = None  # prepended as a system turn to prompts that have none
-    tokenizer: str = "default"
+    tokenizer: str = "auto"
     seq_len: int = 256  # the longest side, prompt + reply, in tokens
     too_long: str = "truncate"  # truncate (the prompt, from the left) | drop
     pad_to_seq_len: bool = False  # pad every batch to seq_len (static shapes) instead of its longest side

@@ -4,17 +4,14 @@ filtering) plus which tokens of a side are the response (``answered_masks``), an
 ``pair_index`` (the row of the precomputed reference table), in ``DPODataModule``. The DPO stage (its recipe, the
 loss, the reference) is alignment/stages/dpo.py and dpo_module.py.
 
-The response of a side is what the policy would have written: the content and <|eot_id|> of the reply's
-assistant turns, not their headers, nor the prompt (which may itself hold assistant turns). The reply starts at
-the last <|start_header_id|> the two sides share: their prompts are identical token for token
-(data/preference/pairs.py cuts both alike) and the replies differ, so that is the first reply turn's header, or,
-when the replies share whole turns, the header of the turn where they part (shared turns would cancel out of
-DPO's difference anyway). Special tokens cannot come from text, so reading them off the ids is exact.
+The response of a side is what the policy would have written: the content and end-of-turn token of the reply's
+assistant turns (the chat encoding's mask, whichever tokenizer and template), not their headers, nor the prompt
+(which may itself hold assistant turns). Of those, a turn that both replies share whole and that ends before the
+sides part is left out: it would cancel out of DPO's difference anyway.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,58 +26,37 @@ from models.loss import IGNORE_INDEX
 # ---- which tokens are the response ----
 
 
-@dataclass(frozen=True)
-class ChatMarkers:
-    """The ids that delimit chat turns in ``Tokenizer.encode_chat``'s layout."""
-
-    start_header: int
-    end_header: int
-    eot: int
-    assistant: tuple[int, ...]  # the role's ids between the header tokens
-    header_gap: int  # ids of the "\n\n" after <|end_header_id|>
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer) -> ChatMarkers:
-        return cls(
-            tokenizer.start_header_id,
-            tokenizer.end_header_id,
-            tokenizer.eot_id,
-            tuple(tokenizer.encode("assistant")),
-            len(tokenizer.encode("\n\n")),
-        )
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def _assistant_bodies(side: np.ndarray, start: int, markers: ChatMarkers) -> np.ndarray:
-    """True on the content and <|eot_id|> of every assistant turn that begins at or after ``start``."""
-    mask = np.zeros(len(side), dtype=bool)
-    for header in np.flatnonzero(side[start:] == markers.start_header) + start:
-        ends = np.flatnonzero(side[header:] == markers.end_header)
-        if not ends.size:
-            break
-        body = header + int(ends[0]) + 1 + markers.header_gap
-        eots = np.flatnonzero(side[body:] == markers.eot)
-        stop = body + int(eots[0]) + 1 if eots.size else len(side)
-        if tuple(side[header + 1 : header + int(ends[0])].tolist()) == markers.assistant:
-            mask[body:stop] = True
-    return mask
-
-
-def answered_masks(chosen: np.ndarray, rejected: np.ndarray, markers: ChatMarkers) -> tuple[np.ndarray, np.ndarray]:
-    """The response tokens of both sides of a pair (see the module docstring), as bool masks over their ids."""
+def answered_masks(
+    chosen: np.ndarray, rejected: np.ndarray, reply_masks: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The response tokens of both sides of a pair (see the module docstring), as bool masks over their ids: the
+    assistant turns of each reply (``reply_masks``) that end after the first token where the sides differ."""
     shared = min(len(chosen), len(rejected))
     differ = np.flatnonzero(chosen[:shared] != rejected[:shared])
-    shared = int(differ[0]) if differ.size else shared
-    headers = np.flatnonzero(chosen[:shared] == markers.start_header)
-    reply = int(headers[-1]) if headers.size else 0
-    return _assistant_bodies(chosen, reply, markers), _assistant_bodies(rejected, reply, markers)
+    parted = int(differ[0]) if differ.size else shared
+    out = []
+    for mask in reply_masks:
+        answered = np.zeros(len(mask), dtype=bool)
+        for start, end in _runs(mask):
+            if end > parted:  # a turn both replies share whole cancels out of DPO's difference
+                answered[start:end] = True
+        out.append(answered)
+    return out[0], out[1]
 
 
-def attach_answered_masks(pairs: PreferencePairs, markers: ChatMarkers) -> None:
+def attach_answered_masks(pairs: PreferencePairs) -> None:
     """Give ``pairs`` a ``response_masks`` attribute (chosen masks, rejected masks); a side without a response
     token is a DataError naming its row."""
     chosen, rejected = [], []
     for index, (c, r) in enumerate(zip(pairs.chosen, pairs.rejected)):
-        c_mask, r_mask = answered_masks(c, r, markers)
+        masks = (pairs.reply_masks[0][index], pairs.reply_masks[1][index])
+        c_mask, r_mask = answered_masks(c, r, masks)
         if not c_mask.any() or not r_mask.any():
             raise DataError(f"{pairs.where[index]}: a reply has no assistant tokens to score")
         chosen.append(c_mask)
@@ -125,10 +101,9 @@ class DPODataModule(PreferenceDataModule):
 
     def build_data(self, tokenizer: Tokenizer) -> Any:
         data = super().build_data(tokenizer)
-        markers = ChatMarkers.of(tokenizer)
         for pairs in (data.train, data.val):
             if pairs is not None:
-                attach_answered_masks(pairs, markers)
+                attach_answered_masks(pairs)
         return data
 
     def eval_batches(self, split: str = "val", limit: int | None = None) -> DPOEvalBatches | None:

@@ -9,8 +9,8 @@ Does not own: the settings (data/preference/config.py), reading rows into chats 
 (data/preference/records.py), the step plan of training micro-batches (data/sft/batches.py), the Lightning
 wiring (data/preference/datamodule.py).
 
-Encoding: each side is `Tokenizer.encode_chat(prompt + reply)`, so it ends with the reply's <|eot_id|>, the
-token the reward is read at. A side longer than seq_len has its prompt cut from the LEFT (too_long: truncate;
+Encoding: each side is `Tokenizer.encode_chat(prompt + reply)` up to the reply's end-of-turn token (<|eot_id|>,
+ChatML's <|im_end|>), the token the reward is read at. A side longer than seq_len has its prompt cut from the LEFT (too_long: truncate;
 <|begin_of_text|> stays first, the reply and its <|eot_id|> stay whole; both sides keep the same prompt tokens
 so they differ only in the reply), or the pair is dropped (too_long: drop, or the reply alone does not fit).
 
@@ -46,6 +46,7 @@ from data.preference.records import Messages, PreferenceChat, load_chats
 from data.records.chat import hold_out
 from data.sft.examples import encode_chats
 from data.tokenizer.tokenizer import Tokenizer
+from models.errors import DataError
 
 PAD_MULTIPLE = 8  # batches are padded to a multiple of this: fewer distinct shapes, friendlier kernels
 
@@ -104,8 +105,14 @@ class PreferencePairs:
         seq_len: int,
         pad_id: int,
         pad_to_seq_len: bool = False,
+        reply_masks: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
     ):
         self.chosen, self.rejected, self.where = chosen, rejected, where
+        # per side, True on the reply's assistant tokens (content + end-of-turn): DPO's response tokens
+        self.reply_masks = reply_masks or (
+            [np.zeros(len(c), bool) for c in chosen],
+            [np.zeros(len(r), bool) for r in rejected],
+        )
         self.seq_len, self.pad_id, self.pad_to_seq_len = seq_len, pad_id, pad_to_seq_len
         self.row_tokens = np.array([len(c) + len(r) for c, r in zip(chosen, rejected)], dtype=np.int64)
         self.row_examples = np.ones(len(chosen), dtype=np.int64)
@@ -114,8 +121,12 @@ class PreferencePairs:
         return len(self.chosen)
 
     def subset(self, indices: Sequence[int]) -> PreferencePairs:
-        chosen, rejected, where = ([items[i] for i in indices] for items in (self.chosen, self.rejected, self.where))
-        return PreferencePairs(chosen, rejected, where, self.seq_len, self.pad_id, self.pad_to_seq_len)
+        chosen, rejected, where, chosen_masks, rejected_masks = (
+            [items[i] for i in indices] for items in (self.chosen, self.rejected, self.where, *self.reply_masks)
+        )
+        return PreferencePairs(
+            chosen, rejected, where, self.seq_len, self.pad_id, self.pad_to_seq_len, (chosen_masks, rejected_masks)
+        )
 
     def fingerprint(self) -> str:
         """Identifies the pairs, so a resumed stream can tell its data changed."""
@@ -148,26 +159,40 @@ class PreferencePairs:
 def encode_pairs(
     chats: Sequence[PreferenceChat], tokenizer: Tokenizer, config: PreferenceDataConfig
 ) -> tuple[PreferencePairs, dict[str, int]]:
-    """Each side as encode_chat(prompt + reply), fitted to seq_len; returns (pairs, counts)."""
-    # encode_chat is <|begin_of_text|> followed by each turn's tokens on their own, so a side is the prompt's
-    # ids followed by the reply's ids without their <|begin_of_text|>: a long prompt is encoded once, not twice.
-    conversations = [turns for chat in chats for turns in (chat.prompt, chat.chosen, chat.rejected)]
+    """Each side as encode_chat(prompt + reply) up to the reply's last end-of-turn token, fitted to seq_len;
+    returns (pairs, counts)."""
+    # Whatever the chat template, the prompt's own encoding is a prefix of each side's (a template that renders a
+    # conversation otherwise is refused by encode_chat), so a side is the prompt's ids followed by its reply's.
+    conversations = [turns for c in chats for turns in (c.prompt, [*c.prompt, *c.chosen], [*c.prompt, *c.rejected])]
     encoded = encode_chats(tokenizer, conversations, config.num_proc)
-    chosen, rejected, where = [], [], []
+    chosen, rejected, masks, where = [], [], ([], []), []
     counts = {"truncated": 0, "dropped_too_long": 0}
     for k, chat in enumerate(chats):
-        (prompt, _), (chosen_ids, _), (rejected_ids, _) = encoded[3 * k : 3 * k + 3]
-        chosen_reply, rejected_reply = chosen_ids[1:], rejected_ids[1:]
-        longest = max(len(chosen_reply), len(rejected_reply))
+        (prompt, _), *sides = encoded[3 * k : 3 * k + 3]
+        replies = [_reply(prompt, ids, mask, chat.where) for ids, mask in sides]
+        longest = max(len(ids) for ids, _ in replies)
         prompt, truncated = fit_prompt(prompt, longest, config.seq_len, config.too_long)
         if prompt is None:
             counts["dropped_too_long"] += 1
             continue
         counts["truncated"] += truncated
-        chosen.append(np.asarray(prompt + chosen_reply, dtype=np.int64))
-        rejected.append(np.asarray(prompt + rejected_reply, dtype=np.int64))
+        for (ids, mask), out, out_mask in zip(replies, (chosen, rejected), masks):
+            out.append(np.asarray(prompt + ids, dtype=np.int64))
+            out_mask.append(np.asarray([False] * len(prompt) + mask, dtype=bool))
         where.append(chat.where)
-    return PreferencePairs(chosen, rejected, where, config.seq_len, tokenizer.pad_id, config.pad_to_seq_len), counts
+    pairs = PreferencePairs(
+        chosen, rejected, where, config.seq_len, tokenizer.pad_id, config.pad_to_seq_len, reply_masks=masks
+    )
+    return pairs, counts
+
+
+def _reply(prompt: list[int], ids: list[int], mask: list[bool], where: str) -> tuple[list[int], list[bool]]:
+    """A side's ids and assistant mask after the prompt, ending at its last assistant token (the end-of-turn token
+    the reward is read at, not what a template writes after it, such as ChatML's newline)."""
+    if ids[: len(prompt)] != prompt:
+        raise DataError(f"{where}: the chat template does not encode the prompt as a prefix of prompt + reply")
+    end = max((i + 1 for i, m in enumerate(mask) if m), default=len(ids))
+    return ids[len(prompt) : end], mask[len(prompt) : end]
 
 
 # -----------------------------------------------------------------------------

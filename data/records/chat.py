@@ -40,7 +40,7 @@ from data.pretrain.prepare import choose_val
 from data.pretrain.sources import resolve_inputs
 from data.records.files import RecordFile, read_records
 from data.sft.config import SFTDataConfig
-from data.tokenizer.tokenizer import CHAT_ROLES
+from data.tokenizer.base import CHAT_ROLES
 from models.errors import DataError
 
 log = logging.getLogger("lantern.sft")

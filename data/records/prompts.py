@@ -37,7 +37,7 @@ class PromptDataConfig:
     conversations_field: str = "conversations"  # ShareGPT
     prompt_field: str = "prompt"
     completion_field: str = "completion"  # TRL prompt / completion rows: the reference answer
-    tokenizer: str = "default"
+    tokenizer: str = "auto"
     max_prompt_tokens: int = 192
     too_long: str = "truncate"  # truncate (keep <|begin_of_text|> and the last tokens: the question) | drop
     on_bad_row: str = "error"  # error | skip (counted)

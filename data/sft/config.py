@@ -40,7 +40,7 @@ class SFTDataConfig:
     input_field: str = "input"
     output_field: str = "output"
     system_prompt: str | None = None  # prepended as a system turn to rows that have none
-    tokenizer: str = "default"
+    tokenizer: str = "auto"
     seq_len: int = 256
     train_on_prompt: bool = False  # supervise every token, not only the assistant turns
     packing: bool = True

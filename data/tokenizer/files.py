@@ -1,5 +1,5 @@
 """
-Tokenizer files: finding and reading the tiktoken rank files a Tokenizer is built from.
+Tokenizer files: finding the tokenizer a spec or checkpoint folder names, and reading tiktoken rank files.
 
 Owns: the rank-file format and its strict reader (read_rank_file: one "<base64 token bytes> <rank>" line per
 token, ranks 0..N-1 in order, every single byte present, as in Llama 3's `tokenizer.model`), the bundled default
@@ -88,18 +88,47 @@ def read_rank_file(path: str | Path) -> tuple[dict[bytes, int], bytes]:
     return ranks, raw
 
 
+def is_rank_file(path: Path) -> bool:
+    """Whether ``path`` starts like a tiktoken rank file ("<base64> <rank>"), not a sentencepiece model."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(4096).split()
+    except OSError:
+        return False
+    return len(first) == 2 and first[1].isdigit() and all(c in _BASE64 for c in first[0])
+
+
+_BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
+
+
+def find_tokenizer(folder: Path) -> Path | None:
+    """The tokenizer a checkpoint folder carries: a tiktoken tokenizer.model (Lantern's folders), else Hugging Face's
+    tokenizer.json, else Meta's original/tokenizer.model; a sentencepiece tokenizer.model (Llama 2) only when
+    nothing else is there (reading it then says why it cannot be used). None when it carries none."""
+    root, hf, original = folder / "tokenizer.model", folder / "tokenizer.json", folder / "original" / "tokenizer.model"
+    if root.is_file() and is_rank_file(root):
+        return root
+    for candidate in (hf, original, root):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def tokenizer_file(spec: str | Path) -> Path:
-    """The rank file a spec names: 'default' (the shipped Shakespeare 4096), a rank file, or a directory
-    holding tokenizer.model (directly or in original/, as in Llama 3 checkpoints). 'cl100k_base' is not a
-    file of ours: see read_cl100k."""
+    """The file a spec names: 'default' (the shipped Shakespeare 4096), a tiktoken rank file, a Hugging Face
+    tokenizer.json, or a folder holding one (``find_tokenizer``). 'cl100k_base' is not a file of ours: see
+    read_cl100k."""
     if isinstance(spec, str) and spec == "default":
         return DEFAULT_TOKENIZER_PATH
     path = Path(spec).expanduser()
     if path.is_dir():
-        for candidate in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"no tokenizer.model in {path} or {path / 'original'}")
+        found = find_tokenizer(path)
+        if found is None:
+            raise FileNotFoundError(
+                f"no tokenizer in {path}: expected tokenizer.json (Hugging Face) or a tiktoken tokenizer.model "
+                "(there or in original/)"
+            )
+        return found
     return path
 
 

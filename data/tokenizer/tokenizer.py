@@ -29,7 +29,8 @@ from typing import Any
 
 import tiktoken
 
-from data.tokenizer.files import CL100K_PAT, read_cl100k, read_rank_file, tokenizer_file
+from data.tokenizer.base import TokenizerBase, _as_ints, check_message, load_tokenizer
+from data.tokenizer.files import CL100K_PAT, read_cl100k, read_rank_file
 
 # Llama 3's pre-tokenizer regex (from Meta's llama3 tokenizer.py).
 LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -55,8 +56,6 @@ _NAMED_SPECIALS = [
 SPECIAL_TOKENS = _NAMED_SPECIALS + [
     f"<|reserved_special_token_{i}|>" for i in range(3, 3 + NUM_SPECIAL_TOKENS - len(_NAMED_SPECIALS))
 ]
-
-CHAT_ROLES = ("system", "user", "assistant", "ipython", "tool")
 
 # Meta's limits: tiktoken's regex engine gets slow (or overflows its stack) on
 # huge inputs and on very long runs of whitespace / non-whitespace.
@@ -134,7 +133,7 @@ def _split_for_tiktoken(text: str) -> list[str]:
 # -----------------------------------------------------------------------------
 
 
-class Tokenizer:
+class Tokenizer(TokenizerBase):
     """Byte-level BPE tokenizer (tiktoken) with Llama 3.1 special tokens and chat template."""
 
     def __init__(
@@ -191,12 +190,10 @@ class Tokenizer:
         return cls(ranks, pat_str=CL100K_PAT, path="cl100k_base", rank_bytes=raw)
 
     @classmethod
-    def load(cls, spec: str | Path = "default") -> Tokenizer:
-        """'default' (shipped Shakespeare 4096), 'cl100k_base', a rank file, or a directory
-        holding tokenizer.model (directly or in original/, as in Llama 3 checkpoints)."""
-        if isinstance(spec, str) and spec == "cl100k_base":
-            return cls.cl100k_base()
-        return cls.from_file(tokenizer_file(spec))
+    def load(cls, spec: str | Path = "default") -> TokenizerBase:
+        """Whichever tokenizer ``spec`` names (``data.tokenizer.base.load_tokenizer``): 'default' (shipped Shakespeare
+        4096), 'cl100k_base', a rank file, a Hugging Face tokenizer.json, or a checkpoint folder holding one."""
+        return load_tokenizer(spec)
 
     # --- properties ------------------------------------------------------------
 
@@ -226,38 +223,20 @@ class Tokenizer:
     def is_special(self, id: int) -> bool:
         return id >= self.num_base_tokens
 
-    def tokens_starting_with(self, prefix: bytes) -> list[int]:
-        """Ids of the ordinary (non-special) tokens whose bytes start with ``prefix`` (token healing)."""
-        if not hasattr(self, "_token_bytes"):  # built once: one bytes object per rank
-            self._token_bytes = [self.encoding.decode_single_token_bytes(i) for i in range(self.num_base_tokens)]
-        return [i for i, piece in enumerate(self._token_bytes) if piece.startswith(prefix)]
-
-    def heal_prompt(self, ids: Sequence[int]) -> tuple[list[int], bytes, list[int]]:
-        """Token healing: back off the prompt's last token when it is an ordinary token that longer tokens
-        extend (e.g. ':' of "ROMEO:", which the corpus only ever shows merged as ':\\n').
-
-        Returns (prompt without it, its bytes, the ids whose bytes start with them). Generation then draws its
-        first token from those ids, so the text can continue the way training data did. Nothing is backed off
-        (removed is b"") when the prompt would become empty, the last token is special, or no longer token
-        extends it (healing could then only re-pick the same token).
-        """
-        ids = [int(i) for i in ids]
-        self._check_ids(ids)
-        if len(ids) < 2 or self.is_special(ids[-1]):
-            return ids, b"", []
-        removed = self.encoding.decode_single_token_bytes(ids[-1])
-        allowed = self.tokens_starting_with(removed)
-        if allowed == [ids[-1]]:
-            return ids, b"", []
-        return ids[:-1], removed, allowed
+    def token_bytes(self, id: int) -> bytes:
+        if id in self._special_by_id:
+            return self._special_by_id[id].encode()
+        return self.encoding.decode_single_token_bytes(id)
 
     @property
     def file(self) -> str | None:
         """The rank file it was read from, to copy beside a checkpoint; None for cl100k_base (a package's data)."""
         return self.path if Path(self.path).is_file() else None
 
-    def __repr__(self) -> str:
-        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
+    @property
+    def files(self) -> dict[str, Path]:
+        """tokenizer.model, the rank file (none for cl100k_base, a package's data)."""
+        return {"tokenizer.model": Path(self.path)} if self.file else {}
 
     # --- encode / decode -------------------------------------------------------
 
@@ -321,16 +300,9 @@ class Tokenizer:
         with ThreadPoolExecutor(min(num_threads, len(groups))) as pool:
             return [ids for group in pool.map(lambda g: [encode(t) for t in g], groups) for ids in group]
 
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise ValueError(f"token id {bad} out of range for vocab_size {self.vocab_size}")
-
     def decode(self, ids: Iterable[int]) -> str:
         """Decode ids to text; special tokens come out as their names."""
-        if hasattr(ids, "tolist"):  # torch / numpy
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
+        ids = _as_ints(ids)
         self._check_ids(ids)
         return self.encoding.decode(ids)
 
@@ -345,7 +317,7 @@ class Tokenizer:
         assistant turn's content tokens and its <|eot_id|> (the tokens to train on)."""
         ids, mask = [self.bos_id], [False]
         for index, message in enumerate(messages):
-            role, content = _check_message(index, message)
+            role, content = check_message(index, message)
             header = self._encode_header(role)
             body = self.encode(content.strip()) + [self.eot_id]
             train = role == "assistant"
@@ -357,16 +329,3 @@ class Tokenizer:
         """Chat ids followed by an open assistant header: the prompt for generation."""
         ids, _ = self.encode_chat(messages)
         return ids + self._encode_header("assistant")
-
-
-def _check_message(index: int, message: Any) -> tuple[str, str]:
-    if not isinstance(message, Mapping):
-        raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
-    if "role" not in message or "content" not in message:
-        raise ValueError(f"messages[{index}] needs 'role' and 'content' keys, got {list(message)}")
-    role, content = message["role"], message["content"]
-    if role not in CHAT_ROLES:
-        raise ValueError(f"messages[{index}] has unknown role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
-    if not isinstance(content, str):
-        raise ValueError(f"messages[{index}] ({role}) content must be str, got {type(content).__name__}")
-    return role, content

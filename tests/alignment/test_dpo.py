@@ -18,7 +18,7 @@ from alignment.shared.losses import preference_loss
 from alignment.stages.dpo import run_dpo
 from alignment.stages.dpo_module import DPOModule, response_logprob_sums
 from data.demo.tasks import write_demo_dataset
-from data.preference.dpo import ChatMarkers, DPODataModule, answered_masks
+from data.preference.dpo import DPODataModule, answered_masks
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import ConfigError
@@ -120,9 +120,9 @@ def test_the_response_is_the_reply_content_and_eot_only(setup, tmp_path):
     datamodule = DPODataModule(config.data, micro_batch_size=3)
     pairs = datamodule.eval_batches("train").pairs
     assert datamodule.stats["train"]["truncated"] == 1
-    markers = ChatMarkers.of(tokenizer)
     for index, record in enumerate(records):
-        masks = answered_masks(pairs.chosen[index], pairs.rejected[index], markers)
+        reply_masks = (pairs.reply_masks[0][index], pairs.reply_masks[1][index])
+        masks = answered_masks(pairs.chosen[index], pairs.rejected[index], reply_masks)
         for side, mask, reply in zip(
             (pairs.chosen[index], pairs.rejected[index]), masks, (record["chosen"], record["rejected"])
         ):

@@ -223,3 +223,29 @@ def test_merge_adapters_of_the_rebuilt_model_equals_merging_in_place(adapter_run
     merged, expected = merge_adapters(rebuilt).state_dict(), merge_adapters(model).state_dict()
     assert merged.keys() == expected.keys()
     assert all(torch.equal(merged[name], expected[name]) for name in expected)
+
+
+def test_a_lora_checkpoint_exports_merged_to_gguf_and_to_hf_with_its_tokenizer(adapter_run, tmp_path):
+    """--format gguf writes the merged model with the run's tokenizer (the tiktoken default, converted), which
+    transformers' GGUF loader reads back to Lantern's logits; --format hf carries tokenizer.json for AutoTokenizer."""
+    pytest.importorskip("gguf")
+    from data.tokenizer.tokenizer import Tokenizer
+
+    _, checkpoint, model = adapter_run
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(checkpoint), str(out), "--format", "gguf", "--dtype", "float32"]) == 0
+    ids = token_ids()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
+    assert (hf_logits(loaded, ids) - lantern_logits(model, ids)).abs().max().item() <= TOL
+    assert main(["export", str(checkpoint), str(out), "--format", "gguf"]) == 2  # exists: --overwrite
+    assert main(["export", str(checkpoint), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = Tokenizer.load("default")
+    text = "ROMEO: But soft, what light through yonder window breaks?\n\nJULIET: 1234 ünïcode"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    chat = [{"role": "user", "content": "Who art thou?"}, {"role": "assistant", "content": "A friend."}]
+    assert (
+        list(theirs.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+        == ours.encode_chat(chat)[0]
+    )
+    assert (tmp_path / "hf" / "original" / "tokenizer.model").is_file()  # Meta's layout, as before

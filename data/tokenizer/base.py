@@ -1,0 +1,157 @@
+"""
+What every Lantern tokenizer is, whichever library encodes: the tiktoken rank files (data/tokenizer/tokenizer.py) and
+Hugging Face ``tokenizer.json`` (data/tokenizer/hf.py).
+
+Owns: the interface the data pipeline, the stages and generation use (encode / decode, the chat encoding with its
+mask of assistant tokens, the special ids, the files a checkpoint carries, the fingerprint), what is computed the
+same way for both (token healing, bytes of ids, id checks, message checks), and ``Tokenizer.load``'s dispatch
+(``load_tokenizer``: a spec to the backend that reads it).
+Does not own: either backend's encoding or chat layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+CHAT_ROLES = ("system", "user", "assistant", "ipython", "tool")
+
+
+class TokenizerBase:
+    """Common contract. Subclasses set ``path``, ``fingerprint``, ``bos_id`` (or None), ``eos_id``, ``pad_id``,
+    ``eot_id`` (the token that ends an assistant turn), ``stop_ids`` and implement the methods below that raise."""
+
+    path: str
+    fingerprint: str
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    eot_id: int
+    stop_ids: set[int]
+
+    # --- what a backend provides ------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id the tokenizer can produce."""
+        raise NotImplementedError
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """The files a checkpoint folder carries for this tokenizer, by the name they take there."""
+        raise NotImplementedError
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8
+    ) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes one id stands for (a special token: its name)."""
+        raise NotImplementedError
+
+    def is_special(self, id: int) -> bool:
+        raise NotImplementedError
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
+        """(ids, mask): mask is True exactly on each assistant turn's content and its end-of-turn token."""
+        raise NotImplementedError
+
+    def encode_chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The conversation followed by what opens an assistant turn: the prompt to generate a reply from."""
+        raise NotImplementedError
+
+    # --- shared ------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes of ids, which may end inside a multi-byte character (token healing cuts in bytes)."""
+        ids = _as_ints(ids)
+        self._check_ids(ids)
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def tokens_starting_with(self, prefix: bytes) -> list[int]:
+        """Ids of the ordinary (non-special) tokens whose bytes start with ``prefix`` (token healing)."""
+        if not hasattr(self, "_ordinary_bytes"):  # built once: one bytes object per id
+            self._ordinary_bytes = [(i, self.token_bytes(i)) for i in range(self.vocab_size) if not self.is_special(i)]
+        return [i for i, piece in self._ordinary_bytes if piece.startswith(prefix)]
+
+    def heal_prompt(self, ids: Sequence[int]) -> tuple[list[int], bytes, list[int]]:
+        """Token healing: back off the prompt's last token when it is an ordinary token that longer tokens
+        extend (e.g. ':' of "ROMEO:", which the corpus only ever shows merged as ':\\n').
+
+        Returns (prompt without it, its bytes, the ids whose bytes start with them). Generation then draws its
+        first token from those ids, so the text can continue the way training data did. Nothing is backed off
+        (removed is b"") when the prompt would become empty, the last token is special, or no longer token
+        extends it (healing could then only re-pick the same token).
+        """
+        ids = _as_ints(ids)
+        self._check_ids(ids)
+        if len(ids) < 2 or self.is_special(ids[-1]):
+            return ids, b"", []
+        removed = self.token_bytes(ids[-1])
+        allowed = self.tokens_starting_with(removed)
+        if allowed == [ids[-1]]:
+            return ids, b"", []
+        return ids[:-1], removed, allowed
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} out of range for vocab_size {self.vocab_size}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={self.path!r}, vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:12]})"
+
+
+def _as_ints(ids: Iterable[int]) -> list[int]:
+    if hasattr(ids, "tolist"):  # torch / numpy
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+def check_message(index: int, message: Any, roles: Sequence[str] | None = CHAT_ROLES) -> tuple[str, str]:
+    """(role, content) of ``messages[index]``, or a one-line ValueError naming what is wrong with it."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+    if "role" not in message or "content" not in message:
+        raise ValueError(f"messages[{index}] needs 'role' and 'content' keys, got {list(message)}")
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str) or (roles is not None and role not in roles):
+        raise ValueError(f"messages[{index}] has unknown role {role!r}; allowed: {', '.join(roles or ())}")
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}] ({role}) content must be str, got {type(content).__name__}")
+    return role, content
+
+
+def resolve_tokenizer_spec(spec: str | Path, checkpoint: str | Path | None) -> str:
+    """``spec`` as given, except 'auto': the tokenizer the checkpoint folder a stage starts from carries, else the
+    bundled default (a folder that carries none is refused later, by ``trainer.checks.check_same_tokenizer``)."""
+    if str(spec) != "auto":
+        return str(spec)
+    from data.tokenizer.files import find_tokenizer
+
+    found = find_tokenizer(Path(checkpoint)) if checkpoint and Path(checkpoint).is_dir() else None
+    return str(found) if found is not None else "default"
+
+
+def load_tokenizer(spec: str | Path = "default") -> TokenizerBase:
+    """'default' or 'auto' (the shipped Shakespeare 4096), 'cl100k_base', a tiktoken rank file, a Hugging Face tokenizer.json,
+    or a checkpoint folder holding either (see ``data.tokenizer.files.tokenizer_file`` for which wins)."""
+    from data.tokenizer.files import tokenizer_file
+    from data.tokenizer.tokenizer import Tokenizer
+
+    if isinstance(spec, str) and spec == "cl100k_base":
+        return Tokenizer.cl100k_base()
+    path = tokenizer_file("default" if str(spec) == "auto" else spec)
+    if path.name.endswith(".json"):
+        from data.tokenizer.hf import HFTokenizer
+
+        return HFTokenizer(path)
+    return Tokenizer.from_file(path)

@@ -1,0 +1,191 @@
+"""
+Tiktoken tokenizers as Hugging Face files: a Lantern rank file (or cl100k_base) with its 256 Llama 3 special tokens
+as ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``generation_config.json``), so transformers' ``AutoTokenizer``
+(and, through ``models.gguf_format.write_gguf``, a GGUF file) encodes the ids Lantern's ``Tokenizer`` does.
+
+Owns: ``tiktoken_to_tokenizer_json`` (ranks + special tokens + regex -> ``tokenizers.Tokenizer``),
+``write_hf_tokenizer`` (a Lantern tiktoken Tokenizer as those files, with Llama 3's chat template in the layout of
+``Tokenizer.encode_chat``), ``hf_tokenizer_folder`` (the Hugging Face files of a checkpoint folder, converting its
+tokenizer.model when that is what it carries) and ``LLAMA3_CHAT_TEMPLATE``.
+Does not own: the tokenizer files' format (``models.gguf_tokenizer.write_tokenizer_files``), reading rank files
+(``data.tokenizer.files``).
+Choices: vocabulary and merges are built as transformers' ``TikTokenConverter`` builds them (every split of a token
+into two tokens, ordered by rank, and ``ignore_merges`` so a whole piece that is a token stays one, as in tiktoken),
+which is how Meta's own Llama 3 ``tokenizer.json`` was made, with the ``tokenizers`` library directly: the
+converter's signature differs between transformers 4 and 5 and its loader caches rank files by path in a temporary
+folder (a retrained file at the same path would be read stale). Oniguruma reads a possessive bounded repetition (cl100k's ``\\p{N}{1,3}+``) as a
+nested one, so that quantifier loses its ``+`` (same matches: nothing follows it in its alternative). The BOS token
+is added by a post-processor (``add_bos_token``), as in Llama 3's files and as Lantern's pretraining does. One
+difference remains by design: special-token strings inside plain text are plain text for Lantern and special for
+Hugging Face tokenizers. transformers is imported inside the functions (the ``gguf`` extra).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from data.tokenizer.base import load_tokenizer
+from data.tokenizer.files import read_cl100k, read_rank_file
+from data.tokenizer.tokenizer import LLAMA3_PAT, Tokenizer
+from models.errors import LanternError
+from models.gguf_tokenizer import (
+    GENERATION_CONFIG,
+    write_tokenizer_files,
+)
+
+__all__ = [
+    "LLAMA3_CHAT_TEMPLATE",
+    "hf_export_files",
+    "hf_tokenizer_folder",
+    "tiktoken_to_tokenizer_json",
+    "write_hf_tokenizer",
+]
+
+# Llama 3's template in the layout of Tokenizer.encode_chat / encode_chat_prompt: BOS once, then per message its
+# header, "\n\n", the content stripped and <|eot_id|>; the generation prompt is an open assistant header.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
+STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")  # Tokenizer.stop_ids
+
+
+def _oniguruma_pattern(pat_str: str) -> str:
+    return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pat_str)
+
+
+def tiktoken_to_tokenizer_json(
+    ranks: Mapping[bytes, int] | str | Path,
+    special_tokens: Mapping[str, int],
+    pat_str: str = LLAMA3_PAT,
+    bos_token: str | None = BOS,
+) -> Any:
+    """A ``tokenizers.Tokenizer`` encoding as tiktoken does with these ranks (a mapping or a rank file), regex and
+    special tokens (ids N.. after the N ranks, in id order). ``bos_token`` (None: none) is prepended by its
+    post-processor, as ``Tokenizer.encode(text, bos=True)``; ``add_special_tokens=False`` gives ``encode(text)``."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if not isinstance(ranks, Mapping):
+        ranks = read_rank_file(ranks)[0]
+    specials = sorted(special_tokens.items(), key=lambda item: item[1])
+    if [i for _, i in specials] != list(range(len(ranks), len(ranks) + len(specials))):
+        raise LanternError(f"special token ids must follow the {len(ranks)} ranks without gaps, got {specials[:3]}...")
+    spelling = bytes_to_unicode()  # GPT-2's printable character for each byte
+
+    def spell(token: bytes) -> str:
+        return "".join(spelling[b] for b in token)
+
+    # TikTokenConverter's merges: every split of a token into two tokens, by the token's rank, then the pieces'
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, ranks[left], ranks[right], left, right) for left, right in splits]
+    merges.sort(key=lambda merge: merge[:3])
+    bpe = models.BPE(
+        {spell(token): rank for token, rank in ranks.items()},
+        [(spell(left), spell(right)) for *_, left, right in merges],
+        fuse_unk=False,
+        ignore_merges=True,  # a piece that is a token is that token, as tiktoken does
+    )
+    tokenizer = HFTokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_oniguruma_pattern(pat_str)), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, _ in specials])
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if bos_token is not None:
+        bos_id = special_tokens[bos_token]
+        pair = f"{bos_token}:0 $A:0 {bos_token}:1 $B:1"
+        steps.append(processors.TemplateProcessing(f"{bos_token}:0 $A:0", pair, [(bos_token, bos_id)]))
+    tokenizer.post_processor = processors.Sequence(steps)
+    wrong = [(t, i, tokenizer.token_to_id(t)) for t, i in specials if tokenizer.token_to_id(t) != i]
+    if wrong:
+        raise LanternError(f"special tokens got other ids than asked (token, asked, got): {wrong[:3]}")
+    return tokenizer
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer | str | Path, folder: str | Path) -> list[Path]:
+    """A Lantern tiktoken tokenizer (a ``Tokenizer``, a rank file, "default" or "cl100k_base") as tokenizer.json,
+    tokenizer_config.json (bos <|begin_of_text|>, eos <|end_of_text|>, pad <|finetune_right_pad_id|>, add_bos_token,
+    ``LLAMA3_CHAT_TEMPLATE``) and generation_config.json (bos id, the three stop ids) in ``folder``."""
+    if not isinstance(tokenizer, Tokenizer):
+        spec = str(tokenizer)
+        tokenizer = Tokenizer.cl100k_base() if spec == "cl100k_base" else Tokenizer.from_file(_rank_file(spec))
+    if tokenizer.file is not None:
+        ranks = read_rank_file(tokenizer.file)[0]
+    elif tokenizer.path == "cl100k_base":
+        ranks = read_cl100k()[0]
+    else:  # built in memory
+        ranks = tokenizer.encoding._mergeable_ranks
+    specials = tokenizer.special_tokens
+    converted = tiktoken_to_tokenizer_json(ranks, specials, tokenizer.encoding._pat_str, BOS)
+    return write_tokenizer_files(
+        Path(folder),
+        converted,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        add_bos_token=True,
+        eos_token_ids=[specials[token] for token in STOP_TOKENS],
+    )
+
+
+def _rank_file(spec: str) -> Path:
+    if spec == "default":
+        from data.tokenizer.files import DEFAULT_TOKENIZER_PATH
+
+        return DEFAULT_TOKENIZER_PATH
+    return Path(spec)
+
+
+def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:
+    """``scratch`` filled with the Hugging Face files of the tokenizer a checkpoint folder carries (the one every
+    command would read, ``load_tokenizer``): copied when it is a tokenizer.json, converted (``write_hf_tokenizer``)
+    when it is a tiktoken rank file. Raises LanternError when the folder carries none."""
+    scratch = Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+    except FileNotFoundError as error:
+        raise LanternError(str(error)) from None
+    if isinstance(tokenizer, Tokenizer):
+        write_hf_tokenizer(tokenizer, scratch)
+        return scratch
+    for name, path in tokenizer.files.items():
+        shutil.copyfile(path, scratch / name)
+    generation = Path(checkpoint) / GENERATION_CONFIG
+    if generation.is_file():
+        shutil.copyfile(generation, scratch / GENERATION_CONFIG)
+    return scratch
+
+
+def hf_export_files(spec: str | Path, scratch: str | Path) -> dict[str, Path]:
+    """The tokenizer files a Hugging Face export carries, so transformers' ``AutoTokenizer`` loads it as it is: a
+    tokenizer.json tokenizer's own files, or a tiktoken rank file (kept for ``original/tokenizer.model``) with its
+    conversion (``write_hf_tokenizer``, written in ``scratch``). None for a folder that carries no tokenizer."""
+    try:
+        tokenizer = load_tokenizer(spec)
+    except FileNotFoundError:
+        return {}
+    if not isinstance(tokenizer, Tokenizer):
+        return tokenizer.files
+    written = write_hf_tokenizer(tokenizer, scratch)
+    return {**{path.name: path for path in written if path.name != GENERATION_CONFIG}, **tokenizer.files}

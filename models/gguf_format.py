@@ -1,0 +1,347 @@
+"""GGUF files (llama.cpp's single-file format) to and from Lantern's model: read (dequantized), convert to a native or
+Hugging Face folder, and write (f32 / f16 / bf16) for llama.cpp, Ollama, LM Studio and transformers' GGUF loader.
+
+Owns: ``read_gguf`` / ``load_gguf`` (a "llama" GGUF through transformers' GGUF loader, then ``models.hf_format``'s
+config and name mapping), ``convert_gguf`` (a GGUF file to a folder with its tokenizer, atomically) and
+``write_gguf`` (a Transformer and a folder's Hugging Face tokenizer files to a GGUF file, atomically).
+Does not own: the tokenizer fields (``models.gguf_tokenizer``), the Hugging Face mapping (``models.hf_format``),
+the folders (``models.checkpoint``).
+Choices:
+
+* reading goes GGUF -> Hugging Face (transformers dequantizes every ggml type and reverse-permutes attn_q / attn_k
+  to Hugging Face's rotate-half rows) -> native (``hf_format`` permutes back to Meta's interleaved pairs), so every
+  name and permutation lives in one table each; writing goes native -> Hugging Face (``native_to_hf_state``) ->
+  GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does it: gguf's own tensor-name map, q / k permuted to
+  interleaved pairs (which is Lantern's native layout), 1-D tensors (norms) kept f32, no ``output`` when tied;
+* transformers' GGUF loader ignores RoPE scaling for "llama". Llama 3.1 scaling is written as llama.cpp reads it
+  (a ``rope_freqs`` tensor of per-frequency divisors), linear as ``rope.scaling.type``/``factor``, and either also
+  as ``lantern.rope_scaling`` (JSON) so that ``read_gguf`` restores it exactly; a foreign ``rope_freqs`` is read
+  back as Llama 3.1's scaling when its values are those of a (factor, 1, 4, 8192) scaling, else refused;
+* gguf and transformers are imported inside the functions (the ``gguf`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy
+import torch
+from torch import Tensor, nn
+
+from models.atomic import IfExists, check_destination, fsync_dir, remove_path, storage_error
+from models.errors import LanternError
+from models.gguf_tokenizer import (
+    GENERATION_CONFIG,
+    add_tokenizer_fields,
+    gguf_tokenizer_fields,
+    write_gguf_tokenizer_files,
+)
+from models.hf_config import config_to_hf, hf_to_config
+from models.hf_format import _hf_to_native_state, native_to_hf_state
+from models.model import ModelConfig, Transformer, rope_frequencies
+
+__all__ = ["GGUF_DTYPES", "check_gguf_destination", "convert_gguf", "load_gguf", "read_gguf", "write_gguf"]
+
+GGUF_DTYPES = ("f32", "f16", "bf16")
+LANTERN_ROPE_KEY = "lantern.rope_scaling"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading
+
+
+def _check_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise LanternError(f"GGUF file not found: {path}")
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise LanternError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    return path
+
+
+def _field_value(field: Any) -> Any:
+    """A scalar or string metadata value of a ``gguf.GGUFReader`` field (arrays: their length)."""
+    from gguf import GGUFValueType
+
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        return len(field.data)
+    value = field.parts[field.data[0]]
+    return bytes(value).decode("utf-8") if kind == GGUFValueType.STRING else value.tolist()[0]
+
+
+def _read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str], Tensor | None]:
+    """(metadata, {tensor name: ggml type}, the rope_freqs tensor if any), through gguf's reader."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as error:
+        raise LanternError(f"{path}: cannot read it as GGUF ({error})") from None
+    fields = {name: _field_value(field) for name, field in reader.fields.items()}
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    rope_freqs = next((torch.tensor(t.data.copy()) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return fields, types, rope_freqs
+
+
+def _rope_scaling(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | None, hf: dict) -> dict | None:
+    """The Hugging Face rope_scaling dict a GGUF states (see the module's choices), or None."""
+    if LANTERN_ROPE_KEY in fields:
+        values = json.loads(fields[LANTERN_ROPE_KEY])
+        return {**values, "rope_type": values.get("rope_type", "llama3")}
+    kind = fields.get("llama.rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(fields["llama.rope.scaling.factor"])}
+    if kind not in (None, "none"):
+        raise LanternError(f"{path}: RoPE scaling {kind!r} is not supported (Llama 3.1's and linear are)")
+    if rope_freqs is None:
+        return None
+    guess = {
+        "rope_type": "llama3",
+        "factor": float(rope_freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = hf_to_config(_with_scaling(hf, guess), path)
+    if not torch.allclose(_rope_divisors(config), rope_freqs.float().flatten(), rtol=1e-4):
+        raise LanternError(f"{path}: its rope_freqs tensor is not Llama 3.1's RoPE scaling; it cannot be read")
+    return guess
+
+
+def _with_scaling(hf: dict, scaling: dict) -> dict:
+    """``hf`` with RoPE scaling, as transformers 5 (rope_parameters) and 4.x (rope_scaling) both state it."""
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    return {**hf, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": theta}}
+
+
+def read_gguf(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
+    """(config, state with native names in ``dtype``, info) of a "llama" GGUF file, every ggml type dequantized by
+    transformers' GGUF loader. info: name, tensor_types ({ggml type: count}), bos/eos/pad_token_id, chat_template
+    (bool), the tokenizer model and pre-tokenizer names."""
+    from transformers import AutoModelForCausalLM
+
+    path = _check_file(path)
+    fields, types, rope_freqs = _read_metadata(path)
+    architecture = fields.get("general.architecture")
+    if architecture != "llama":
+        raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads 'llama'")
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, NotImplementedError, KeyError, OSError) as error:
+        raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
+    hf = {k: v for k, v in loaded.config.to_dict().items() if not k.startswith("_")}
+    if "rms_norm_eps" in hf:  # stored as float32: back to its shortest decimal (1e-05, not 9.999999747378752e-06)
+        hf["rms_norm_eps"] = float(str(numpy.float32(hf["rms_norm_eps"])))
+    scaling = _rope_scaling(path, fields, rope_freqs, hf)  # transformers' GGUF loader reads none for "llama"
+    if scaling is not None:
+        hf = _with_scaling(hf, scaling)
+    config = hf_to_config(hf, path)
+    tensors = {name: tensor.detach().to(dtype) for name, tensor in loaded.state_dict().items()}
+    del loaded
+    state = _hf_to_native_state(tensors, config, f"GGUF file {path}")
+    info = {
+        "name": fields.get("general.name"),
+        "tensor_types": dict(Counter(types.values())),
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
+        "chat_template": "tokenizer.chat_template" in fields,
+        "tokenizer": {"model": fields.get("tokenizer.ggml.model"), "pre": fields.get("tokenizer.ggml.pre")},
+    }
+    return config, state, info
+
+
+def load_gguf(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[Transformer, dict[str, Any]]:
+    """(model, info): ``read_gguf``'s config and state built into a Transformer."""
+    from models.checkpoint import _build_model
+
+    config, state, info = read_gguf(path, dtype)
+    return _build_model(config, state, f"GGUF file {path}", device, dtype), info
+
+
+def convert_gguf(
+    src_file: str | os.PathLike,
+    dst: str | os.PathLike,
+    dst_format: Literal["native", "hf"] = "native",
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a GGUF file as a native or Hugging Face folder, atomically, with its tokenizer as Hugging Face files
+    (tokenizer.json, tokenizer_config.json with the chat template; generation_config.json). ``dtype`` None: float32.
+    A non-empty ``dst`` is refused unless ``overwrite``; the GGUF's bos/eos ids go to the native metadata (an export
+    writes those its tokenizer files name into config.json)."""
+    from models.checkpoint import export_hf, save_checkpoint
+
+    if dst_format not in ("native", "hf"):
+        raise ValueError(f"unknown destination format {dst_format!r}; expected 'native' or 'hf'")
+    source = _check_file(src_file)
+    if_exists: IfExists = "replace" if overwrite else "refuse"
+    check_destination(dst, if_exists=if_exists, sources=(source,))  # before the slow part
+    model, info = load_gguf(source, dtype or torch.float32)
+    with tempfile.TemporaryDirectory(prefix="lantern-gguf-tokenizer-") as scratch:
+        files = {path.name: path for path in write_gguf_tokenizer_files(source, scratch)}
+        if dst_format == "hf":
+            files.pop(GENERATION_CONFIG, None)  # export_hf writes its own, from the same ids
+            return export_hf(model, dst, tokenizer_path=files, if_exists=if_exists)
+        ids = {k: info[k] for k in ("bos_token_id", "eos_token_id") if info[k] is not None}
+        origin = {"format": "gguf", "path": str(source.absolute()), "name": info["name"]}
+        metadata = {**ids, "converted_from": origin}
+        return save_checkpoint(
+            model, dst, tokenizer_path=files, metadata=metadata, if_exists=if_exists, sources=(source,)
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _rope_divisors(config: ModelConfig) -> Tensor:
+    """llama.cpp's rope_freqs: what each unscaled inverse frequency is divided by under ``config.rope_scaling``."""
+    unscaled = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+    return (unscaled.double() / rope_frequencies(config).double()).float()
+
+
+def _llama_cpp_permute(weight: Tensor, n_heads: int) -> Tensor:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``: Hugging Face's rotate-half rows -> interleaved pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _gguf_array(tensor: Tensor, dtype: str) -> tuple[Any, Any]:
+    """(numpy array, raw ggml type or None) as GGUFWriter.add_tensor takes them; 1-D tensors stay f32."""
+    from gguf import GGMLQuantizationType
+
+    tensor = tensor.detach().cpu()
+    if tensor.dim() <= 1 or dtype == "f32":
+        return tensor.float().contiguous().numpy(), None
+    if dtype == "f16":
+        return tensor.half().contiguous().numpy(), None
+    return tensor.bfloat16().contiguous().view(torch.int16).numpy(), GGMLQuantizationType.BF16
+
+
+def check_gguf_destination(
+    out_file: str | os.PathLike, *, overwrite: bool = False, sources: tuple[str | os.PathLike, ...] = ()
+) -> Path:
+    """Where a GGUF file may be written: not a folder, not a source being read, an existing file only with
+    ``overwrite`` (one-line FileExistsError / LanternError, before anything slow)."""
+    out = Path(out_file)
+    if out.is_dir():
+        raise LanternError(f"refusing to write GGUF file {out}: it is a folder")
+    if any(out.resolve() == Path(source).resolve() for source in sources):
+        raise FileExistsError(f"refusing to write {out}: it is the source; pick another file")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"refusing to replace {out}: it exists; pass --overwrite to replace it")
+    return out
+
+
+def write_gguf(
+    model: nn.Module,
+    out_file: str | os.PathLike,
+    tokenizer_folder: str | os.PathLike,
+    *,
+    dtype: Literal["f32", "f16", "bf16"] = "f16",
+    name: str | None = None,
+    metadata: Mapping[str, str | int | float | bool] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` (a Transformer, compiled or inside a LightningModule) as a "llama" GGUF file with the tokenizer
+    of ``tokenizer_folder`` (its tokenizer.json + tokenizer_config.json), atomically. ``metadata``: extra keys
+    (e.g. ``{"general.description": ...}``). An existing file is replaced only with ``overwrite``."""
+    from gguf import MODEL_ARCH, GGUFWriter, LlamaFileType, RopeScalingType, get_tensor_name_map
+
+    from models.checkpoint import _native_state, _unwrap
+
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"unknown GGUF dtype {dtype!r}; expected one of {GGUF_DTYPES}")
+    out = check_gguf_destination(out_file, overwrite=overwrite)
+    model = _unwrap(model)
+    if model.config.qkv_bias:
+        raise LanternError(f"cannot write {out} as a 'llama' GGUF: the model has q/k/v biases (qkv_bias, Qwen2)")
+    # Mistral's and a bias-free Qwen2's computations are Llama's: written as llama.cpp writes Llama ("llama")
+    config = dataclasses.replace(model.config, hf_architecture="LlamaForCausalLM")
+    fields = gguf_tokenizer_fields(tokenizer_folder, vocab_size=config.vocab_size)
+    try:
+        hf = config_to_hf(config, torch.float32, fields["bos_id"], fields["eos_id"])
+    except ValueError as error:
+        raise LanternError(f"cannot write {out}: {error}") from None
+    state = native_to_hf_state(_native_state(model), config)
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.n_layers)
+
+    temporary = out.with_name(f".tmp-{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    writer = GGUFWriter(temporary, "llama")
+    try:
+        writer.add_name(name or "lantern")
+        writer.add_file_type(
+            {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16}[dtype]
+        )
+        writer.add_vocab_size(hf["vocab_size"])
+        writer.add_context_length(hf["max_position_embeddings"])
+        writer.add_embedding_length(hf["hidden_size"])
+        writer.add_block_count(hf["num_hidden_layers"])
+        writer.add_feed_forward_length(hf["intermediate_size"])
+        writer.add_head_count(hf["num_attention_heads"])
+        writer.add_head_count_kv(hf["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+        writer.add_rope_freq_base(hf["rope_theta"])
+        writer.add_rope_dimension_count(config.head_dim)
+        if config.head_dim * config.n_heads != config.dim:  # llama.cpp's names for heads not dim / n_heads wide
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+        scaling = config.rope_scaling
+        if scaling is not None:
+            writer.add_string(LANTERN_ROPE_KEY, json.dumps(dataclasses.asdict(scaling)))
+            if getattr(scaling, "rope_type", "llama3") == "linear":
+                writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+                writer.add_rope_scaling_factor(scaling.factor)
+            else:
+                writer.add_tensor("rope_freqs.weight", _rope_divisors(config).numpy())
+        add_tokenizer_fields(writer, fields)
+        adders = {bool: writer.add_bool, int: writer.add_int64, float: writer.add_float32, str: writer.add_string}
+        for key, value in (metadata or {}).items():
+            if type(value) not in adders:
+                raise LanternError(
+                    f"cannot write {out}: metadata {key!r} is a {type(value).__name__}, not str/int/float/bool"
+                )
+            adders[type(value)](key, value)
+        for hf_name, tensor in state.items():
+            gguf_name = names.get_name(hf_name.removesuffix(".weight"))
+            if gguf_name is None:
+                raise LanternError(f"cannot write {out}: no GGUF name for {hf_name}")
+            if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                heads = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
+                tensor = _llama_cpp_permute(tensor, heads)
+            array, raw_dtype = _gguf_array(tensor, dtype)
+            writer.add_tensor(f"{gguf_name}.weight", array, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, out)
+    except OSError as error:
+        writer.close()
+        remove_path(temporary)
+        kept = "the previous file is unchanged" if out.exists() else "nothing was written"
+        raise storage_error(error, out, "GGUF file", kept=kept) from error
+    except BaseException:
+        writer.close()
+        remove_path(temporary)
+        raise
+    fsync_dir(out.parent)
+    return out

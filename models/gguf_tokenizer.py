@@ -1,0 +1,237 @@
+"""Tokenizers between GGUF files and Hugging Face tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``).
+
+Owns: writing a ``tokenizers.Tokenizer`` with its special tokens and chat template as the files transformers 4.45+
+and 5 both load (``write_tokenizer_files``: ``tokenizer_class`` PreTrainedTokenizerFast, the chat template inside
+``tokenizer_config.json``, bos/eos ids in ``generation_config.json``), a GGUF's tokenizer as those files
+(``write_gguf_tokenizer_files``, through transformers' GGUF tokenizer loader), and a folder's byte-level BPE
+``tokenizer.json`` as llama.cpp's ``tokenizer.ggml.*`` fields (``gguf_tokenizer_fields``).
+Does not own: the model part of a GGUF (``models.gguf_format``), tiktoken rank files (``data.tokenizer.convert``
+turns one into these files first: ``models`` cannot import ``data``).
+Choices: only byte-level BPE (GPT-2 / Llama 3 style, llama.cpp's "gpt2" model) is written; its pre-tokenizer must be
+one llama.cpp names (``_PRE_NAMES``), else the file is refused in one line rather than written with splits llama.cpp
+would not reproduce. A vocabulary shorter than the model's is padded with ``[PAD<id>]`` tokens of type UNUSED, as
+llama.cpp's converter does. gguf and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from models.errors import LanternError
+
+__all__ = ["LLAMA3_SPLIT", "gguf_tokenizer_fields", "write_gguf_tokenizer_files", "write_tokenizer_files"]
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
+
+# Meta's Llama 3 pre-tokenizer regex (data/tokenizer/tokenizer.py's LLAMA3_PAT; the tests check they are equal) and
+# OpenAI's cl100k_base one, which llama.cpp splits as Llama 3's ("dbrx"). Oniguruma (tokenizers) reads the
+# possessive ``{1,3}+`` as a nested repetition, so cl100k's is also written without it (data/tokenizer/convert.py).
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CL100K_SPLIT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+_PRE_NAMES = {
+    ("split", LLAMA3_SPLIT): "llama-bpe",
+    ("split", _CL100K_SPLIT): "dbrx",
+    ("split", _CL100K_SPLIT.replace("{1,3}+", "{1,3}")): "dbrx",
+    ("bytelevel",): "gpt-2",
+    ("digits", "bytelevel"): "smollm",
+}
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # gguf.TokenType values
+
+
+def write_tokenizer_files(
+    folder: Path,
+    tokenizer: Any,
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    pad_token: str | None = None,
+    unk_token: str | None = None,
+    chat_template: str | None = None,
+    add_bos_token: bool = False,
+    eos_token_ids: list[int] | None = None,
+) -> list[Path]:
+    """``tokenizer`` (a ``tokenizers.Tokenizer``) as tokenizer.json, tokenizer_config.json (special tokens, chat
+    template) and generation_config.json (bos id, ``eos_token_ids`` or the eos token's id) in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / TOKENIZER_JSON))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # loads in transformers 4.x and 5 alike
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
+        "unk_token": unk_token,
+        "add_bos_token": add_bos_token,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    written = [folder / TOKENIZER_JSON, folder / TOKENIZER_CONFIG]
+    bos_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
+    eos_ids = eos_token_ids or ([tokenizer.token_to_id(eos_token)] if eos_token is not None else [])
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    generation = {k: v for k, v in generation.items() if v not in (None, [])}
+    if generation:
+        (folder / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        written.append(folder / GENERATION_CONFIG)
+    return written
+
+
+def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> list[Path]:
+    """The tokenizer of a GGUF file as Hugging Face files in ``folder`` (created if missing), rebuilt by transformers'
+    GGUF tokenizer loader; bos/eos ids as the GGUF states them go to generation_config.json."""
+    from transformers import AutoTokenizer
+
+    path = Path(gguf_file)
+    if not path.is_file():
+        raise LanternError(f"GGUF file not found: {path}")
+    loaded = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    backend = loaded.backend_tokenizer
+    eos_ids = [backend.token_to_id(loaded.eos_token)] if loaded.eos_token is not None else None
+    template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
+    return write_tokenizer_files(
+        Path(folder),
+        backend,
+        bos_token=loaded.bos_token,
+        eos_token=loaded.eos_token,
+        pad_token=loaded.pad_token,
+        unk_token=loaded.unk_token,
+        chat_template=template,
+        add_bos_token=bool(getattr(loaded, "add_bos_token", False)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise LanternError(f"{path}: cannot read it as JSON ({error})") from None
+
+
+def _token_string(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pre_name(pre: Any, where: Path) -> str:
+    """llama.cpp's name (``tokenizer.ggml.pre``) for a tokenizer.json pre-tokenizer, or a one-line refusal."""
+    steps = pre.get("pretokenizers", []) if isinstance(pre, Mapping) and pre.get("type") == "Sequence" else [pre]
+    shape: list[str] = []
+    for step in steps:
+        kind = step.get("type") if isinstance(step, Mapping) else None
+        if kind == "Split" and step.get("behavior") == "Isolated" and not step.get("invert"):
+            shape += ["split", step.get("pattern", {}).get("Regex", "")]
+        elif kind == "ByteLevel" and not step.get("add_prefix_space"):
+            if step.get("use_regex", True):  # GPT-2's regex; without it, the byte spelling only (after a Split)
+                shape.append("bytelevel")
+        elif kind == "Digits" and step.get("individual_digits"):
+            shape.append("digits")
+        else:
+            shape.append(json.dumps(step, sort_keys=True))
+    name = _PRE_NAMES.get(tuple(shape))
+    if name is None:
+        raise LanternError(
+            f"{where}: its pre-tokenizer {json.dumps(pre)[:200]} has no llama.cpp name "
+            f"(GGUF export knows Llama 3's and cl100k's regex splits, GPT-2's and SmolLM's)"
+        )
+    return name
+
+
+def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` fields (and ``tokenizer.chat_template``) for the byte-level BPE ``tokenizer.json`` in
+    ``folder``, with its tokenizer_config.json (special tokens, add_bos_token, chat template) or chat_template.jinja.
+    ``vocab_size`` (the model's) pads the token list with UNUSED ``[PAD<id>]`` tokens; fewer is refused."""
+    folder = Path(folder)
+    where = folder / TOKENIZER_JSON
+    if not where.is_file():
+        if (folder / "tokenizer.model").is_file() or (folder / "original" / "tokenizer.model").is_file():
+            raise LanternError(
+                f"{folder} holds a tiktoken tokenizer.model, not tokenizer.json: write its Hugging Face files first "
+                "(data.tokenizer.convert.write_hf_tokenizer)"
+            )
+        raise LanternError(f"no {TOKENIZER_JSON} in {folder}: GGUF export needs the tokenizer as Hugging Face files")
+    data = _read_json(where)
+    model = data.get("model") or {}
+    decoder = data.get("decoder") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps([data.get("pre_tokenizer"), decoder]):
+        raise LanternError(
+            f"{where}: GGUF export handles byte-level BPE tokenizers only, this one is {model.get('type')}"
+        )
+    if data.get("normalizer") is not None:
+        raise LanternError(f"{where}: a normalizer ({data['normalizer'].get('type')}) has no GGUF equivalent")
+    entries = {int(i): (token, _NORMAL) for token, i in model["vocab"].items()}
+    for added in data.get("added_tokens", []):
+        entries[int(added["id"])] = (added["content"], _CONTROL if added.get("special") else _USER_DEFINED)
+    size = max(entries) + 1
+    if vocab_size is not None and size > vocab_size:
+        raise LanternError(f"{where}: {size} tokens do not fit the model's vocab_size {vocab_size}")
+    tokens, types = [], []
+    for i in range(max(size, vocab_size or 0)):
+        token, kind = entries.get(i, (f"[PAD{i}]", _UNUSED))
+        tokens.append(token)
+        types.append(kind)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    config = _read_json(folder / TOKENIZER_CONFIG)
+    ids = {token: i for i, token in enumerate(tokens)}
+    fields: dict[str, Any] = {
+        "model": "gpt2",
+        "pre": _pre_name(data.get("pre_tokenizer"), where),
+        "tokens": tokens,
+        "token_type": types,
+        "merges": merges,
+    }
+    for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("pad", "pad_token"), ("unk", "unk_token")):
+        token = _token_string(config.get(key))
+        if token is not None and token not in ids:
+            raise LanternError(f"{folder / TOKENIZER_CONFIG}: {key} {token!r} is not in {TOKENIZER_JSON}")
+        fields[f"{name}_id"] = ids.get(token) if token is not None else None
+    if fields["eos_id"] is None:  # generation_config.json's first eos id, as transformers would stop on
+        eos = _read_json(folder / GENERATION_CONFIG).get("eos_token_id")
+        fields["eos_id"] = eos[0] if isinstance(eos, list) and eos else eos
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:  # a post-processor that writes the bos token adds it (Llama 3's tokenizer.json)
+        bos = tokens[fields["bos_id"]] if fields["bos_id"] is not None else None
+        add_bos = bos is not None and f'"id": "{bos}"' in json.dumps(data.get("post_processor"))
+    fields["add_bos_token"] = bool(add_bos)
+    fields["add_eos_token"] = bool(config.get("add_eos_token", False))
+    template = config.get("chat_template")
+    if (folder / CHAT_TEMPLATE_FILE).is_file():  # transformers reads it over tokenizer_config.json's
+        template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    fields["chat_template"] = template
+    return fields
+
+
+def add_tokenizer_fields(writer: Any, fields: Mapping[str, Any]) -> None:
+    """Write ``gguf_tokenizer_fields``'s result with a ``gguf.GGUFWriter``."""
+    writer.add_tokenizer_model(fields["model"])
+    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["token_type"])
+    writer.add_token_merges(fields["merges"])
+    for name, add in (
+        ("bos_id", writer.add_bos_token_id),
+        ("eos_id", writer.add_eos_token_id),
+        ("pad_id", writer.add_pad_token_id),
+        ("unk_id", writer.add_unk_token_id),
+    ):
+        if fields.get(name) is not None:
+            add(int(fields[name]))
+    writer.add_add_bos_token(fields["add_bos_token"])
+    writer.add_add_eos_token(fields["add_eos_token"])
+    if fields.get("chat_template"):
+        writer.add_chat_template(fields["chat_template"])

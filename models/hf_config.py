@@ -1,0 +1,205 @@
+"""The config.json of a Hugging Face Llama-family model (``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``) <-> ``ModelConfig``.
+
+Owns which families and config features the native model represents: the family is kept in
+``ModelConfig.hf_architecture`` (so an import exports back as the same family), Qwen2's q/k/v biases are
+``qkv_bias``, an explicit ``head_dim`` is ``head_dim_override``, RoPE types default / linear / llama3 are
+``rope_scaling``. Everything else (other architectures, o_proj / MLP biases, other activations or RoPE types, a
+sliding window shorter than the context) is refused in one line listing every problem. Both transformers 5
+(``rope_parameters``) and 4.x (``rope_theta`` / ``rope_scaling``) configs are read, and both are written.
+Weights and names are ``models.hf_format``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.errors import CheckpointError
+from models.model import HF_ARCHITECTURES, ModelConfig, RopeScaling
+
+__all__ = ["HF_FAMILIES", "config_to_hf", "hf_to_config"]
+
+# The supported architectures and their config.json model_type (ModelConfig.hf_architecture is one of them).
+HF_FAMILIES = dict(zip(HF_ARCHITECTURES, ("llama", "mistral", "qwen2"), strict=True))
+
+
+def hf_to_config(hf: dict[str, Any], source: Path) -> ModelConfig:
+    """Map a Hugging Face Llama / Mistral / Qwen2 config dict to ModelConfig; refuse, in one line listing every
+    problem, what the native model cannot represent."""
+    architecture = _architecture(hf, source)
+    missing = [key for key in _REQUIRED if key not in hf]
+    if missing:
+        raise CheckpointError(f"{source}: {architecture} config without {', '.join(missing)}")
+    problems = []
+    if architecture == "LlamaForCausalLM" and hf.get("attention_bias"):
+        problems.append("attention_bias=true (an o_proj bias is not supported; only Qwen2's q/k/v biases are)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true (the MLP has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu / SwiGLU is supported)")
+    max_seq_len = hf.get("max_position_embeddings", _DEFAULT_CONTEXT[architecture])
+    rope_theta, rope_scaling, rope_problem = _rope(hf)
+    problems += [p for p in (rope_problem, _sliding_window_problem(hf, architecture, max_seq_len)) if p]
+    if problems:
+        raise CheckpointError(f"{source}: unsupported {architecture} config: " + "; ".join(problems))
+    try:
+        return _model_config(hf, architecture, rope_theta, rope_scaling, max_seq_len)
+    except ValueError as error:  # e.g. an odd head_dim: ModelConfig's own check, named with the file
+        raise CheckpointError(f"{source}: {error}") from None
+
+
+def _model_config(
+    hf: dict[str, Any], architecture: str, rope_theta: float, rope_scaling: RopeScaling | None, max_seq_len: int
+) -> ModelConfig:
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    return ModelConfig(
+        dim=dim,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim_override=hf.get("head_dim"),  # None or dim // n_heads: derived
+        vocab_size=hf["vocab_size"],
+        ffn_hidden_dim=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # the transformers configs' defaults for absent keys
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_seq_len=max_seq_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=architecture == "Qwen2ForCausalLM",
+        hf_architecture=architecture,
+    )
+
+
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+# max_position_embeddings when config.json has none: the transformers config classes' defaults
+_DEFAULT_CONTEXT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
+
+
+def _architecture(hf: dict[str, Any], source: Path) -> str:
+    """The supported family config.json names (its architectures, else its model_type), or a one-line refusal."""
+    architectures = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    for name in architectures:
+        if name in HF_FAMILIES:
+            return name
+    if not architectures:
+        for name, family_type in HF_FAMILIES.items():
+            if model_type == family_type:
+                return name
+    named = f"{architectures[0]!r} (model_type {model_type!r})" if architectures else f"model_type {model_type!r}"
+    raise CheckpointError(f"{source}: architecture {named} is not supported (supported: {', '.join(HF_FAMILIES)})")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, str | None]:
+    """(rope_theta, rope_scaling, problem). transformers 5 writes rope_parameters {rope_type, rope_theta, ...};
+    4.x wrote top-level rope_theta and rope_scaling {rope_type or type, ...} (None when unscaled). Both are read."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        return 10000.0, None, "per-layer-type rope_parameters are not supported"
+    rope = params if ("rope_type" in params or "type" in params) else legacy
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))  # 10000: the config classes' default
+    if rope_type == "default":
+        return rope_theta, None, None
+    if rope_type == "linear":
+        return rope_theta, RopeScaling(factor=float(rope["factor"]), rope_type="linear"), None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+        return rope_theta, scaling, None
+    return rope_theta, None, f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)"
+
+
+def _sliding_window_problem(hf: dict[str, Any], architecture: str, max_seq_len: int) -> str | None:
+    """A sliding window shorter than the context on some layer (Mistral: every layer; Qwen2: the layers from
+    max_window_layers on, when use_sliding_window, or those layer_types names) is attention the model lacks."""
+    window = hf.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        sliding = window is not None
+    elif architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        layer_types = hf.get("layer_types")  # transformers 5 writes them; 4.x derived them from max_window_layers
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
+    else:
+        return None
+    if not sliding or window is None or window >= max_seq_len:
+        return None
+    return (
+        f"sliding_window={window} < max_position_embeddings={max_seq_len}: sliding-window attention is not implemented"
+    )
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | list[int] | None) -> dict:
+    """The config.json of ``config.hf_architecture`` (Llama, Mistral or Qwen2), for transformers 4.x and 5."""
+    architecture = config.hf_architecture
+    problems = []
+    if config.qk_norm:
+        problems.append("qk_norm=True")
+    if config.logit_softcap is not None:
+        problems.append(f"logit_softcap={config.logit_softcap}")
+    if config.qkv_bias and architecture != "Qwen2ForCausalLM":
+        problems.append("qkv_bias=True (q/k/v-only biases: export as hf_architecture Qwen2ForCausalLM)")
+    if problems:
+        raise ValueError(f"cannot export to Hugging Face {architecture}, which has no {' / '.join(problems)}")
+    scaling = config.rope_scaling
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope_scaling: dict[str, Any] | None = None
+    if scaling is not None and scaling.rope_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
+    elif scaling is not None:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+    if rope_scaling is not None:
+        rope_parameters = {**rope_scaling, "rope_theta": config.rope_theta}
+    dtype_name = str(dtype).removeprefix("torch.")
+    values: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": HF_FAMILIES[architecture],
+        "hidden_size": config.dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+        "rope_parameters": rope_parameters,  # read by transformers >= 5
+        "rope_theta": config.rope_theta,  # read by transformers 4.x
+        "rope_scaling": rope_scaling,  # read by transformers 4.x
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,  # transformers 4.x name
+    }
+    if architecture == "LlamaForCausalLM":
+        values.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif architecture == "MistralForCausalLM":
+        values.update(sliding_window=None)
+    else:  # Qwen2: full attention on every layer; head_dim only when it is not the derived one (Qwen2 reads it)
+        values.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layers)
+        values.update(layer_types=["full_attention"] * config.n_layers)
+        if config.head_dim_override is None:
+            del values["head_dim"]
+    return values

@@ -1,0 +1,103 @@
+"""The tokenizer files a checkpoint folder carries, by file name only (no tokenizer library): a tiktoken rank file
+(``tokenizer.model``, in ``original/`` in Meta's Hugging Face repos) or Hugging Face's ``tokenizer.json`` with its
+companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``).
+
+Owns: which files travel with a model (``tokenizer_files_in``, ``as_tokenizer_files``), copying them into a folder
+being written (``copy_tokenizer_files``), and the bos / eos ids they name (``special_ids``), which an export writes
+into ``config.json`` and ``generation_config.json``.
+Does not own: reading a tokenizer (data/tokenizer/), which this layer cannot import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+RANK_FILE = "tokenizer.model"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+PathLike = str | os.PathLike
+TokenizerFiles = Mapping[str, PathLike]
+
+
+def tokenizer_files_in(directory: Path) -> dict[str, Path]:
+    """The tokenizer files of a checkpoint folder, by the name they take in a native folder."""
+    files = {name: directory / name for name in HF_TOKENIZER_FILES if (directory / name).is_file()}
+    for candidate in (directory / RANK_FILE, directory / "original" / RANK_FILE):
+        if candidate.is_file():
+            files[RANK_FILE] = candidate
+            break
+    return files
+
+
+def as_tokenizer_files(tokenizer: PathLike | TokenizerFiles | None) -> dict[str, Path]:
+    """A tokenizer argument as files by name: a rank file is ``tokenizer.model``; a mapping is taken as it is
+    (``Tokenizer.files``). Every file must exist."""
+    if tokenizer is None:
+        return {}
+    files = (
+        {n: Path(p) for n, p in tokenizer.items()} if isinstance(tokenizer, Mapping) else {RANK_FILE: Path(tokenizer)}
+    )
+    for path in files.values():
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+    return files
+
+
+def copy_tokenizer_files(files: Mapping[str, Path], directory: Path, *, rank_file_in_original: bool = False) -> None:
+    """Copy ``files`` into ``directory``; a rank file goes to ``original/`` for a Hugging Face folder, as Meta's do."""
+    for name, path in files.items():
+        target = directory / name
+        if name == RANK_FILE and rank_file_in_original:
+            target = directory / "original" / name
+            target.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, target)
+
+
+def special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | None]:
+    """(bos id, stop ids) the tokenizer files name, or None where they do not say. A tiktoken rank file's Llama 3
+    layout wins over a tokenizer.json converted from it: it names every stop token."""
+    if RANK_FILE in files:
+        bos, stops = _rank_file_special_ids(files[RANK_FILE])
+        if stops is not None:
+            return bos, stops
+    if "tokenizer.json" in files:
+        return _hf_special_ids(files)
+    return None, None
+
+
+def _hf_special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | None]:
+    try:
+        vocab = json.loads(Path(files["tokenizer.json"]).read_text(encoding="utf-8"))
+        config = (
+            json.loads(Path(files["tokenizer_config.json"]).read_text()) if "tokenizer_config.json" in files else {}
+        )
+    except (OSError, ValueError):
+        return None, None
+    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens") or []}
+    ids.update((vocab.get("model") or {}).get("vocab") or {})
+
+    def id_of(name: str) -> int | None:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, Mapping) else token
+        return ids.get(token) if isinstance(token, str) else None
+
+    eos = id_of("eos_token")
+    return id_of("bos_token"), ([eos] if eos is not None else None)
+
+
+def _rank_file_special_ids(path: Path) -> tuple[int | None, list[int] | None]:
+    """bos / stop ids of a Lantern / Llama 3 tiktoken rank file: its N ranks are followed by Meta's 256 specials,
+    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9 (see data/tokenizer/tokenizer.py)."""
+    try:
+        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+        ranks = [int(line.split()[1]) for line in lines]
+    except (OSError, ValueError, IndexError):
+        return None, None  # not a rank file (e.g. a sentencepiece model): ids unknown
+    if ranks != list(range(len(ranks))):
+        return None, None
+    n = len(ranks)
+    return n, [n + 1, n + 8, n + 9]
