@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import LanternError
+from models.tokenizer_files import read_json_if_present, special_token_string
 
 __all__ = ["LLAMA3_SPLIT", "gguf_tokenizer_fields", "write_gguf_tokenizer_files", "write_tokenizer_files"]
 
@@ -111,22 +112,6 @@ def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> lis
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise LanternError(f"{path}: cannot read it as JSON ({error})") from None
-
-
-def _token_string(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def _pre_name(pre: Any, where: Path) -> str:
     """llama.cpp's name (``tokenizer.ggml.pre``) for a tokenizer.json pre-tokenizer, or a one-line refusal."""
     steps = pre.get("pretokenizers", []) if isinstance(pre, Mapping) and pre.get("type") == "Sequence" else [pre]
@@ -160,11 +145,11 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
     if not where.is_file():
         if (folder / "tokenizer.model").is_file() or (folder / "original" / "tokenizer.model").is_file():
             raise LanternError(
-                f"{folder} holds a tiktoken tokenizer.model, not tokenizer.json: write its Hugging Face files first "
-                "(data.tokenizer.convert.write_hf_tokenizer)"
+                f"{folder} holds a tiktoken tokenizer.model, not tokenizer.json: `lantern convert --to gguf` and "
+                "`lantern export --format gguf` convert it first; in code, use write_hf_tokenizer from data/tokenizer"
             )
         raise LanternError(f"no {TOKENIZER_JSON} in {folder}: GGUF export needs the tokenizer as Hugging Face files")
-    data = _read_json(where)
+    data = read_json_if_present(where)
     model = data.get("model") or {}
     decoder = data.get("decoder") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps([data.get("pre_tokenizer"), decoder]):
@@ -186,7 +171,7 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         types.append(kind)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
-    config = _read_json(folder / TOKENIZER_CONFIG)
+    config = read_json_if_present(folder / TOKENIZER_CONFIG)
     ids = {token: i for i, token in enumerate(tokens)}
     fields: dict[str, Any] = {
         "model": "gpt2",
@@ -196,12 +181,12 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         "merges": merges,
     }
     for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("pad", "pad_token"), ("unk", "unk_token")):
-        token = _token_string(config.get(key))
+        token = special_token_string(config.get(key))
         if token is not None and token not in ids:
             raise LanternError(f"{folder / TOKENIZER_CONFIG}: {key} {token!r} is not in {TOKENIZER_JSON}")
         fields[f"{name}_id"] = ids.get(token) if token is not None else None
     if fields["eos_id"] is None:  # generation_config.json's first eos id, as transformers would stop on
-        eos = _read_json(folder / GENERATION_CONFIG).get("eos_token_id")
+        eos = read_json_if_present(folder / GENERATION_CONFIG).get("eos_token_id")
         fields["eos_id"] = eos[0] if isinstance(eos, list) and eos else eos
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # a post-processor that writes the bos token adds it (Llama 3's tokenizer.json)

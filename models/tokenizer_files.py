@@ -1,6 +1,6 @@
 """The tokenizer files a checkpoint folder carries, by file name only (no tokenizer library): a tiktoken rank file
 (``tokenizer.model``, in ``original/`` in Meta's Hugging Face repos) or Hugging Face's ``tokenizer.json`` with its
-companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``).
+companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``, ``generation_config.json``).
 
 Owns: which files travel with a model (``tokenizer_files_in``, ``as_tokenizer_files``), copying them into a folder
 being written (``copy_tokenizer_files``), and the bos / eos ids they name (``special_ids``), which an export writes
@@ -15,12 +15,34 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from models.checkpoint_io import read_json
 
 RANK_FILE = "tokenizer.model"
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# generation_config.json too: its eos_token_id list is part of the stop tokens (data/tokenizer/hf.py)
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 PathLike = str | os.PathLike
 TokenizerFiles = Mapping[str, PathLike]
+
+
+def read_json_if_present(path: Path) -> dict[str, Any]:
+    """A tokenizer folder's JSON file as a dict; {} when the folder has none (each is optional but tokenizer.json)."""
+    return read_json(path) if path.is_file() else {}
+
+
+def special_token_string(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict ({"content": ...})."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def tokenizer_files_in(directory: Path) -> dict[str, Path]:
@@ -81,9 +103,8 @@ def _hf_special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | 
     ids.update((vocab.get("model") or {}).get("vocab") or {})
 
     def id_of(name: str) -> int | None:
-        token = config.get(name)
-        token = token.get("content") if isinstance(token, Mapping) else token
-        return ids.get(token) if isinstance(token, str) else None
+        token = special_token_string(config.get(name))
+        return ids.get(token) if token is not None else None
 
     eos = id_of("eos_token")
     return id_of("bos_token"), ([eos] if eos is not None else None)

@@ -95,7 +95,7 @@ def _generate(args: argparse.Namespace) -> None:
         heal=args.heal and not args.chat,  # a chat prompt ends in the template's assistant header: nothing to heal
         decode="compiled" if args.compile else args.decode,
     )
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)  # a chat's reply stands alone; a completion continues
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -229,7 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", help="random weights of a model preset (a smoke test)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--tokenizer", help="tokenizer file, 'default' or 'cl100k_base' (default: the checkpoint's)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user turn through the checkpoint's chat template and print the reply",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)

@@ -138,7 +138,8 @@ def resolve_tokenizer_spec(spec: str | Path, checkpoint: str | Path | None) -> s
     from data.tokenizer.files import find_tokenizer
 
     found = find_tokenizer(Path(checkpoint)) if checkpoint and Path(checkpoint).is_dir() else None
-    return str(found) if found is not None else "default"
+    # absolute: the config it is written into is read again from elsewhere (lantern export, a resumed pipeline)
+    return str(found.absolute()) if found is not None else "default"
 
 
 def load_tokenizer(spec: str | Path = "default") -> TokenizerBase:

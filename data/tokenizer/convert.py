@@ -169,11 +169,8 @@ def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:
     if isinstance(tokenizer, Tokenizer):
         write_hf_tokenizer(tokenizer, scratch)
         return scratch
-    for name, path in tokenizer.files.items():
+    for name, path in tokenizer.files.items():  # generation_config.json among them, when the folder has one
         shutil.copyfile(path, scratch / name)
-    generation = Path(checkpoint) / GENERATION_CONFIG
-    if generation.is_file():
-        shutil.copyfile(generation, scratch / GENERATION_CONFIG)
     return scratch
 
 

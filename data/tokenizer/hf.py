@@ -28,26 +28,9 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from data.tokenizer.base import TokenizerBase, _as_ints, check_message
 from data.tokenizer.chat_template import ChatTemplate
+from models.tokenizer_files import HF_TOKENIZER_FILES, read_json_if_present, special_token_string
 
-TOKENIZER_JSON = "tokenizer.json"
-COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-
-
-def _token_string(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,16 +61,19 @@ class HFTokenizer(TokenizerBase):
             raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({str(error).splitlines()[0]})") from None
         self.path = str(path)
         self._json_path = path
-        self._files = {TOKENIZER_JSON: path}
-        self._files.update({name: folder / name for name in COMPANION_FILES if (folder / name).is_file()})
-        config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
+        companions = {name: folder / name for name in HF_TOKENIZER_FILES if (folder / name).is_file()}
+        self._files = {**companions, "tokenizer.json": path}
+        config = {
+            **read_json_if_present(folder / "special_tokens_map.json"),
+            **read_json_if_present(folder / "tokenizer_config.json"),
+        }
         self._added = {t.content: i for i, t in self._tk.get_added_tokens_decoder().items()}
         self._special = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
-        self.special_strings = {name: _token_string(config.get(name)) for name in _SPECIAL_NAMES}
+        self.special_strings = {name: special_token_string(config.get(name)) for name in _SPECIAL_NAMES}
         ids = {
             name: self._id_of(token, folder / "tokenizer_config.json") for name, token in self.special_strings.items()
         }
-        generation = _read_json(folder / "generation_config.json")
+        generation = read_json_if_present(folder / "generation_config.json")
         eos_ids = generation.get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         eos = ids["eos_token"] if ids["eos_token"] is not None else (eos_ids[0] if eos_ids else None)
