@@ -126,6 +126,7 @@ def test_a_folder_with_another_tokenizer_than_data_tokenizer_is_one_line(demo, t
     base_dir = hf_folder(tmp_path / "hf")
     config = str(ROOT / "configs/sft/tiny.yaml")
     overrides = [f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", f"run.out_dir={tmp_path / 'runs'}"]
+    overrides.append("data.tokenizer=default")  # not the folder's own (data.tokenizer: auto would read that one)
     assert main(["sft", config, *overrides, "logger.kind=none", f"init.checkpoint={base_dir}", *QUICK]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert not any("Traceback" in line or "Logging error" in line for line in err)
