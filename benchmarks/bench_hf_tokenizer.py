@@ -9,10 +9,8 @@ timing is taken inside it, around the call alone, so imports do not count; the o
 --repeats times, the table gives the median):
 
     prepare-hf        prepare(PrepareConfig(tokenizer=DIR, num_proc=1)), DIR = SmolLM2's tokenizer files
-                      (data/tokenizer/hf.py). num_proc=1: with num_proc>1 prepare fails on this folder, since an
-                      HFTokenizer with a chat template does not pickle into datasets' map workers (the defect
-                      this benchmark found); the tokenizers library's own thread pool still uses every core.
-    prepare-hf-np     the same with --num-proc, on a copy of DIR without the chat template (which pickles)
+                      (data/tokenizer/hf.py); the tokenizers library's own thread pool uses every core
+    prepare-hf-np     the same with num_proc=--num-proc (datasets' map workers, each given the pickled tokenizer)
     prepare-tiktoken  prepare(PrepareConfig(tokenizer="cl100k_base"))
     raw-tokenizers    tokenizers.Tokenizer.from_file(DIR/tokenizer.json).encode_batch_fast(docs) over the same
                       documents prepare makes (paragraphs, stripped of newlines, whitespace-only ones dropped),
@@ -40,7 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = Path("/work/shared/models")
+MODELS = REPO.parent / "shared" / "models"  # ../shared/models beside the checkout (its README.md)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 WORKER = r"""
@@ -92,16 +90,6 @@ def tokenizer_dir(path: Path) -> Path:
     return path
 
 
-def without_template(src: Path, dst: Path) -> Path:
-    """A copy of the tokenizer folder with no chat template: it pickles, so prepare can use num_proc > 1."""
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (dst / "tokenizer_config.json").write_text(json.dumps(config))
-    return dst
-
-
 def run_one(mode: str, tok_dir: Path, out: Path, corpus: list[Path], num_proc: int, profile: str | None = None) -> dict:
     env = {**os.environ, "BENCH_NUM_PROC": str(num_proc)}
     if profile:
@@ -136,20 +124,13 @@ def main() -> None:
         tmp = Path(tmp)
         (tmp / "gen").mkdir()
         corpus = make_corpus(tmp / "gen", args.size_mb, args.files)
-        plain_dir = without_template(tok_dir, tmp / "tokenizer-no-template")
         size = sum(p.stat().st_size for p in corpus)
         print(f"corpus {size / 1e6:.1f} MB in {args.files} files, {os.cpu_count()} CPUs, "
               f"load {os.getloadavg()[0]:.1f}, median of {args.repeats}\n", flush=True)  # fmt: skip
         for rep in range(args.repeats):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]  # rotate: none always runs first
             for mode in order:
-                r = run_one(
-                    mode,
-                    plain_dir if mode == "prepare-hf-np" else tok_dir,
-                    tmp / f"out-{mode}-{rep}",
-                    corpus,
-                    args.num_proc,
-                )
+                r = run_one(mode, tok_dir, tmp / f"out-{mode}-{rep}", corpus, args.num_proc)
                 runs[mode].append(r)
                 print(f"  rep {rep} {mode:<17} {r['seconds']:7.2f} s  {r['tokens'] / r['seconds']:>12,.0f} tok/s "
                       f"cpu {r['cpu_s']:6.1f} s", flush=True)  # fmt: skip
