@@ -10,7 +10,6 @@ Does not own: reading a tokenizer (data/tokenizer/), which this layer cannot imp
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -93,11 +92,9 @@ def special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | None
 
 def _hf_special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | None]:
     try:
-        vocab = json.loads(Path(files["tokenizer.json"]).read_text(encoding="utf-8"))
-        config = (
-            json.loads(Path(files["tokenizer_config.json"]).read_text()) if "tokenizer_config.json" in files else {}
-        )
-    except (OSError, ValueError):
+        vocab = read_json(Path(files["tokenizer.json"]))
+        config = read_json(Path(files["tokenizer_config.json"])) if "tokenizer_config.json" in files else {}
+    except (OSError, ValueError):  # read_json's CheckpointError is a ValueError
         return None, None
     ids = {t["content"]: t["id"] for t in vocab.get("added_tokens") or []}
     ids.update((vocab.get("model") or {}).get("vocab") or {})

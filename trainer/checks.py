@@ -37,8 +37,9 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
     folder = Path(checkpoint_dir)
     found = find_tokenizer(folder) if folder.is_dir() else None
     if found is not None:
-        saved = load_tokenizer(found)
-        if saved.fingerprint != tokenizer.fingerprint:
+        if Path(tokenizer.path).resolve() == found.resolve():
+            return  # read from that very file (data.tokenizer: auto): nothing to compare, nothing to read again
+        if load_tokenizer(found).fingerprint != tokenizer.fingerprint:
             raise ConfigError(
                 f"{checkpoint_dir} carries its tokenizer ({found}), but {key} is {tokenizer.path}: set {key}={found} "
                 "or leave it at auto"

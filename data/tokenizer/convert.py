@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from data.tokenizer.base import load_tokenizer
-from data.tokenizer.files import read_cl100k, read_rank_file
+from data.tokenizer.files import read_rank_file, tokenizer_file
 from data.tokenizer.tokenizer import LLAMA3_PAT, Tokenizer
 from models.errors import LanternError
 from models.gguf_tokenizer import (
@@ -127,15 +127,11 @@ def write_hf_tokenizer(tokenizer: Tokenizer | str | Path, folder: str | Path) ->
     ``LLAMA3_CHAT_TEMPLATE``) and generation_config.json (bos id, the three stop ids) in ``folder``."""
     if not isinstance(tokenizer, Tokenizer):
         spec = str(tokenizer)
-        tokenizer = Tokenizer.cl100k_base() if spec == "cl100k_base" else Tokenizer.from_file(_rank_file(spec))
-    if tokenizer.file is not None:
-        ranks = read_rank_file(tokenizer.file)[0]
-    elif tokenizer.path == "cl100k_base":
-        ranks = read_cl100k()[0]
-    else:  # built in memory
-        ranks = tokenizer.encoding._mergeable_ranks
+        tokenizer = Tokenizer.cl100k_base() if spec == "cl100k_base" else Tokenizer.from_file(tokenizer_file(spec))
     specials = tokenizer.special_tokens
-    converted = tiktoken_to_tokenizer_json(ranks, specials, tokenizer.encoding._pat_str, BOS)
+    # the ranks and regex the tiktoken encoding was built from (already read and checked when it was loaded)
+    encoding = tokenizer.encoding
+    converted = tiktoken_to_tokenizer_json(encoding._mergeable_ranks, specials, encoding._pat_str, BOS)
     return write_tokenizer_files(
         Path(folder),
         converted,
@@ -146,14 +142,6 @@ def write_hf_tokenizer(tokenizer: Tokenizer | str | Path, folder: str | Path) ->
         add_bos_token=True,
         eos_token_ids=[specials[token] for token in STOP_TOKENS],
     )
-
-
-def _rank_file(spec: str) -> Path:
-    if spec == "default":
-        from data.tokenizer.files import DEFAULT_TOKENIZER_PATH
-
-        return DEFAULT_TOKENIZER_PATH
-    return Path(spec)
 
 
 def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:

@@ -67,8 +67,9 @@ class HFTokenizer(TokenizerBase):
             **read_json_if_present(folder / "special_tokens_map.json"),
             **read_json_if_present(folder / "tokenizer_config.json"),
         }
-        self._added = {t.content: i for i, t in self._tk.get_added_tokens_decoder().items()}
-        self._special = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        added = self._tk.get_added_tokens_decoder()
+        self._added = {t.content: i for i, t in added.items()}
+        self._special = {i for i, t in added.items() if t.special}
         self.special_strings = {name: special_token_string(config.get(name)) for name in _SPECIAL_NAMES}
         ids = {
             name: self._id_of(token, folder / "tokenizer_config.json") for name, token in self.special_strings.items()
@@ -90,7 +91,7 @@ class HFTokenizer(TokenizerBase):
         digest = hashlib.sha256(b"lantern-hf-tokenizer-v1\n" + raw)
         digest.update(json.dumps([self.special_strings, self.template.source if self.template else None]).encode())
         self.fingerprint = digest.hexdigest()
-        self._decoder_kind = (json.loads(raw).get("decoder") or {}).get("type")
+        self._decoder_kind = type(self._tk.decoder).__name__  # "ByteLevel": GPT-2's byte alphabet
 
     def _id_of(self, token: str | None, source: Path) -> int | None:
         if token is None:
