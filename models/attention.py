@@ -97,7 +97,21 @@ def document_block_mask(document_ids: Tensor) -> BlockMask:
     return build(document_causal, batch, None, seq_len, seq_len, device=document_ids.device)
 
 
-_compiled_create_block_mask = None
+_compiled: dict[str, Callable] = {}
+
+
+def _compiled_on_cuda(device_type: str, name: str, fn: Callable) -> Callable:
+    """``fn`` compiled once (lazily) for CUDA, eager elsewhere, and as it is inside a region already being compiled.
+
+    Inside a compiled region (a ``torch.compile``d block or model) dynamo compiles ``fn`` into the surrounding
+    graph itself; calling ``torch.compile`` there, or filling the cache, is a graph break dynamo refuses (and an
+    unsafe side effect under activation checkpointing), which is what the GPU benchmarks first hit.
+    """
+    if device_type != "cuda" or torch.compiler.is_compiling():
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
 
 
 def block_mask_builder(device_type: str) -> Callable[..., BlockMask]:
@@ -106,25 +120,13 @@ def block_mask_builder(device_type: str) -> Callable[..., BlockMask]:
     torch 2.13 deprecates ``create_block_mask(_compile=True)`` in favour of compiling the function itself; on
     CPU compiling would cost the tests far more than the eager build it saves.
     """
-    global _compiled_create_block_mask
-    if device_type != "cuda":
-        return create_block_mask
-    if _compiled_create_block_mask is None:
-        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-    return _compiled_create_block_mask
-
-
-_compiled_flex = None
+    return _compiled_on_cuda(device_type, "create_block_mask", create_block_mask)
 
 
 def flex_attention_kernel(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, enable_gqa: bool) -> Tensor:
     """flex_attention, compiled on CUDA (eager flex materialises the scores: correct but slow) and eager on CPU."""
-    global _compiled_flex
-    if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    kernel = _compiled_on_cuda(q.device.type, "flex_attention", flex_attention)
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def positions_from_documents(document_ids: Tensor) -> Tensor:

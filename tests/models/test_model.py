@@ -226,7 +226,7 @@ def test_block_mask_builder_compiles_create_block_mask_on_cuda_without_the_depre
         return lambda *args, **kwargs: calls.append(kwargs) or fn(*args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    monkeypatch.setattr(attention, "_compiled_create_block_mask", None)
+    monkeypatch.setattr(attention, "_compiled", {})
     assert attention.block_mask_builder("cpu") is create_block_mask and compiled == []
     cuda_builder = attention.block_mask_builder("cuda")
     assert attention.block_mask_builder("cuda") is cuda_builder and compiled == [create_block_mask]
@@ -245,7 +245,7 @@ def test_compiled_block_mask_builder_gives_the_eager_mask_and_compiles_once(monk
     deprecated flag, and one graph for every forward's new mask closure (no recompile per batch)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(attention, "_compiled_create_block_mask", None)
+    monkeypatch.setattr(attention, "_compiled", {})
     cuda_builder = attention.block_mask_builder("cuda")
     graphs = counters["stats"]["unique_graphs"]
     for document_ids in (torch.tensor([[0] * 100 + [1] * 156, [2] * 256]), torch.tensor([[0] * 30 + [1] * 226] * 2)):
@@ -258,6 +258,26 @@ def test_compiled_block_mask_builder_gives_the_eager_mask_and_compiles_once(monk
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
             assert torch.equal(getattr(mask, name), getattr(eager, name)), name
     assert counters["stats"]["unique_graphs"] - graphs <= 1
+
+
+def test_cuda_kernels_inside_a_compiled_checkpointed_region_are_traced_not_compiled_again(monkeypatch):
+    """A compiled, activation-checkpointed block (FSDP2 + AC + compile) takes the CUDA kernel path while dynamo
+    traces it: that path must hand dynamo the plain functions, never call ``torch.compile`` or fill a module
+    cache there. On the H100 both pretraining benchmarks died of it (``torch._dynamo.exc.Unsupported``)."""
+    monkeypatch.setattr(attention, "_compiled", {})
+    mask = attention.document_block_mask(torch.tensor([[0] * 100 + [1] * 156]))
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+
+    def block(q, k, v):  # what a block does on CUDA, run here on CPU tensors
+        assert attention.block_mask_builder("cuda") is attention.create_block_mask
+        return attention._compiled_on_cuda("cuda", "flex_attention", attention.flex_attention)(q, k, v, block_mask=mask)
+
+    def checkpointed(q, k, v):
+        return torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False)
+
+    traced = torch.compile(checkpointed, backend="eager", fullgraph=True)(q, k, v)
+    assert attention._compiled == {}
+    torch.testing.assert_close(traced, attention.flex_attention(q, k, v, block_mask=mask))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels and backward need CUDA")
