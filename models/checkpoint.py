@@ -4,8 +4,8 @@ consolidated.*.pth, all loaded into one in-memory model (``models.model.Transfor
 Meta's).
 
 Owns: the public functions (``load_checkpoint``, ``save_checkpoint``, ``load_model_config``, ``detect_format``,
-``convert``, ``export_hf``), finding and dispatching on a folder's format, building the model from a checked state,
-writing folders atomically, and the **native** format itself: ``lantern.json`` (format, version,
+``convert``, ``export_hf``, ``write_hf_folder``), finding and dispatching on a folder's format, building the model
+from a checked state, writing folders atomically, and the **native** format itself: ``lantern.json`` (format, version,
 ``ModelConfig.to_dict()``, free-form metadata) + ``model.safetensors`` (+ ``tokenizer.model``); tied models store
 only ``tok_embeddings.weight``. It does not own the other formats' details: ``models.hf_format`` (config and name
 mapping, wq/wk permutation, sharded weights) and ``models.meta_format`` (params.json, shard merging); nor file
@@ -50,6 +50,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_config",
     "save_checkpoint",
+    "write_hf_folder",
 ]
 
 FORMATS = ("native", "hf", "meta")
@@ -207,14 +208,17 @@ def save_checkpoint(
     metadata: Mapping[str, Any] | None = None,
     if_exists: IfExists = "replace-lantern",
     sources: tuple[PathLike, ...] = (),
+    extra_weights: Mapping[str, dict[str, Tensor]] | None = None,
 ) -> Path:
     """Write ``model`` as a native checkpoint folder, atomically.
 
     ``metadata`` must be JSON-serialisable (step, tokenizer ids, ...); it is stored in lantern.json.
     ``tokenizer_path`` (a tiktoken rank file, copied in as tokenizer.model, or a tokenizer's ``files``: Hugging
-    Face's tokenizer.json and companions) is copied in. An existing non-empty folder is replaced only when
-    Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never with
-    "refuse"; never one that contains ``sources`` (see ``models.atomic.check_destination``).
+    Face's tokenizer.json and companions) is copied in. ``extra_weights`` (file name -> tensors: a reward model's
+    head) are written into the same folder, so that it appears whole or not at all. An existing non-empty folder is
+    replaced only when Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never
+    with "refuse"; never one that contains ``sources`` (see ``models.atomic.check_destination``). A full or
+    read-only disk is a one-line ``StorageError`` naming ``directory``, with nothing half-written left.
     """
     model = _unwrap(model)
     info = {
@@ -229,6 +233,8 @@ def save_checkpoint(
     target = Path(directory)
     with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
         save_safetensors(state, tmp / WEIGHTS)
+        for name, tensors in (extra_weights or {}).items():
+            save_safetensors(tensors, tmp / name)
         (tmp / NATIVE_CONFIG).write_text(text + "\n")
         copy_tokenizer_files(tokenizer_files, tmp)
     return target
@@ -273,7 +279,8 @@ def export_hf(
     Accepts a Transformer or any checkpoint folder load_checkpoint reads. The tokenizer (``tokenizer_path`` or the
     checkpoint's own files) is copied: tokenizer.json and its companions at the top, a tiktoken rank file to
     original/tokenizer.model, as in Meta's Hugging Face repos. bos/eos ids
-    come from the checkpoint metadata (bos_token_id / eos_token_id) or else from that tokenizer file.
+    come from the checkpoint metadata (bos_token_id / eos_token_id) or else from that tokenizer file. A full or
+    read-only disk is a one-line ``StorageError`` naming ``out_dir``, with nothing half-written left.
     """
     metadata: dict[str, Any] = {}
     sources: tuple[PathLike, ...] = ()
@@ -300,6 +307,28 @@ def _export_hf(
     if_exists: IfExists = "replace-lantern",
     sources: tuple[PathLike, ...] = (),
 ) -> Path:
+    config_to_hf(model.config, torch.float32, None, None)  # an unsupported config: refused before any disk write
+    target = Path(out_dir)
+    with atomic_directory(target, if_exists=if_exists, sources=sources, what="Hugging Face export") as tmp:
+        write_hf_folder(
+            model, tmp, dtype=dtype, max_shard_size=max_shard_size, tokenizer_path=tokenizer_path, metadata=metadata
+        )
+    return target
+
+
+def write_hf_folder(
+    model: Transformer,
+    directory: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    tokenizer_path: PathLike | TokenizerFiles | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """The files of ``export_hf``'s folder, written into ``directory`` (created) inside a folder the caller builds
+    with ``atomic_directory``, which owns the destination checks, the rename and a failing disk's one line naming
+    the destination (``export_hf``; ``lantern export --adapter``'s ``OUT/base``)."""
+    metadata = metadata or {}
     tokenizer_files = as_tokenizer_files(tokenizer_path)
     bos, eos = metadata.get("bos_token_id"), metadata.get("eos_token_id")
     if tokenizer_files and (bos is None or eos is None):
@@ -310,16 +339,14 @@ def _export_hf(
     weights_dtype = state["tok_embeddings.weight"].dtype
     hf_config = config_to_hf(model.config, weights_dtype, bos, eos)  # refuses unsupported configs first
     hf_state = native_to_hf_state(state, model.config)
-    target = Path(out_dir)
-    with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
-        (tmp / EXPORT_MARKER).write_text("written by lantern: `lantern convert` may replace this folder\n")
-        write_hf_weights(hf_state, tmp, max_shard_size)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        if bos is not None or eos is not None:
-            generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        copy_tokenizer_files(tokenizer_files, tmp, rank_file_in_original=True)
-    return target
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / EXPORT_MARKER).write_text("written by lantern: `lantern convert` may replace this folder\n")
+    write_hf_weights(hf_state, directory, max_shard_size)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if bos is not None or eos is not None:
+        generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_files, directory, rank_file_in_original=True)
 
 
 def convert(

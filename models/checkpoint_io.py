@@ -1,9 +1,10 @@
 """Safe file access and state checks shared by every checkpoint format (``models.checkpoint``,
 ``models.hf_format``, ``models.meta_format``).
 
-Owns: reading torch files, safetensors and JSON, writing safetensors, and checking a state dict (native names)
-against a ``ModelConfig``. Each failure is a one-line ``CheckpointError`` naming the file. It does not know any
-folder layout, file name other than ``model.safetensors``, or naming scheme: the format modules do.
+Owns: reading torch files, safetensors and JSON, writing safetensors (a failing disk raised as an ``OSError``), and
+checking a state dict (native names) against a ``ModelConfig``. Each read failure is a one-line ``CheckpointError``
+naming the file. It does not know any folder layout, file name other than ``model.safetensors``, or naming scheme:
+the format modules do.
 
 Choices:
 
@@ -16,6 +17,7 @@ Choices:
 from __future__ import annotations
 
 import json
+import os
 import re
 import zipfile
 from collections.abc import Mapping
@@ -89,8 +91,23 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
 
 
 def save_safetensors(state: dict[str, Tensor], path: Path) -> None:
-    # "format": "pt" is the metadata transformers checks for before it trusts a safetensors file.
-    save_file(state, str(path), metadata={"format": "pt"})
+    """The one safetensors write of Lantern. A failed write to disk (full, read-only, no permission) is raised as
+    the OSError it is, with its errno and ``path``, so that the folder writer around it (``atomic_directory``)
+    removes what it built and reports it in one line like any other write (``storage_error``)."""
+    try:
+        # "format": "pt" is the metadata transformers checks for before it trusts a safetensors file.
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as error:
+        # safetensors' Rust writer wraps the OS error in a SafetensorError (not an OSError), its errno in the text
+        found = _OS_ERRNO.search(str(error))
+        if found is None:
+            raise
+        code = int(found.group(1) or found.group(2))
+        raise OSError(code, os.strerror(code), str(path)) from error
+
+
+# "I/O error: No space left on device (os error 28)" (safetensors >= 0.5) or "IoError(Os { code: 28, ...})" (0.4)
+_OS_ERRNO = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
 
 
 def read_json(path: Path) -> dict[str, Any]:

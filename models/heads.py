@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from models.checkpoint import load_checkpoint, save_checkpoint
@@ -105,17 +104,17 @@ def save_scalar_model(
     state: dict[str, Tensor] | None = None,
 ) -> Path:
     """A reward model / critic as a native checkpoint folder of its backbone (any tool that reads native
-    checkpoints loads the decoder) plus ``scalar_head.safetensors``. ``metadata`` (JSON) holds e.g. the
-    reward normalisation. ``state``: a full state dict to save instead of the module's own (FSDP gathers)."""
+    checkpoints loads the decoder) plus ``scalar_head.safetensors``, written atomically as ``save_checkpoint``
+    writes (head included). ``metadata`` (JSON) holds e.g. the reward normalisation. ``state``: a full state dict
+    to save instead of the module's own (FSDP gathers)."""
     state = state if state is not None else {name: t.detach().cpu() for name, t in model.state_dict().items()}
     backbone = _backbone_from_state(model.config, state)
     head = {name.removeprefix("head."): t.contiguous() for name, t in state.items() if name.startswith("head.")}
     metadata = {**(metadata or {}), "scalar_head": True, "head_init": model.head.init}
-    path = save_checkpoint(backbone, directory, tokenizer_path=tokenizer_path, metadata=metadata)
-    temporary = path / f".tmp-{HEAD_WEIGHTS}"
-    save_file(head, str(temporary))
-    temporary.replace(path / HEAD_WEIGHTS)
-    return path
+    # the head is written inside the backbone's atomic folder: a failing disk leaves no folder without its head
+    return save_checkpoint(
+        backbone, directory, tokenizer_path=tokenizer_path, metadata=metadata, extra_weights={HEAD_WEIGHTS: head}
+    )
 
 
 def _backbone_from_state(config: ModelConfig, state: dict[str, Tensor]) -> Transformer:

@@ -26,7 +26,7 @@ from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
 from models.atomic import IfExists, atomic_directory, check_destination
-from models.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from models.checkpoint import export_hf, load_checkpoint, save_checkpoint, write_hf_folder
 from models.checkpoint_io import read_torch_file
 from models.errors import CheckpointError, one_line
 from models.gguf_format import check_gguf_destination, write_gguf
@@ -77,7 +77,8 @@ def export_training_checkpoint(
     (``format="gguf"``, in ``gguf_dtype``). A checkpoint with LoRA adapters is written merged, or, with ``adapter``, as
     ``out/base`` (the Hugging Face base) and ``out/adapter`` (peft's adapter folder); ``adapter`` on a checkpoint
     without adapters is refused. A non-empty ``out`` is refused unless ``overwrite``; one that is or contains
-    ``path``, always (both checked before anything is read)."""
+    ``path``, always (both checked before anything is read). A full or read-only disk is a one-line ``StorageError``
+    naming ``out``, with nothing half-written left (the writers' own atomic folder or file)."""
     if_exists: IfExists = "replace" if overwrite else "refuse"
     if format == "gguf":
         check_gguf_destination(out, overwrite=overwrite, sources=(path,))
@@ -248,7 +249,8 @@ def _write_adapter(
     target = Path(out).absolute()
     lora.base_model_name_or_path = str(target / "base")
     adapters = {name: tensor for name, tensor in model.state_dict().items() if "lora_" in name}
+    # both halves inside one atomic folder: a failing disk is one line naming ``out`` and leaves neither
     with atomic_directory(target, if_exists=if_exists, sources=(path,), what="adapter export") as tmp:
-        export_hf(_base_model(model), tmp / "base", tokenizer_path=tokenizer_files, if_exists="refuse")
+        write_hf_folder(_base_model(model), tmp / "base", tokenizer_path=tokenizer_files)
         write_hf_adapter(native_to_hf_adapter_state(adapters, model.config), lora, tmp / "adapter")
     return target

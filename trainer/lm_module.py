@@ -55,8 +55,7 @@ class LanguageModelModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.failed = False
         self.bar_metrics: dict[str, None] = {}  # training values the progress bar shows (``log``), in order
-        self._step_finite: Tensor | None = None  # whether every loss of the optimizer step so far was finite
-        self._step_loss: Tensor | None = None
+        self._step_values: list[tuple[str, Tensor]] = []  # what the optimizer step's NaN/Inf check looks at
         # attribute (``model``, PPO's ``critic``) -> its base: {"checkpoint": folder or None, "fingerprint", ...}
         self.adapter_bases: dict[str, dict[str, Any]] = {}
         self._resumed_rng: Mapping[str, Any] | None = None  # a checkpoint's RNG state, until the first step
@@ -81,62 +80,66 @@ class LanguageModelModule(L.LightningModule):
             prog_bar = False
         super().log(name, value, prog_bar=prog_bar, **kwargs)
 
-    def stop_if_not_finite(self, loss: Tensor) -> None:
-        """Note a micro-batch's loss for its optimizer step's NaN/Inf check (``check_finite_step``). Kept on the
-        device: nothing is read here, so the micro-batches of a step run without waiting on the host."""
-        loss = loss.detach().float()
-        finite = torch.isfinite(loss).all()
-        if self._step_finite is None:
-            self._step_finite, self._step_loss = finite, loss
-            return
-        # the loss a stop or a skip names: the step's first non-finite one, else the latest
-        self._step_loss = torch.where(self._step_finite, loss, self._step_loss)
-        self._step_finite = self._step_finite & finite
+    def stop_if_not_finite(self, value: Tensor, what: str = "loss") -> None:
+        """Note a micro-batch's loss (or another value the update depends on: ``what`` names it, e.g. "reward",
+        "gradient norm") for its optimizer step's NaN/Inf check (``check_finite_step``). Kept on the device:
+        nothing is read here, so the micro-batches of a step run without waiting on the host."""
+        self._step_values.append((what, value.detach().float()))
 
-    def check_finite_step(self) -> None:
-        """Before each optimizer step (``SkipNonFiniteSteps``, else this module's ``on_before_optimizer_step``),
-        once: stop the run if a micro-batch of the step had a NaN/Inf loss, or, with
-        ``trainer.max_nonfinite_steps`` = N > 0, skip up to N optimizer steps in a row that have one:
-        ``skip_step`` marks the step, whose gradients ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the
-        optimizer changes nothing. One host read a step, and one all-reduce under several ranks."""
-        step, finite, loss = self.global_step, self._step_finite, self._step_loss
-        self._step_finite = self._step_loss = None
-        if finite is None:  # checked already, or no loss noted in this step
-            return
-        finite = finite.float()
+    def check_finite_step(self) -> bool:
+        """Before each optimizer step (``SkipNonFiniteSteps``, else this module's ``on_before_optimizer_step``; RL
+        stages before each update), once: stop the run if a value noted for the step (``stop_if_not_finite``) was
+        NaN/Inf, or, with ``trainer.max_nonfinite_steps`` = N > 0, skip up to N optimizer steps in a row that have
+        one. Returns whether this update is skipped; ``skip_step`` marks the step, whose gradients
+        ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the optimizer changes nothing. One host read a
+        step, and one all-reduce under several ranks."""
+        step, noted = self.global_step, self._step_values
+        self._step_values = []
+        if not noted:  # checked already, or nothing noted in this step
+            return False
+        finite = torch.stack([torch.isfinite(value).all() for _, value in noted]).float()
         # Every rank must agree, or one rank would raise (or skip) while the others wait in a collective.
         if self.trainer.world_size > 1:
             finite = self.trainer.strategy.reduce(finite, reduce_op="min")
-        if finite.item() >= 1:
-            return
+        flags = finite.tolist()
+        if min(flags) >= 1:
+            return False
+        what, value = noted[flags.index(min(flags))]  # the step's first non-finite value (on this rank, if here)
+        bad = ~torch.isfinite(value)
+        if value.numel() == 1 or not bad.any():
+            described = f"{what} is {value.flatten()[0].item() if bad.any() else 'not finite on another rank'}"
+        else:
+            described = f"{what} is {value[bad].flatten()[0].item()} for {int(bad.sum())} of {value.numel()} values"
         allowed = self.config.trainer.max_nonfinite_steps
         first, count = getattr(self, "_nonfinite_run", (step, 0))  # the current run of consecutive bad steps
         if step == first + count:  # the next step (or the first bad one): the run goes on
             count += 1
-        else:
+        elif step != first + count - 1:  # a later update of the same step (RL) does not lengthen the run
             first, count = step, 1
         self._nonfinite_run = (first, count)
         if count > allowed:
             self.failed = True
             in_a_row = f" after {count - 1} skipped in a row (trainer.max_nonfinite_steps={allowed})" if allowed else ""
             raise NonFiniteLossError(
-                f"loss is {loss.item()} at step {step}{in_a_row}: training stopped; the last good checkpoint "
-                "is kept (lower optim.lr, enable optim.grad_clip or check the data)"
+                f"{described} at step {step}{in_a_row}: training stopped before this update; checkpoints are never "
+                "written with a non-finite tensor, so the newest one is the last good step and a rerun resumes "
+                "from it (lower optim.lr, enable optim.grad_clip or check the data)"
             )
         self.skip_step = step
         log.warning(
-            "loss is %s at step %d: step skipped (%d of trainer.max_nonfinite_steps=%d in a row)",
-            loss.item(),
+            "%s at step %d: step skipped (%d of trainer.max_nonfinite_steps=%d in a row)",
+            described,
             step,
             count,
             allowed,
         )
+        return True
 
     # ---- the step's metrics: this rank's shares, summed over micro-batches here and over ranks by the log ----
 
     def on_train_start(self) -> None:
         self._step_sums = torch.zeros(len(self.step_metrics), device=self.device)
-        self._step_finite = self._step_loss = None
+        self._step_values = []
 
     def step_share(self, share: Tensor, metrics: Tensor | None = None) -> Tensor:
         """A micro-batch's share of its optimizer step's loss (``share``, with grad) and of the step's metrics

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.distributed.tensor import DTensor
 
 from models.atomic import (
     fsync_dir,
@@ -29,8 +31,9 @@ from models.atomic import (
     write_atomically,
 )
 from models.checkpoint_io import read_torch_file
-from models.errors import CheckpointError
+from models.errors import CheckpointError, NonFiniteLossError
 from models.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
+from trainer.parallel import plain_name
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +294,7 @@ class AtomicCheckpoint(L.Callback):
     def save(self, trainer: L.Trainer) -> Path:
         step = trainer.global_step
         final = self._path(step)
+        self._refuse_non_finite(trainer, step)
         temporary = final.with_name(f".tmp-{final.name}")
         error: OSError | None = None
         try:
@@ -321,6 +325,21 @@ class AtomicCheckpoint(L.Callback):
                 logger.after_save_checkpoint(self)
         return final
 
+    def _refuse_non_finite(self, trainer: L.Trainer, step: int) -> None:
+        """Never write a checkpoint holding a NaN/Inf weight or optimizer state (a finite loss can still end in
+        such an update): the run stops instead, with ``failed`` set, and the newest checkpoint stays the last
+        good one, which a rerun resumes from."""
+        bad = non_finite_tensor(trainer)
+        if bad is None:
+            return
+        trainer.lightning_module.failed = True
+        previous = self._path(self._last_saved_step) if self._last_saved_step > 0 else None
+        kept = f"the last good checkpoint is {previous}" if previous else "no earlier checkpoint of this run"
+        raise NonFiniteLossError(
+            f"{bad} is not finite after step {step}: its checkpoint was not written and training stopped; {kept}, "
+            "and a rerun resumes from it (lower optim.lr, enable optim.grad_clip or check the data)"
+        )
+
     @property
     def last_saved(self) -> Path | None:
         """The checkpoint this run published last (or resumed from), if any."""
@@ -342,6 +361,27 @@ class AtomicCheckpoint(L.Callback):
         checkpoints = sorted(p for p in self.directory.glob("step-*.ckpt") if checkpoint_step(p) is not None)
         for old in checkpoints[: -self.keep_last]:
             remove_checkpoint(old)
+
+
+def non_finite_tensor(trainer: L.Trainer) -> str | None:
+    """The name of a trained parameter or optimizer state of the run holding a NaN/Inf (every rank's shard
+    checked; all ranks get the same answer), or None. One host read, one all-reduce under several ranks."""
+    named = [(name, p) for name, p in trainer.lightning_module.named_parameters() if p.requires_grad]
+    for index, optimizer in enumerate(trainer.optimizers):
+        for state in optimizer.state.values():
+            named += [(f"optimizer {index} state {key}", v) for key, v in state.items() if _is_float_tensor(v)]
+    local = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in named]
+    if not local:
+        return None
+    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in local]).float()
+    if trainer.world_size > 1:
+        finite = trainer.strategy.reduce(finite, reduce_op="min")  # the same tensors, in order, on every rank
+    flags = finite.tolist()
+    return None if min(flags) >= 1 else plain_name(local[flags.index(min(flags))][0])
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

@@ -131,6 +131,7 @@ class GRPOModule(RLModule):
                     loss = policy_loss + penalty / weight_total
                     # DDP/FSDP average gradients over ranks; weight_total above is already global
                     self.manual_backward(loss * self.trainer.world_size)
+                    self.stop_if_not_finite(loss)
                     if epoch == 0 and start == 0:
                         deviation = ((logp - old_logp[micro]).abs() * micro_mask).max().detach()
                         first_log_ratio = torch.maximum(first_log_ratio, deviation)
@@ -138,7 +139,7 @@ class GRPOModule(RLModule):
                         policy_loss.detach() * weight_total, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
                         stats["clip_fraction"], stats["ratio"], micro_mask.sum().float(), weights.sum(),
                     ])  # fmt: skip
-                self.step_optimizer(optimizer, schedule, self.model, self.config.optim.grad_clip, "policy")
+                self.apply_update((optimizer, schedule, self.model, self.config.optim.grad_clip, "policy"))
         totals = self.sum_over_ranks(totals)
         tokens = totals[6].clamp(min=1)
         names = ("kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")

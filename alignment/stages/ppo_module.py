@@ -180,6 +180,7 @@ class PPOModule(RLModule):
                         loss = loss + policy_loss - ppo.entropy_coef * entropy_sum / token_count
                     # DDP/FSDP average gradients over ranks; the token_count above is already global
                     self.manual_backward(loss * self.trainer.world_size)
+                    self.stop_if_not_finite(loss)
                     if epoch == 0 and start == 0:
                         deviation = ((logp - rollout.old_logp[micro]).abs() * mask).max().detach()
                         first += torch.stack(
@@ -195,14 +196,12 @@ class PPOModule(RLModule):
                         policy_loss.detach() * token_count, value_loss.detach() * token_count, entropy_sum.detach(),
                         stats["approx_kl"], stats["clip_fraction"], stats["ratio"], mask.sum().float(),
                     ])  # fmt: skip
-                self.step_optimizer(
-                    critic_optimizer, critic_schedule, self.critic, self.config.critic_optim.grad_clip, "critic"
-                )
+                critic = (critic_optimizer, critic_schedule, self.critic, self.config.critic_optim.grad_clip, "critic")
                 if train_policy:
-                    self.step_optimizer(
-                        policy_optimizer, policy_schedule, self.model, self.config.optim.grad_clip, "policy"
-                    )
+                    policy = (policy_optimizer, policy_schedule, self.model, self.config.optim.grad_clip, "policy")
+                    self.apply_update(critic, policy)
                 else:
+                    self.apply_update(critic)
                     policy_optimizer.zero_grad(set_to_none=True)
         totals = self.sum_over_ranks(totals)
         tokens = totals[6].clamp(min=1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
 from alignment.shared.responses import response_logprobs
@@ -190,6 +190,7 @@ class RLModule(LanguageModelModule):
         """(the reward the stage optimises, the reward before the end-of-turn penalty, statistics) per response:
         ``Reward.score`` minus ``missing_eos_penalty`` for a response cut off before its end-of-turn."""
         raw, parts = self.reward.score(prompts, responses.answers, responses.input_ids, responses.real)
+        self.stop_if_not_finite(raw, "reward")  # a checker or reward model's NaN/Inf: the update is guarded
         scores = raw
         if self.hp.missing_eos_penalty is not None:
             scores = torch.where(responses.ended, raw, raw - self.hp.missing_eos_penalty)
@@ -212,12 +213,22 @@ class RLModule(LanguageModelModule):
         logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]
         return logp.to(device=self.device, dtype=torch.float32)
 
-    def step_optimizer(self, optimizer, schedule, module, max_norm: float | None, name: str) -> None:
-        """Clip, step, zero and advance the schedule; ``grad_norms[name]`` keeps the rollout's last norm."""
-        self.grad_norms[name] = float(grad_norm_and_clip(module.parameters(), max_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+    def apply_update(self, *updates: tuple[Any, Any, nn.Module, float | None, str]) -> None:
+        """One minibatch's update through the shared NaN/Inf guard (``check_finite_step``, trainer.max_nonfinite_steps):
+        each (optimizer, schedule, module, max_norm, name) has its gradients clipped, then every optimizer steps, or,
+        when a loss, reward or gradient norm noted for the update is not finite, none does (the gradients are
+        dropped). The schedules advance either way; ``grad_norms[name]`` keeps the rollout's last norm."""
+        norms = [grad_norm_and_clip(module.parameters(), max_norm) for _, _, module, max_norm, _ in updates]
+        for (*_, name), norm in zip(updates, norms):
+            self.stop_if_not_finite(norm, f"{name} gradient norm")
+        skipped = self.check_finite_step()
+        for (optimizer, schedule, _, _, name), norm in zip(updates, norms):
+            self.grad_norms[name] = float(norm)
+            if skipped:  # as SkipNonFiniteSteps does: no gradients, so the step changes no weight and no state
+                optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
 
     def write_samples(self, prompts: list[dict], answers: list[str], scores: Tensor) -> None:
         """A W&B table of the rollout's first ``eval.table_rows`` responses and their scores."""
