@@ -1,5 +1,8 @@
 """The one way a config value is refused: a ``ConfigError`` that names the key path, before any compute.
 
+Config files are read here too, by ``read_yaml``: every command reads its YAML through it, so a syntax error or a
+key given twice is one line naming the file and line, whichever command meets it.
+
 Three kinds of rule, each written once:
 - numeric ranges, for every numeric key of every schema (``RANGES``, by field name; ``check_ranges`` walks any
   config dataclass, so a stage's file, a pipeline's stage section and a data section built in code get the same
@@ -19,9 +22,13 @@ import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
-from models.errors import ConfigError
+import yaml
+from omegaconf import OmegaConf
+
+from models.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,23 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "line_count_miscount": UNIT,
     "prompts": AT_LEAST_0,
 }
-# Numeric fields whose own dataclass checks them (ModelConfig.__post_init__ names model.KEY).
+# Numeric fields whose own dataclass checks them (ModelConfig.__post_init__ names model.KEY), save for its sizes below.
 UNBOUNDED = {"model"}
+# A model section's sizes, bounded above far past any model trained (Llama 3.1 405B: 126 layers, dim 16384, 128 heads,
+# FFN 53248; vocabularies of 256K tokens; contexts of 10M): a value past them is a typo, and building even a
+# meta-device model of it (one module per layer) or planning it would run for hours or overflow (issue 31).
+MODEL_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "n_layers": (1, 1024, False, False),
+    "dim": (1, 2**20, False, False),
+    "n_heads": (1, 2**14, False, False),
+    "n_kv_heads": (1, 2**14, False, False),
+    "head_dim_override": (1, 2**14, False, False),
+    "vocab_size": (1, 2**24, False, False),
+    "multiple_of": (1, 2**20, False, False),
+    "ffn_hidden_dim": (1, 2**22, False, False),
+    "ffn_dim_multiplier": (0, 256, True, False),
+    "max_seq_len": (1, 2**24, False, False),
+}
 
 
 def _describe(rule: tuple[float | None, float | None, bool, bool]) -> str:
@@ -179,6 +201,8 @@ def check_ranges(config: Any, source: str = "", prefix: str = "") -> None:
     the file, when there is one), and refuse min_lr > lr (the schedule would climb)."""
     for item in fields(config):
         value, path = getattr(config, item.name), f"{prefix}{item.name}"
+        if is_dataclass(value) and item.name in UNBOUNDED:
+            check_model_size(value, source, f"{path}.")
         if is_dataclass(value):
             check_ranges(value, source, f"{path}.")
             continue
@@ -194,6 +218,15 @@ def check_ranges(config: Any, source: str = "", prefix: str = "") -> None:
         raise ConfigError(f"{_at(source)}{prefix}min_lr ({config.min_lr}) must be <= {prefix}lr ({config.lr})")
 
 
+def check_model_size(model: Any, source: str = "", prefix: str = "model.") -> None:
+    """Raise a ConfigError naming the first size of a model config outside ``MODEL_RANGES`` (key ``prefix`` + field):
+    for a model section of a config, a ``--model`` preset or a checkpoint folder's config alike."""
+    for name, rule in MODEL_RANGES.items():
+        value = getattr(model, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _in_range(value, rule):
+            raise ConfigError(f"{_at(source)}{prefix}{name} must be {_describe(rule)} but got {value!r}")
+
+
 def check_choices(config: Any, choices: Mapping[str, Sequence[str]], source: str = "", prefix: str = "") -> None:
     """Each field named in ``choices`` holds one of its allowed values."""
     for key, allowed in choices.items():
@@ -201,6 +234,41 @@ def check_choices(config: Any, choices: Mapping[str, Sequence[str]], source: str
             raise ConfigError(
                 f"{_at(source)}{prefix}{key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}"
             )
+
+
+def read_yaml(path: Path) -> Any:
+    """The one reader of a YAML config (a stage's, a pipeline's, a model preset): its top level as OmegaConf reads it,
+    or a one-line ``ConfigError`` naming the file and line (a syntax error, a key given twice in one mapping). Safe:
+    no tags that build objects, no custom resolvers."""
+    try:
+        return OmegaConf.load(path)
+    except yaml.constructor.ConstructorError as error:
+        # PyYAML keeps the last of two equal keys; OmegaConf refuses them in a multi-line message: one line instead
+        if error.problem and error.problem.startswith("found duplicate key") and error.problem_mark:
+            key = error.problem.removeprefix("found duplicate key").strip()
+            first = _first_key_line(path, error.context_mark, key)
+            where = f" (first at line {first})" if first else ""
+            raise ConfigError(f"{path}, line {error.problem_mark.line + 1}: duplicate key {key!r}{where}") from error
+        raise ConfigError(f"{path}: cannot parse YAML: {one_line(error)}") from error
+    except Exception as error:  # a syntax error's text carries the line
+        raise ConfigError(f"{path}: cannot parse YAML: {one_line(error)}") from error
+
+
+def _first_key_line(path: Path, mapping: Any, key: str) -> int | None:
+    """The line of ``key``'s first occurrence in the mapping that starts at ``mapping`` (a yaml mark)."""
+    try:
+        nodes = [yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)]
+    except yaml.YAMLError:
+        return None
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, yaml.MappingNode):
+            if mapping is not None and (node.start_mark.line, node.start_mark.column) == (mapping.line, mapping.column):
+                return next((k.start_mark.line + 1 for k, _ in node.value if getattr(k, "value", None) == key), None)
+            nodes += [value for _, value in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            nodes += node.value
+    return None
 
 
 def _at(source: str) -> str:

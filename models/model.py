@@ -34,6 +34,7 @@ from models.attention import (
     positions_from_documents,
     use_flex_attention,
 )
+from models.config_checks import read_yaml
 from models.loss import cross_entropy, fused_linear_cross_entropy
 from models.resources import model_preset_path, model_presets
 from models.rope import ROPE_SCALINGS, RopeScaling, apply_rope, rope_cos_sin, rope_frequencies
@@ -158,7 +159,7 @@ class ModelConfig:
         path = model_preset_path(name)
         if not path.is_file():
             raise FileNotFoundError(f"no model preset {name!r} (looked for {path}); presets: {model_presets()}")
-        values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        values = OmegaConf.to_container(read_yaml(path), resolve=True)  # a duplicate key: one line naming it
         values.update(overrides)
         return cls.from_dict(values)
 

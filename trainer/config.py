@@ -2,11 +2,17 @@
 
 Every stage config is a dataclass built from the sections below. Loading fails before any compute on an
 unknown key or a wrong type, naming the full key path (and the nearest valid key). YAML is read with a safe
-loader and no custom resolvers, so a config never executes code.
+loader and no custom resolvers (``read_yaml``), so a config never executes code and a key given twice is refused.
+
+One rule for a section that takes a preset (the model: ``model``, rejection sampling's ``sft.model``), in the file
+and on the command line alike: given by name or file (``model: small``, ``model=path.yaml``) it IS that preset and
+replaces the section; ``model.KEY=V`` (or a ``{KEY: V}`` mapping) sets those keys only; keys it omits take the
+section type's declared defaults. Overrides apply left to right.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -17,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models.config_checks import check_ranges
+from models.config_checks import check_ranges, read_yaml
 from models.errors import ConfigError, one_line
 from models.resources import model_preset_path, model_presets, shipped_path
 
@@ -108,13 +114,64 @@ class LoggerConfig:
 Schema = TypeVar("Schema")
 
 
-def _model_preset(value: Any, source: str) -> DictConfig:
-    """``model: small`` (a preset name) or ``model: path/to/model.yaml`` becomes that preset's fields."""
+def takes_preset(section: Any) -> bool:
+    """Whether a section of this type may be given as a preset name or a YAML file of its fields instead of its keys:
+    one that builds itself from such a preset (``from_preset``: the model, configs/model/NAME.yaml)."""
+    return is_dataclass(section) and callable(getattr(section, "from_preset", None))
+
+
+def load_preset(value: Any, source: str) -> DictConfig:
+    """``small`` (a preset name) or ``path/to/model.yaml``: that preset's fields, the whole section."""
     name = str(value)
     path = model_preset_path(name)
     if not path.is_file():
         raise ConfigError(f"{source}: model preset {name!r} not found (looked for {path}); presets: {model_presets()}")
-    return OmegaConf.load(path)
+    preset = read_yaml(path)
+    if not isinstance(preset, DictConfig):
+        raise ConfigError(f"{path}: a model preset must be a mapping of model keys, got {type(preset).__name__}")
+    return preset
+
+
+def _section_at(schema: type, path: list[str]) -> type | None:
+    """The section type (a dataclass) at key path ``path`` of ``schema`` (``sft.model`` -> ModelConfig), else None."""
+    current: Any = schema
+    for part in path:
+        if not is_dataclass(current):
+            return None
+        kind = typing.get_type_hints(current).get(part)
+        if typing.get_origin(kind) is list:  # a list of sections (reward.terms) is not one
+            return None
+        options = (kind, *typing.get_args(kind))  # an optional section: X | None
+        current = next((option for option in options if is_dataclass(option)), None)
+    return current
+
+
+def _preset_sections(schema: type, prefix: str = "") -> dict[str, Any]:
+    """Every section of ``schema`` that takes a preset, by key path, with its type's declared defaults: what such a
+    section holds besides the keys it is given (``model`` -> ModelConfig's; ``sft.model`` in rejection sampling)."""
+    found: dict[str, Any] = {}
+    for item in fields(schema):
+        section = _section_at(schema, [item.name])
+        if section is not None and takes_preset(section):
+            found[f"{prefix}{item.name}"] = {
+                f.name: f.default for f in fields(section) if f.default is not dataclasses.MISSING
+            }
+        elif section is not None:
+            found.update(_preset_sections(section, f"{prefix}{item.name}."))
+    return found
+
+
+def _expand_presets(raw: DictConfig, schema: type, source: str) -> None:
+    """Each section of ``raw`` written as a preset name or file (``model: small``, ``sft: {model: tiny}``) becomes
+    that preset's fields, at any depth."""
+    for key in list(raw.keys()):
+        section, value = _section_at(schema, [str(key)]), raw.get(key)
+        if section is None:
+            continue
+        if isinstance(value, str) and takes_preset(section):
+            raw[key] = load_preset(value, source)
+        elif isinstance(value, DictConfig):
+            _expand_presets(value, section, source)
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -200,14 +257,10 @@ def load_config(schema: type[Schema], path: str | Path | None = None, overrides:
     if path is not None:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = OmegaConf.load(path)
-            # OmegaConf reads a file with no document (0 bytes, only comments or blank lines, a bare `null`) as {}:
-            # every default, a full-size run nobody asked for (a file truncated or not yet written): refused
-            empty = yaml.safe_load(path.read_text(encoding="utf-8")) is None
-        except Exception as error:  # yaml errors carry the line number in their text
-            raise ConfigError(f"{path}: cannot parse YAML: {error}") from error
-        if empty:
+        raw = read_yaml(path)
+        # OmegaConf reads a file with no document (0 bytes, only comments or blank lines, a bare `null`) as {}:
+        # every default, a full-size run nobody asked for (a file truncated or not yet written): refused
+        if not raw and yaml.safe_load(path.read_text(encoding="utf-8")) is None:
             raise ConfigError(
                 f"config file {path} is empty (no settings, only blank lines or comments): refusing to run on the "
                 "defaults alone; give a config with settings (e.g. a preset under configs/)"
@@ -216,20 +269,29 @@ def load_config(schema: type[Schema], path: str | Path | None = None, overrides:
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     else:
         raw = OmegaConf.create({})
-    if isinstance(raw.get("model"), str):
-        raw.model = _model_preset(raw.model, source)
+    _expand_presets(raw, schema, source)
     for item in overrides or []:
         key, value = _parse_override(item)
-        if key == "model" and isinstance(value, str):
-            value = _model_preset(value, f"override {item!r}")
+        # A section given whole by a preset name or file (model=tiny, sft.model=path.yaml) is that preset: it replaces
+        # the section, never merged into what the file had (tiny's shape with another preset's tied embeddings and
+        # RoPE scaling would be a model nobody asked for). SECTION.KEY=V (or a {KEY: V} mapping) sets those keys only.
+        preset = isinstance(value, str) and takes_preset(_section_at(schema, key.split(".")))
+        if preset:
+            value = load_preset(value, f"override {item!r}")
         try:
-            OmegaConf.update(raw, key, value, merge=True, force_add=True)
+            OmegaConf.update(raw, key, value, merge=not preset, force_add=True)
         except (OmegaConfBaseException, TypeError, ValueError) as error:  # e.g. a mapping given for a list
             raise ConfigError(f"override {item!r}: invalid value for {key}: {one_line(error)}") from error
     if overrides:
         source = f"{source} (with overrides)"
+    # A model section is what it says over ModelConfig's declared defaults, as ModelConfig(**keys) would be: not over
+    # the schema's default instance, whose derived values (n_kv_heads = its own n_heads, 8) would outlive the keys they
+    # derive from (model.n_heads=16 must not become grouped-query attention over 8 heads nobody asked for).
+    declared = OmegaConf.create()
+    for key, defaults in _preset_sections(schema).items():
+        OmegaConf.update(declared, key, defaults, force_add=True)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), declared, raw)
         config = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, TypeError) as error:
         # OmegaConf's merge errors ("Cannot merge incompatible container types") may name no key: find it

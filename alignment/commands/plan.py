@@ -17,17 +17,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import yaml
+from omegaconf import DictConfig, OmegaConf
 
 from alignment.commands.cli import STAGE_SCHEMAS
 from alignment.shared.plan import Models, StagePlan, Target
 from alignment.shared.plan_knobs import plan_stage
 from models.checkpoint import load_model_config
+from models.config_checks import check_model_size
 from models.errors import ConfigError
 from models.memory import GiB
 from models.model import ModelConfig
 from models.resources import model_preset_path, shipped_path
-from trainer.config import load_config
+from trainer.config import load_config, load_preset, read_yaml
 from trainer.hardware import fabric_named, gpu_named
 from trainer.plan import duration, gib
 
@@ -49,11 +50,8 @@ def detect_stage(path: str, overrides: list[str], stage: str | None) -> str:
     file = shipped_path(path)
     if not file.is_file():
         raise ConfigError(f"config file {file} does not exist")
-    try:
-        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{file}: cannot parse YAML: {error}") from error
-    if isinstance(raw, dict) and "stages" in raw:
+    raw = read_yaml(file)  # the loader every command reads a config with: a duplicate key is named, not guessed past
+    if isinstance(raw, DictConfig) and "stages" in raw:
         return "pipeline"
     if stage_key(file.resolve().parent.name) in known:  # configs/ppo/tiny.yaml
         return stage_key(file.resolve().parent.name)
@@ -80,13 +78,31 @@ def _loads(stage: str, path: str, overrides: list[str]) -> bool:
 
 
 def model_named(name: str) -> ModelConfig:
-    """``--model``: a preset (llama3.2-1b), a model YAML, or a checkpoint folder."""
+    """``--model``: a preset (llama3.2-1b), a model YAML, or a checkpoint folder; its sizes within bounds."""
     folder = Path(name).expanduser()
     if folder.is_dir():
-        return load_model_config(folder)
+        return folder_model(folder, f"--model {name}")
     if not model_preset_path(name).is_file():
         raise ConfigError(f"--model {name!r} is neither a model preset, a model YAML nor a checkpoint folder")
-    return ModelConfig.from_preset(name)
+    try:  # read as a stage config's model=NAME is: one loader, one-line errors
+        config = ModelConfig.from_dict(OmegaConf.to_container(load_preset(name, f"--model {name}"), resolve=True))
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"--model {name}: {str(error).replace('ModelConfig.', 'model.')}") from error
+    check_model_size(config, f"--model {name}")
+    return config
+
+
+def folder_model(folder: Path, key: str) -> ModelConfig:
+    """The model config of a checkpoint folder, its sizes within bounds (a planned model is built on the meta device,
+    one module per layer: an absurd size is refused, not built)."""
+    try:
+        config = load_model_config(folder)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {folder} holds no readable model config ({error})") from error
+    check_model_size(config, f"{key} ({folder})")
+    return config
 
 
 class ModelResolver:
@@ -104,10 +120,7 @@ class ModelResolver:
             if str(path) in self.known:
                 return self.known[str(path)]
             if Path(path).expanduser().is_dir():
-                try:
-                    return load_model_config(Path(path).expanduser())
-                except (OSError, ValueError) as error:
-                    raise ConfigError(f"{key}: {path} holds no readable model config ({error})") from error
+                return folder_model(Path(path).expanduser(), key)
             raise ConfigError(
                 f"{key}: {path} does not exist (yet): name the model to plan with --model (a preset such as "
                 "llama3.2-1b, a model YAML or a checkpoint folder)"
