@@ -4,15 +4,22 @@ did not write, SHA-256 manifests, and one-line errors for a full or read-only di
 
 The lowest layer (no torch, no Lightning): models/checkpoint.py, the trainer's checkpoints, metrics and
 plots all write through these helpers.
+
+Temporaries a writer may leave behind when it is killed (``kill -9``, the OOM killer) carry its process id in their
+names and are ``flock``'ed by it while it writes; the next writer of the same destination removes those whose
+writer is gone (``remove_leftovers``), and nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
@@ -26,6 +33,8 @@ PathLike = str | os.PathLike
 NATIVE_MARKER = "lantern.json"  # every native folder Lantern writes holds it
 EXPORT_MARKER = ".lantern-export"  # written into the other folders Lantern writes (Hugging Face exports)
 IfExists = Literal["refuse", "replace-lantern", "replace"]
+
+log = logging.getLogger("models.atomic")
 
 # errno -> what a person reads; anything else keeps the OS's own words
 _STORAGE_ERRNOS = {
@@ -89,6 +98,132 @@ def fsync_tree(root: PathLike) -> None:
         fsync_dir(dirpath)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# locks held by this process, and what dead writers left
+
+_locked_fds: set[int] = set()  # descriptors this process flock'ed (lock_exclusively); closed in forked children
+
+
+def _close_locks_in_child() -> None:
+    # A flock belongs to the open file description, which fork() shares with the child (O_CLOEXEC only helps across
+    # exec): a worker pool forked while a lock is held would keep it after its parent is killed, and every later
+    # writer would be refused on behalf of a dead process. The child closes its copies, never unlocks them (that
+    # would release the parent's lock too), so a lock lives exactly as long as the process that took it.
+    for fd in _locked_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _locked_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
+def lock_exclusively(fd: int, *, wait: bool = False) -> bool:
+    """``flock`` the open ``fd`` (opened with O_CLOEXEC) for this process alone: True once held, False when another
+    process holds it (only without ``wait``). The lock ends when ``close_lock(fd)`` is called or this process
+    dies, and is never inherited by a child it forks (see _close_locks_in_child). Other OSErrors (a file system
+    without locks) are raised."""
+    _locked_fds.add(fd)  # before locking: a fork in another thread right after must not keep it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        _locked_fds.discard(fd)
+        return False
+    except BaseException:
+        _locked_fds.discard(fd)
+        raise
+    return True
+
+
+def close_lock(fd: int) -> None:
+    """Close a descriptor ``lock_exclusively`` locked (releasing its lock); nothing if this process does not hold
+    it (a forked child, whose copy is already closed)."""
+    if fd in _locked_fds:
+        _locked_fds.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def hold_as_writer(path: Path, *, wait: bool = True) -> list[int]:
+    """[fd] holding the lock of ``path`` (a temporary this process just made) as its live writer until close_lock,
+    so that no remove_leftovers removes it; [] where it cannot be locked (then only the pid in its name does)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    with contextlib.suppress(OSError):
+        if lock_exclusively(fd, wait=wait):
+            return [fd]
+    os.close(fd)
+    return []
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (a zombie, killed but not yet reaped, is not)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): kill said it exists
+        return True
+
+
+def temporary_name(target: Path, kind: Literal["tmp", "old"]) -> Path:
+    """``.NAME.tmp-PID-TOKEN`` (a folder being written) or ``.NAME.old-PID-TOKEN`` (the previous one set aside)."""
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def temporary_file(target: Path) -> Path:
+    """``.tmp-NAME.PID-TOKEN``: where a file replacing ``target`` is written first."""
+    return target.with_name(f".tmp-{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def remove_leftovers(target: PathLike) -> list[Path]:
+    """Remove what Lantern writers of ``target`` that died left beside it, and return it: temporaries named by
+    ``temporary_name`` / ``temporary_file``, and a previous folder set aside once ``target`` exists again. Only
+    Lantern's names, and only when the process named in them is not running here and nobody holds its lock (a
+    writer on another host sharing the disk holds it): never anyone else's files, never a live writer's."""
+    target = Path(target).absolute()
+    name = re.escape(target.name)
+    kinds = ["tmp", "old"] if target.exists() else ["tmp"]  # without target, an old-* folder is the only copy
+    pattern = re.compile(rf"(?:\.{name}\.(?:{'|'.join(kinds)})-|\.tmp-{name}\.)(\d+)-[0-9a-f]{{8}}")
+    try:
+        found = [(p, int(m.group(1))) for p in target.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    except OSError:
+        return []
+    removed = []
+    for path, pid in found:
+        if process_running(pid) or not _lock_is_free(path):  # the pid first: it covers a writer not yet locked
+            continue
+        remove_path(path)
+        if not path.exists():
+            log.info("removed %s: left by Lantern process %d, which died while writing %s", path, pid, target)
+            removed.append(path)
+    return removed
+
+
+def _lock_is_free(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held by a live writer, or a file system without locks: cannot tell, so keep it
+        return False
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file", durable: bool = True) -> Path:
     """Replace ``path`` with ``data`` by write-then-rename: readers and a crash (kill -9, full disk) see the
     whole old file or the whole new one, never a truncated one. The temporary is unique per call, so two
@@ -96,7 +231,7 @@ def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file", d
     skips the fsyncs, for a record rewritten at every logged step whose version one step stale after a machine
     crash costs little (trainer/wandb_run.py); a kill -9 still leaves the whole old or new file."""
     path = Path(path)
-    temporary = path.with_name(f".tmp-{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    temporary = temporary_file(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data  # UTF-8 whatever the locale
     try:
         with open(temporary, "wb") as handle:
@@ -183,36 +318,44 @@ def atomic_directory(
     """
     target = Path(target).absolute()
     check_destination(target, if_exists=if_exists, sources=sources)
-    token = uuid.uuid4().hex[:8]
-    tmp = target.parent / f".{target.name}.tmp-{token}"
+    remove_leftovers(target)  # what a killed writer of this destination left (hundreds of MB each)
+    tmp = temporary_name(target, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as error:
         raise storage_error(error, target, what, kept="nothing was changed") from error
+    # held until the end: while it is, nobody removes tmp (nor, below, the old folder) as a dead writer's leftover;
+    # waiting only ever for a remove_leftovers elsewhere testing it this instant
+    held = hold_as_writer(tmp, wait=True)
     try:
-        yield tmp
-        fsync_tree(tmp)
-    except BaseException as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, OSError) and not isinstance(error, (StorageError, FileNotFoundError)):
-            kept = "the previous folder is intact" if target.exists() else "nothing was left behind"
-            raise storage_error(error, target, what, kept=kept) from error
-        raise
-    old = None
-    try:
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{token}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-    except OSError as error:
-        if old is not None and old.exists():
-            os.replace(old, target)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise storage_error(error, target, what, kept="the previous folder is intact") from error
-    fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            yield tmp
+            fsync_tree(tmp)
+        except BaseException as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(error, OSError) and not isinstance(error, (StorageError, FileNotFoundError)):
+                kept = "the previous folder is intact" if target.exists() else "nothing was left behind"
+                raise storage_error(error, target, what, kept=kept) from error
+            raise
+        old = None
+        try:
+            if target.exists():
+                old = temporary_name(target, "old")
+                held += hold_as_writer(target, wait=False)
+                os.replace(target, old)
+            os.replace(tmp, target)
+        except OSError as error:
+            if old is not None and old.exists():
+                os.replace(old, target)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise storage_error(error, target, what, kept="the previous folder is intact") from error
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        for fd in held:
+            close_lock(fd)
 
 
 # ---------------------------------------------------------------------------------------------------------

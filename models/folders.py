@@ -9,13 +9,17 @@ Choices: a marker written when Lantern first takes a folder, rather than a guess
 ``config.yaml`` or ``train.jsonl`` looks just like Lantern's). Folders written before markers existed are adopted
 when they hold a record only Lantern writes there (the caller says which: a lock file, a data manifest); the marker
 is then written. The lock is ``flock``, which the kernel releases however its holder dies (kill -9 included), so a
-lock file left behind never blocks. No torch here: ``lantern --help`` and the data layer import it.
+lock file left behind never blocks; and only the process that took it holds it: a flock belongs to the open file,
+which fork() shares, so models/atomic.py's ``lock_exclusively`` has every forked child (a ``datasets`` worker pool)
+close its copy, and O_CLOEXEC keeps it from exec'd ones. Judging the lock by whether the pid written in it is alive
+instead would break it across hosts sharing a disk and after pid reuse: the kernel's lock stays the one truth, and
+a holder that is not the named process (one started by an older Lantern) is named in the refusal. No torch here:
+``lantern --help`` and the data layer import it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -24,13 +28,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from models.atomic import write_atomically
+from models.atomic import close_lock, lock_exclusively, process_running, write_atomically
 from models.errors import LanternError
 
 FOLDER_MARKER = ".lantern-folder.json"
 LOCK_FILE = ".lantern.lock"
 
 _held_locks: dict[Path, int] = {}  # folder -> the open, flock'ed lock file of this process
+
+if hasattr(os, "register_at_fork"):  # a forked child holds no lock (models/atomic.py closed its copies)
+    os.register_at_fork(after_in_child=_held_locks.clear)
 
 
 class FolderInUse(LanternError):
@@ -118,19 +125,16 @@ def lock_folder(folder: Path, *, what: str, hint: str) -> None:
     key = folder.resolve()
     if key in _held_locks:
         return
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fd)
-        os.close(fd)
-        raise FolderInUse(
-            f"{what} {folder} is in use by process {holder.get('pid', '?')} on host {holder.get('host', '?')} "
-            f"(since {holder.get('started', '?')}): {hint}"
-        ) from None
+        taken = lock_exclusively(fd)
     except BaseException:
         os.close(fd)
         raise
+    if not taken:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise FolderInUse(f"{what} {folder} is in use by {_describe_holder(holder, folder / LOCK_FILE)}: {hint}")
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
@@ -141,9 +145,7 @@ def release_folder(folder: Path) -> None:
     """Release this process's lock on ``folder`` (the file stays: deleting it would race a new locker)."""
     fd = _held_locks.pop(folder.resolve(), None)
     if fd is not None:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        close_lock(fd)
 
 
 def _read_holder(fd: int) -> dict[str, str]:
@@ -151,3 +153,37 @@ def _read_holder(fd: int) -> dict[str, str]:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}  # the holder has not written its name yet
+
+
+def _describe_holder(holder: dict[str, Any], lock_file: Path) -> str:
+    """``process PID on host HOST (since ...)``; when that process is gone from this host, the ones that still have
+    the lock file open (Linux), which an older Lantern's worker processes could be."""
+    pid, host, since = holder.get("pid", "?"), holder.get("host", "?"), holder.get("started", "?")
+    named = f"process {pid} on host {host} (since {since})"
+    if host != socket.gethostname() or not isinstance(pid, int) or process_running(pid):
+        return named
+    others = _processes_with_open(lock_file)
+    if not others:
+        return f"{named}, which has died, but a process it started still holds the lock; end that process"
+    listed = " ".join(map(str, others))
+    which, them = ("process", "it") if len(others) == 1 else ("processes", "them")
+    return f"{which} {listed}, started by {named}, which has died; end {them} (kill {listed})"
+
+
+def _processes_with_open(path: Path) -> list[int]:
+    """Processes of this host with ``path`` open (Linux's /proc; [] elsewhere or where it cannot be read)."""
+    try:
+        wanted = os.stat(path)
+        processes = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for pid in processes:
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    opened = os.stat(fd.path)
+                    if (opened.st_dev, opened.st_ino) == (wanted.st_dev, wanted.st_ino):
+                        found.append(int(pid))
+                        break
+    return sorted(found)

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import tempfile
-import uuid
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +35,17 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from models.atomic import IfExists, check_destination, fsync_dir, remove_path, storage_error
+from models.atomic import (
+    IfExists,
+    check_destination,
+    close_lock,
+    fsync_dir,
+    hold_as_writer,
+    remove_leftovers,
+    remove_path,
+    storage_error,
+    temporary_file,
+)
 from models.errors import LanternError
 from models.gguf_tokenizer import (
     GENERATION_CONFIG,
@@ -282,9 +291,13 @@ def write_gguf(
     state = native_to_hf_state(_native_state(model), config)
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.n_layers)
 
-    temporary = out.with_name(f".tmp-{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    writer = GGUFWriter(temporary, "llama")
+    remove_leftovers(out)  # what a write of this file that was killed left (gigabytes each)
+    temporary = temporary_file(out)
+    writer = GGUFWriter(temporary, "llama")  # opens the file it is given (the one locked below) only to write it
+    held: list[int] = []
     try:
+        temporary.touch(exist_ok=False)
+        held = hold_as_writer(temporary)  # while held, no later write of this file removes it as a leftover
         writer.add_name(name or "lantern")
         writer.add_file_type(
             {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16}[dtype]
@@ -343,5 +356,8 @@ def write_gguf(
         writer.close()
         remove_path(temporary)
         raise
+    finally:
+        for fd in held:
+            close_lock(fd)
     fsync_dir(out.parent)
     return out

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from data.pretrain.manifest import read_manifest
-from data.streams.datamodule import StreamDataModule
+from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.streams.packed import PackedDataset, StreamSampler
 
 log = logging.getLogger("lantern.data")
@@ -37,18 +37,6 @@ class _ShardedRange(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.total, self.world_size))
-
-
-class _StreamLoader(DataLoader):
-    """The train DataLoader, resumable in Lightning's sense (it has state_dict / load_state_dict), so
-    Lightning neither warns about mid-epoch resumes nor needs anything beyond the stream position.
-    The same state also travels in the datamodule's state_dict; both restore the same value."""
-
-    def state_dict(self) -> dict[str, int]:
-        return self.batch_sampler.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batch_sampler.sampler.load_state_dict(state)
 
 
 class PretrainDataModule(StreamDataModule):
@@ -132,7 +120,7 @@ class PretrainDataModule(StreamDataModule):
             len(self.train_dataset), rank=self.rank, world_size=self.world_size, shuffle=True, seed=self.seed
         )
         batches = BatchSampler(self._attach_sampler(sampler), self.micro_batch_size, drop_last=True)
-        return self._loader(self.train_dataset, _StreamLoader, batch_sampler=batches)
+        return self._loader(self.train_dataset, StreamLoader, batch_sampler=batches)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:

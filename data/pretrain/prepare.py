@@ -24,10 +24,12 @@ Does not own: the config (data/pretrain/config.py), reading and validating input
 manifest and staleness checks (data/pretrain/manifest.py), reading shards (data/streams/packed.py).
 Choices: everything is built in a private `.prepare-<pid>-*` dir next to the output and moved into place
 only when complete; tokenizing runs as a batched `datasets` map (num_proc processes, one tokenizer thread each)
-that returns Arrow list columns, so no per-document Python work happens while writing shards. `datasets` and
-pyarrow (most of a second to import) are imported inside the functions that use them, as in data/pretrain/sources.py:
-data that is up to date returns without them, and data/records/chat.py imports this module for choose_val
-alone, so loading any stage's config (trainer/config.py, through data/records/prompts.py) would pay for them.
+that returns Arrow list columns, so no per-document Python work happens while writing shards; its workers die with
+the prepare however it dies (data/pretrain/workers.py), and an interrupted prepare keeps nothing of its build, so
+the next one starts over (and says so). `datasets` and pyarrow (most of a second to import) are imported inside
+the functions that use them, as in data/pretrain/sources.py: data that is up to date returns without them, and
+data/records/chat.py imports this module for choose_val alone, so loading any stage's config (trainer/config.py,
+through data/records/prompts.py) would pay for them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from data.pretrain.prepared_folder import (
     prepared_by_lantern,
 )
 from data.pretrain.sources import check_utf8, load_source, resolve_inputs, validate_dataset
+from data.pretrain.workers import workers_die_with_this_process
 from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import storage_error
 from models.folders import claim_folder, lock_folder, release_folder
@@ -224,9 +227,38 @@ def prepare(config: PrepareConfig | dict) -> dict:
     claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
     lock_folder(out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one")
     try:
-        return _prepare_locked(config, tokenizer, fmt, files, out_dir, utf8_checked)
+        # a kill -9 (the OOM killer) of this process must not leave the tokenizing workers running
+        with workers_die_with_this_process():
+            return _prepare_locked(config, tokenizer, fmt, files, out_dir, utf8_checked)
+    except BaseException as error:
+        stop = _interruption(error)
+        if stop is None:
+            raise
+        kept = (
+            "the data prepared there before is unchanged" if (out_dir / MANIFEST_NAME).exists() else "nothing was kept"
+        )
+        # a prepare keeps nothing of an unfinished build (it is removed on the way out): the next one starts over
+        stop.add_note(
+            f"prepare stopped before it finished {out_dir} ({kept}); the same command prepares it from the start"
+        )
+        if stop is error:
+            raise
+        raise stop from None
     finally:
         release_folder(out_dir)
+
+
+def _interruption(error: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM (KeyboardInterrupt, or SystemExit: trainer/interrupts.py) that ``error`` is, or that was
+    being handled when it was raised: ``datasets`` replaces one that stops its worker pool with a TimeoutError of
+    its own, empty, while it collects the unfinished jobs."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def _prepare_locked(

@@ -20,13 +20,14 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data.pretrain.config import PrepareConfig
+from data.pretrain.workers import workers_die_with_this_process
 from models.errors import DataError
 from models.resources import shipped_path
 
@@ -40,6 +41,8 @@ _EXTENSIONS = {
     ".parquet": "parquet",
 }
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets decompresses these on the fly
+READABLE = ("text", "json", "parquet")  # the file formats (besides hub datasets)
+_FOLDER_SCAN = 10_000  # entries of a folder given as an input looked at for what it holds
 _GLOB_CHARS = set("*?[")
 
 
@@ -52,8 +55,44 @@ def _format_of(path: str) -> str | None:
     return _EXTENSIONS.get(os.path.splitext(name)[1])
 
 
-def resolve_inputs(config: PrepareConfig) -> tuple[str, list[str]]:
-    """(format, files): expand globs, check every file exists, pick the format. Hub: (hub, [name])."""
+def _suffix(name: str) -> str:
+    """``.jsonl``, ``.jsonl.gz``: the extension a glob for files like ``name`` ends with."""
+    stem, compression = name, ""
+    for ext in _COMPRESSION:
+        if name.lower().endswith(ext):
+            stem, compression = name[: -len(ext)], name[-len(ext) :]
+            break
+    return os.path.splitext(stem)[1] + compression
+
+
+def _folder_given(pattern: str, folder: str, fmt: str, formats: Sequence[str]) -> str:
+    """The error for a folder given as an input: the globs of the files in it that would be read (the most common
+    kind first; ``**/`` when some sit in sub-folders), or which files would be, when it holds none."""
+    counts: dict[str, int] = {}
+    nested = False
+    for index, (_, dirs, names) in enumerate(os.walk(folder)):  # index 0: the folder itself
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            if not name.startswith(".") and (fmt != "auto" or _format_of(name) in formats):
+                counts[_suffix(name)] = counts.get(_suffix(name), 0) + 1
+                nested = nested or index > 0
+        if sum(counts.values()) + index >= _FOLDER_SCAN:
+            break
+    base = pattern.rstrip("/") + ("/**" if nested else "")
+    if counts:
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        globs = [f"'{base}/*{ext}' ({n} file{'s' if n > 1 else ''})" for ext, n in ranked]
+        return f"input {pattern!r} is a folder; give files or a glob: {' or '.join(globs)}"
+    readable = [ext for ext, kind in _EXTENSIONS.items() if kind in formats]
+    return (
+        f"input {pattern!r} is a folder holding no file to read ({', '.join(readable)}, or those compressed: "
+        f"{', '.join(_COMPRESSION)}); give files or a glob"
+    )
+
+
+def resolve_inputs(config: PrepareConfig, formats: Sequence[str] = READABLE) -> tuple[str, list[str]]:
+    """(format, files): expand globs, check every file exists, pick the format. Hub: (hub, [name]). ``formats``:
+    those the caller reads, which a folder given instead of files is searched for."""
     if config.format == "hub":
         if len(config.source) != 1:
             raise ValueError(f"format 'hub' takes one dataset name in `source`, got {config.source}")
@@ -68,7 +107,7 @@ def resolve_inputs(config: PrepareConfig) -> tuple[str, list[str]]:
                 raise FileNotFoundError(f"no files match {pattern!r}")
             files.extend(matches)
         elif os.path.isdir(expanded):
-            raise ValueError(f"input {pattern!r} is a directory; give files or a glob such as '{pattern}/*.txt'")
+            raise ValueError(_folder_given(pattern, expanded, config.format, formats))
         else:
             found = shipped_path(expanded)  # data/corpus/... names the bundled copy after a plain pip install
             if not found.is_file():
@@ -113,7 +152,8 @@ def load_source(fmt: str, files: list[str], config: PrepareConfig, cache_dir: st
         for path in files:
             check_utf8(path)
     try:
-        return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
+        with workers_die_with_this_process():
+            return load_dataset(fmt, data_files=files, split="train", cache_dir=cache_dir, num_proc=num_proc, **kwargs)
     except (DatasetGenerationError, UnicodeDecodeError) as error:
         # datasets names the failing file only in its log; find it ourselves where we can.
         located = _diagnose_json(files, config.text_field) if fmt == "json" else None

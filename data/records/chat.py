@@ -74,7 +74,7 @@ class Conversation:
 def resolve_sources(config: SFTDataConfig, sources: Sequence[str]) -> tuple[str, list[str]]:
     """(format, files) for `sources`, or ("hub", [name]): data/pretrain/sources.py's resolution, SFT formats only."""
     fmt = "json" if config.format == "jsonl" else config.format
-    fmt, files = resolve_inputs(PrepareConfig(source=list(sources), format=fmt))
+    fmt, files = resolve_inputs(PrepareConfig(source=list(sources), format=fmt), formats=("json", "parquet"))
     if fmt not in ("json", "parquet", "hub"):
         raise ValueError(f"SFT data must be JSON / JSON lines, Parquet or a hub dataset; {files[0]} is {fmt}")
     return fmt, files

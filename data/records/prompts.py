@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from data.records.chat import BadRow, as_written, check_messages, field_turns, resolve_sources
 from data.records.files import read_records
-from data.streams.datamodule import StreamDataModule
+from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.streams.packed import StreamSampler
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import check_choices
@@ -162,4 +162,4 @@ class PromptDataModule(StreamDataModule):
             len(self.train_prompts), rank=self.rank, world_size=self.world_size, seed=self.config.seed
         )
         batches = BatchSampler(self._attach_sampler(sampler), self.micro_batch_size, drop_last=True)
-        return DataLoader(self.train_prompts, batch_sampler=batches, collate_fn=list)
+        return StreamLoader(self.train_prompts, batch_sampler=batches, collate_fn=list)

@@ -24,21 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from data.sft.batches import SFTBatchPlan, SFTTrainBatches, SFTValBatches
 from data.sft.config import normalize_config
 from data.sft.dataset import SFTData, build_sft_data, log_summary
-from data.streams.datamodule import StreamDataModule
+from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.sft")
-
-
-class _PlanLoader(DataLoader):
-    """The train DataLoader, resumable in Lightning's sense (state_dict / load_state_dict); the same state
-    also travels in the datamodule's state_dict, and both restore the same position."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
 
 class PlanDataModule(StreamDataModule):
@@ -124,7 +113,7 @@ class PlanDataModule(StreamDataModule):
             seed=self.config.seed,
             shuffle=True,
         )
-        return self._loader(self.row_batches(data.train), _PlanLoader, sampler=self._attach_sampler(plan))
+        return self._loader(self.row_batches(data.train), StreamLoader, sampler=self._attach_sampler(plan))
 
 
 class SFTDataModule(PlanDataModule):

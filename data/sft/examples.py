@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data.pretrain.workers import workers_die_with_this_process
 from data.records.chat import Conversation
 from data.sft.config import SFTDataConfig
 from data.tokenizer.tokenizer import Tokenizer
@@ -91,9 +92,12 @@ def encode_chats(
     size = math.ceil(len(conversations) / (4 * num_proc))
     chunks = [list(conversations[i : i + size]) for i in range(0, len(conversations), size)]
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with ProcessPoolExecutor(
-        num_proc, mp_context=multiprocessing.get_context(method), initializer=_init_worker, initargs=(tokenizer,)
-    ) as pool:
+    with (
+        workers_die_with_this_process(),  # a kill -9 of this process ends them too
+        ProcessPoolExecutor(
+            num_proc, mp_context=multiprocessing.get_context(method), initializer=_init_worker, initargs=(tokenizer,)
+        ) as pool,
+    ):
         return [pair for part in pool.map(_encode_chunk, chunks) for pair in part]
 
 

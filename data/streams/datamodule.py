@@ -7,13 +7,40 @@ its share of (data/streams/packed.py's StreamSampler, or data/sft/batches.py's S
 resumable stream), and call `mark_consumed()` once per micro-batch, inside training_step (trainer.callbacks.
 DataProgress does), before any checkpoint of that step is written, so the checkpointed position is exactly the
 next unseen sample.
+
+The train DataLoader is a StreamLoader: resumable in Lightning's own sense, so a resume in the middle of an epoch
+is exact and Lightning, seeing that, does not warn that the loader is not resumable; the datamodule says once that
+the position was resumed.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
+from torch.utils.data import BatchSampler, DataLoader
+
+log = logging.getLogger("lantern.data")
+
+
+class StreamLoader(DataLoader):
+    """The train DataLoader over a StreamDataModule's sampler (as ``sampler``, or inside a BatchSampler as
+    ``batch_sampler``), with the ``state_dict`` / ``load_state_dict`` that Lightning's loops look for
+    (``lightning.pytorch.utilities.types._Stateful``): its state is the stream position, which the datamodule's
+    own state holds too, so Lightning's copy restores what the datamodule already did."""
+
+    @property
+    def stream(self) -> Any:
+        batches = self.batch_sampler
+        return batches.sampler if isinstance(batches, BatchSampler) else self.sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["consumed"]) != self.stream.consumed:  # else the datamodule restored it already
+            self.stream.load_state_dict(state)
 
 
 class StreamDataModule(L.LightningDataModule):
@@ -55,6 +82,7 @@ class StreamDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             sampler.load_state_dict(self._pending_state)
             self._pending_state = None
+            self._log_resumed(sampler)
         self.train_sampler = sampler
         return sampler
 
@@ -91,5 +119,13 @@ class StreamDataModule(L.LightningDataModule):
             )
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict(state_dict["sampler"])
+            self._log_resumed(self.train_sampler)
         else:
             self._pending_state = dict(state_dict["sampler"])
+
+    def _log_resumed(self, sampler: Any) -> None:
+        if self.rank == 0:
+            log.info(
+                "data: resumed exactly where the checkpoint left the training stream, %s samples in",
+                f"{sampler.consumed:,}",
+            )
