@@ -1,10 +1,11 @@
-"""The tokenizer files a checkpoint folder carries, by file name only (no tokenizer library): a tiktoken rank file
-(``tokenizer.model``, in ``original/`` in Meta's Hugging Face repos) or Hugging Face's ``tokenizer.json`` with its
-companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``, ``generation_config.json``).
+"""The tokenizer files a checkpoint folder carries, by file name and first bytes only (no tokenizer library): a tiktoken
+rank file (``tokenizer.model``, in ``original/`` in Meta's Hugging Face repos) or Hugging Face's ``tokenizer.json``
+with its companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``,
+``generation_config.json``).
 
-Owns: which files travel with a model (``tokenizer_files_in``, ``as_tokenizer_files``), copying them into a folder
-being written (``copy_tokenizer_files``), and the bos / eos ids they name (``special_ids``), which an export writes
-into ``config.json`` and ``generation_config.json``.
+Owns: which files travel with a model (``tokenizer_files_in``, ``as_tokenizer_files``), which kind a tokenizer file is
+(``is_tokenizer_json``), copying them into a folder being written (``copy_tokenizer_files``), and the bos / eos ids
+they name (``special_ids``), which an export writes into ``config.json`` and ``generation_config.json``.
 Does not own: reading a tokenizer (data/tokenizer/), which this layer cannot import.
 """
 
@@ -15,8 +16,6 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from models.checkpoint_io import read_json
 
 RANK_FILE = "tokenizer.model"
 # generation_config.json too: its eos_token_id list is part of the stop tokens (data/tokenizer/hf.py)
@@ -30,6 +29,14 @@ HF_TOKENIZER_FILES = (
 
 PathLike = str | os.PathLike
 TokenizerFiles = Mapping[str, PathLike]
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """``models.checkpoint_io.read_json``, imported when called: this module stays free of torch, so that
+    data/tokenizer/files.py tells file kinds apart through it cheaply."""
+    from models.checkpoint_io import read_json
+
+    return read_json(path)
 
 
 def read_json_if_present(path: Path) -> dict[str, Any]:
@@ -48,20 +55,44 @@ def tokenizer_files_in(directory: Path) -> dict[str, Path]:
     """The tokenizer files of a checkpoint folder, by the name they take in a native folder."""
     files = {name: directory / name for name in HF_TOKENIZER_FILES if (directory / name).is_file()}
     for candidate in (directory / RANK_FILE, directory / "original" / RANK_FILE):
-        if candidate.is_file():
+        if candidate.is_file() and is_tokenizer_json(candidate):  # a tokenizer.json saved under the rank file's name
+            files.setdefault("tokenizer.json", candidate)
+        elif candidate.is_file():
             files[RANK_FILE] = candidate
             break
     return files
 
 
+def is_tokenizer_json(path: PathLike) -> bool:
+    """Whether a tokenizer file is a Hugging Face tokenizer.json: by its name (``*.json``), else by its content (a
+    JSON object; a tiktoken rank file starts with base64, a sentencepiece model with protobuf bytes)."""
+    path = Path(path)
+    if path.name.endswith(".json"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            start = f.read(64)
+    except OSError:
+        return False
+    return start.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
 def as_tokenizer_files(tokenizer: PathLike | TokenizerFiles | None) -> dict[str, Path]:
-    """A tokenizer argument as files by name: a rank file is ``tokenizer.model``; a mapping is taken as it is
-    (``Tokenizer.files``). Every file must exist."""
+    """A tokenizer argument as files by name: a mapping is taken as it is (``Tokenizer.files``); one file by its
+    kind: a tokenizer.json (``is_tokenizer_json``) with the companions beside it, as ``HFTokenizer.files`` gives
+    them, else a rank file, ``tokenizer.model``. Every file must exist."""
     if tokenizer is None:
         return {}
-    files = (
-        {n: Path(p) for n, p in tokenizer.items()} if isinstance(tokenizer, Mapping) else {RANK_FILE: Path(tokenizer)}
-    )
+    if isinstance(tokenizer, Mapping):
+        files = {n: Path(p) for n, p in tokenizer.items()}
+    elif Path(tokenizer).is_file() and is_tokenizer_json(tokenizer):
+        # named by what it is, not by the argument's name: a tokenizer.json copied as tokenizer.model was later read
+        # as a rank file ("binary content")
+        path = Path(tokenizer)
+        files = {name: path.parent / name for name in HF_TOKENIZER_FILES if (path.parent / name).is_file()}
+        files["tokenizer.json"] = path
+    else:
+        files = {RANK_FILE: Path(tokenizer)}
     for path in files.values():
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")

@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from data.tokenizer.base import load_tokenizer, resolve_tokenizer_spec
+from data.tokenizer.base import TokenizerBase, load_tokenizer, resolve_tokenizer_spec
 from data.tokenizer.files import find_tokenizer
+from models.checkpoint import load_model_config
 from models.errors import ConfigError
 from models.model import ModelConfig
 
@@ -18,14 +19,69 @@ class HasVocab(Protocol):
     vocab_size: int
 
 
-def check_tokenizer_fits_model(tokenizer: HasVocab, config: ModelConfig, *, model_name: str = "the model") -> None:
+def check_model_tokenizer(
+    spec: str | Path,
+    model: ModelConfig,
+    checkpoint: str | Path | None = None,
+    *,
+    key: str = "data.tokenizer",
+    vocab_key: str | None = "model.vocab_size",
+) -> tuple[str, TokenizerBase]:
+    """The one check of a tokenizer against the model it is paired with, before any compute, made by every command
+    that pairs them (each stage through ``check_stage_config``, hence the pipeline; ``lantern generate``).
+
+    ``spec`` is resolved ('auto': the tokenizer ``checkpoint`` carries, else the bundled default) and loaded, then
+    refused in one line when: 'auto' fell back to the default for a checkpoint that carries no tokenizer and whose
+    vocabulary is not the default's; its ids do not fit the model's embeddings (``check_tokenizer_fits_model``); the
+    checkpoint carries another tokenizer (``check_same_tokenizer``). ``key`` is how the user names a tokenizer
+    (``data.tokenizer``, ``--tokenizer``); ``vocab_key`` how they size the vocabulary of a model built from its
+    config (None: they cannot). Returns (the resolved spec, the tokenizer).
+    """
+    resolved = resolve_tokenizer_spec(spec, checkpoint)
+    folder = Path(checkpoint) if checkpoint else None
+    if folder is not None and str(spec) == "auto" and resolved == "default" and folder.is_dir():
+        default = load_tokenizer("default")
+        # a folder that names no tokenizer: the default is only a guess, and a wrong one when the sizes differ
+        if default.vocab_size != model.vocab_size:
+            raise ConfigError(
+                f"{folder} carries no tokenizer (tokenizer.json, tokenizer.model or original/tokenizer.model) and "
+                f"its vocab_size ({model.vocab_size}) is not the bundled default tokenizer's ({default.vocab_size}): "
+                f"{_naming(key, 'TOKENIZER')}, the tokenizer file (or folder) the model was trained with"
+            )
+    tokenizer = load_tokenizer(resolved)
+    name = str(checkpoint) if checkpoint else f"the model ({vocab_key})" if vocab_key else "the model"
+    check_tokenizer_fits_model(tokenizer, model, model_name=name, key=key, vocab_key=None if checkpoint else vocab_key)
+    if folder is not None:
+        check_same_tokenizer(tokenizer, folder, key=key)
+    return resolved, tokenizer
+
+
+def _naming(key: str, value: str) -> str:
+    """How the user gives ``key`` the value: a config key is set, a command's option passed."""
+    return f"pass {key} {value}" if key.startswith("--") else f"set {key}={value}"
+
+
+def check_tokenizer_fits_model(
+    tokenizer: HasVocab,
+    config: ModelConfig,
+    *,
+    model_name: str = "the model",
+    key: str = "data.tokenizer",
+    vocab_key: str | None = "model.vocab_size",
+) -> None:
     """A tokenizer may be smaller than the embedding table (padded vocabularies are common), never larger:
-    its top ids would index past the embeddings."""
+    its top ids would index past the embeddings. The error names both sizes, the tokenizer's file and the model,
+    and what to change: ``key``, or ``vocab_key`` (None: a checkpoint's vocabulary, which no option resizes)."""
     if tokenizer.vocab_size > config.vocab_size:
         source = getattr(tokenizer, "path", "the tokenizer")
-        raise ValueError(
+        fix = (
+            f"use a matching tokenizer or set {vocab_key} >= {tokenizer.vocab_size}"
+            if vocab_key
+            else f"{_naming(key, 'TOKENIZER')} with at most {config.vocab_size} tokens (the model's own)"
+        )
+        raise ConfigError(
             f"tokenizer {source} has {tokenizer.vocab_size} tokens but {model_name} has vocab_size "
-            f"{config.vocab_size}: use a matching tokenizer or set model.vocab_size >= {tokenizer.vocab_size}"
+            f"{config.vocab_size}, so its top ids would index past the embeddings: {fix}"
         )
 
 
@@ -40,28 +96,58 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
         if Path(tokenizer.path).resolve() == found.resolve():
             return  # read from that very file (data.tokenizer: auto): nothing to compare, nothing to read again
         if load_tokenizer(found).fingerprint != tokenizer.fingerprint:
+            leave = "leave it out" if key.startswith("--") else "leave it at auto"
             raise ConfigError(
-                f"{checkpoint_dir} carries its tokenizer ({found}), but {key} is {tokenizer.path}: set {key}={found} "
-                "or leave it at auto"
+                f"{checkpoint_dir} carries its tokenizer ({found}), but {key} is {tokenizer.path}: "
+                f"{_naming(key, str(found))} or {leave}"
             )
         return
     foreign = any((folder / name).is_file() for name in ("config.json", "params.json", "original/params.json"))
     if foreign and not (folder / "lantern.json").is_file() and tokenizer.fingerprint == load_tokenizer().fingerprint:
         raise ConfigError(
-            f"{folder} carries no tokenizer (tokenizer.json, tokenizer.model or original/tokenizer.model): set {key} "
-            "to the tokenizer the model was trained with, not the bundled default"
+            f"{folder} carries no tokenizer (tokenizer.json, tokenizer.model or original/tokenizer.model): "
+            f"{_naming(key, 'TOKENIZER')}, the tokenizer the model was trained with, not the bundled default"
         )
 
 
 def resolve_stage_tokenizer(config: Any) -> None:
-    """``data.tokenizer: auto`` becomes the tokenizer of the checkpoint the stage starts from (``init.checkpoint``
-    or ``init.policy``), else the bundled default; config.yaml then records which."""
+    """A stage's ``check_model_tokenizer``, from ``check_stage_config``: ``data.tokenizer`` against the model the
+    stage starts from (``init.checkpoint`` or ``init.policy``, else its ``model`` section) and every other model
+    folder it reads (``init.reference``, ``init.reward_model``, reward-model terms, ``policy_samples.policy``).
+    ``data.tokenizer: auto`` becomes the tokenizer of the checkpoint the stage starts from, else the bundled
+    default; config.yaml then records which. A folder whose config cannot be read is left to the stage to report."""
     data = getattr(config, "data", None)
-    if data is None or getattr(data, "tokenizer", None) != "auto":
+    if data is None or getattr(data, "tokenizer", None) is None:
         return
     init = getattr(config, "init", None)
     start = getattr(init, "checkpoint", None) or getattr(init, "policy", None)
-    data.tokenizer = resolve_tokenizer_spec("auto", start)
+    model = _folder_model(start) if start else getattr(config, "model", None)
+    if not isinstance(model, ModelConfig):
+        data.tokenizer = resolve_tokenizer_spec(data.tokenizer, start)
+        return
+    data.tokenizer, _ = check_model_tokenizer(data.tokenizer, model, start, key="data.tokenizer")
+    for folder in _other_model_folders(config):
+        if (other := _folder_model(folder)) is not None:
+            check_model_tokenizer(data.tokenizer, other, folder, key="data.tokenizer")
+
+
+def _folder_model(folder: str | Path) -> ModelConfig | None:
+    """The ModelConfig of a checkpoint folder (its JSON only), or None when it cannot be read."""
+    try:
+        return load_model_config(folder)
+    except (OSError, ValueError):
+        return None
+
+
+def _other_model_folders(config: Any) -> list[str]:
+    """The model folders a stage reads besides the one it starts from, each tokenized with ``data.tokenizer``."""
+    init = getattr(config, "init", None)
+    folders = [getattr(init, "reference", None), getattr(init, "reward_model", None)]
+    folders += [
+        t.path for t in getattr(getattr(config, "reward", None), "terms", None) or [] if t.kind == "reward_model"
+    ]
+    folders.append(getattr(getattr(config, "policy_samples", None), "policy", None))
+    return [str(folder) for folder in folders if folder]
 
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:
@@ -84,7 +170,9 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
             config.model.vocab_size,
         )
     source = config.init.checkpoint or "the model (model.vocab_size)"
-    check_tokenizer_fits_model(tokenizer, model, model_name=source)
+    check_tokenizer_fits_model(
+        tokenizer, model, model_name=source, vocab_key=None if config.init.checkpoint else "model.vocab_size"
+    )
     if config.init.checkpoint:
         check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
         config.model = model

