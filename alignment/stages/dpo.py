@@ -34,7 +34,7 @@ from models.errors import ConfigError
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
+from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,9 @@ def check_dpo_config(config: DPOConfig) -> None:
         log.warning("init.reference is not used: simpo has no reference model")
 
 
-def _check_model(config: DPOConfig, tokenizer: Tokenizer, model: Transformer, key: str) -> None:
+def _check_model(config: DPOConfig, model: Transformer, key: str) -> None:
     path = getattr(config.init, key)
-    source = path or "the model (model.vocab_size)"
-    check_tokenizer_fits_model(tokenizer, model.config, model_name=source)
-    if path:
-        check_same_tokenizer(
-            tokenizer,
-            path,
-            key="data.tokenizer" if key == "policy" else "data.tokenizer (init.reference's)",
-        )
+    source = path or "the model (model.vocab_size)"  # its tokenizer was checked by check_stage_config
     check_context_length({"data.seq_len": config.data.seq_len}, model.config.max_seq_len, f"{source}'s max_seq_len")
 
 
@@ -76,7 +69,7 @@ def load_dpo_models(
     loaded (no tensor shared with the trained copy); None for simpo, and with ``peft.kind: lora`` and no
     ``init.reference``: the policy (given its adapters here) is then its own reference with the adapters off."""
     policy = load_initial_model(config, "policy")
-    _check_model(config, tokenizer, policy, "policy")
+    _check_model(config, policy, "policy")
     if config.init.policy and config.model != policy.config:
         log.info("model section ignored: the policy is %s's (config.yaml records it)", config.init.policy)
     config.model = policy.config  # config.yaml and the checkpoints record the model really trained
@@ -88,7 +81,7 @@ def load_dpo_models(
         # any training (no adapters were added above)
         return policy, None if adapter_bases else copy.deepcopy(policy), adapter_bases
     reference = load_initial_model(config, "reference")
-    _check_model(config, tokenizer, reference, "reference")
+    _check_model(config, reference, "reference")
     if reference.config.vocab_size != policy.config.vocab_size:
         raise ConfigError(
             f"init.reference {config.init.reference} has vocab_size {reference.config.vocab_size}, the policy "

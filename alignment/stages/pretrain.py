@@ -25,7 +25,7 @@ from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length, check_tokenizer_fits_model
+from trainer.checks import check_context_length
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import token_mean_over_ranks
@@ -92,7 +92,6 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     """
     check_stage_config(config)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    check_tokenizer_fits_model(tokenizer, config.model, model_name="the model (model.vocab_size)")
     check_context_length({"loader.seq_len": config.loader.seq_len}, config.model.max_seq_len, "model.max_seq_len")
     check_manifest(config.data.out_dir, tokenizer)
     datamodule = pretrain_datamodule(config)

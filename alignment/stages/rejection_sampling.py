@@ -54,7 +54,7 @@ from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError, DataError, LanternError
 from models.model import ModelConfig
 from trainer.build import check_stage_config, run_directory
-from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
+from trainer.checks import check_context_length
 from trainer.config import RunConfig, to_dict
 from trainer.storage import (
     claim_run_directory,
@@ -118,8 +118,6 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
         model = load_model_config(config.init.policy)
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
-    check_tokenizer_fits_model(tokenizer, model, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
     check_context_length(
         {
             "data.max_prompt_tokens": config.data.max_prompt_tokens,

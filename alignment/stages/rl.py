@@ -40,7 +40,7 @@ from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
-from trainer.checks import check_context_length, check_same_tokenizer, check_tokenizer_fits_model
+from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,10 @@ def check_rl_config(config: Any, algorithm: RLAlgorithm) -> None:
         )  # fmt: skip
 
 
-def load_policy(config: Any, algorithm: RLAlgorithm, tokenizer: Any, reward: Reward) -> Transformer:
-    """The SFT model, checked before any compute: the tokenizer is its own and the reward models', and a prompt plus
-    a response fit its context."""
+def load_policy(config: Any, algorithm: RLAlgorithm) -> Transformer:
+    """The SFT model, checked before any compute: a prompt plus a response fit its context (its tokenizer and the
+    reward models' were checked by ``check_stage_config``)."""
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
-    check_tokenizer_fits_model(tokenizer, policy.config, model_name=config.init.policy)
-    check_same_tokenizer(tokenizer, config.init.policy, key="data.tokenizer")
     response_max_tokens = algorithm.hyperparameters(config).response_max_tokens
     check_context_length(
         {
@@ -116,8 +114,6 @@ def load_policy(config: Any, algorithm: RLAlgorithm, tokenizer: Any, reward: Rew
         policy.config.max_seq_len,
         "the policy's max_seq_len",
     )
-    for scorer in reward.models:
-        check_same_tokenizer(tokenizer, scorer.path, key="data.tokenizer (the reward model's)")
     return policy
 
 
@@ -138,7 +134,7 @@ def run_rl(
         reward = Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
     else:
         reward = algorithm.reward(config)
-    policy = load_policy(config, algorithm, tokenizer, reward)
+    policy = load_policy(config, algorithm)
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones.
     # The extra models come first: a critic copied from the policy is a copy of the policy as loaded, no adapters.
     extra = algorithm.extra_models(config, policy, reward)

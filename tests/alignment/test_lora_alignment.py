@@ -211,7 +211,7 @@ def test_grpo_reference_logprobs_are_the_base_models(setup, tmp_path):
 
     config = grpo_config(setup, tmp_path, *LORA)
     reward = build_reward(config.reward.terms)
-    policy = load_policy(config, GRPO, setup["tokenizer"], reward)
+    policy = load_policy(config, GRPO)
     add_stage_adapters(config, policy, key="policy")
     module = GRPOModule(config, policy, None, reward, setup["tokenizer"])
     assert module.frozen == {}
