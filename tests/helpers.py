@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -79,3 +87,91 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     return result
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` while inside: a spawned process starts with the environment of that moment."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _rank_main(rank: int, target: Callable[..., None], args: tuple, log: str) -> None:
+    """One spawned rank: its stdout and stderr into ``log`` (with Python's stacks on a fatal signal), then
+    ``target(rank, *args)``; exits 0 once it returned, 1 with the traceback in ``log`` if it raised."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
+    code = 0
+    try:
+        target(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The rank's outcome is settled; the interpreter's teardown could only change it. After an FSDP2 forward torch
+    # keeps the process group alive past destroy_process_group (DTensor specs hold its DeviceMesh): its gloo worker
+    # and TCP threads, and rank 0's TCPStore server, still run when the interpreter exits, and their C++ teardown
+    # there can abort the process (pytorch/pytorch#190489, #90848): SIGABRT, no Python error, after a pass.
+    os._exit(code)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def spawn_ranks(target: Callable[..., None], args: tuple, world: int, log_dir: Path, timeout: float) -> None:
+    """Run ``target(rank, *args)`` for each rank in its own spawned process (``subprocess_env``), as ``mp.spawn``
+    does, each rank's output in ``log_dir/rank{N}.log``. Fails, naming every rank that did not exit 0 (its exit code
+    or signal) with the end of its log, once one fails (the others are killed then: they would wait for it in a
+    collective until gloo's 30-minute timeout) or when any still runs after ``timeout`` seconds."""
+    context = multiprocessing.get_context("spawn")
+    logs = [Path(log_dir, f"rank{rank}.log") for rank in range(world)]
+    processes = [
+        context.Process(target=_rank_main, args=(rank, target, args, str(logs[rank])), name=f"rank{rank}")
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    killed = []
+    try:
+        with _environment(subprocess_env()):
+            for process in processes:
+                process.start()
+        while time.monotonic() < deadline and any(p.exitcode is None for p in processes):
+            running = [p for p in processes if p.exitcode is None]
+            ready = multiprocessing.connection.wait([p.sentinel for p in running], deadline - time.monotonic())
+            for process in running:
+                if process.sentinel in ready:
+                    process.join()  # it is exiting: wait for its exit code
+            if any(p.exitcode not in (None, 0) for p in processes):
+                break
+    finally:
+        for process in (p for p in processes if p.pid is not None):  # started
+            if process.exitcode is None:
+                process.kill()
+                killed.append(process)
+            process.join()
+    why_killed = f"still running after {timeout:g} s" if time.monotonic() >= deadline else "killed: a rank failed"
+    reasons = [
+        why_killed if p in killed and p.exitcode == -signal.SIGKILL else _exit_reason(p.exitcode) for p in processes
+    ]
+    report = [
+        f"rank {rank}: {reason}; the end of {logs[rank]}:\n"
+        + (logs[rank].read_text(errors="replace")[-4000:] if logs[rank].exists() else "(no log)")
+        for rank, reason in enumerate(reasons)
+        if reason != _exit_reason(0)
+    ]
+    assert not report, "\n".join(report)

@@ -5,21 +5,23 @@ Before: ``torch._dynamo.exc.Unsupported: Attempted to inline function marked as 
 at ``x = layer(...)`` in the decode step, for FSDP2-wrapped compiled blocks. Now the step runs the blocks under their
 wrappers (``models.fast_decode.decode_blocks``) with the weights gathered once (``unsharded_for_generation``), and
 its tokens are the plain model's. The PPO / GRPO runs under the same wrappers are in tests/alignment.
+
+The ranks meet through a file store (no port to pick and lose to another process before rank 0 binds it) and run
+under ``tests.helpers.spawn_ranks``: a rank that fails or dies is named with its signal and the end of its output.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.generation import generate
+from tests.helpers import spawn_ranks
 from tests.models.test_generation import PROMPTS, tiny_model
 
 WRAPPERS = {
@@ -29,15 +31,14 @@ WRAPPERS = {
 }
 
 
-def decode_under_wrappers(rank: int, port: int, out_dir: str) -> None:
+def decode_under_wrappers(rank: int, out_dir: str) -> None:
     """One rank: the plain model's eager tokens, then each wrapping's compiled-decode tokens (greedy and sampled)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp, unsharded_for_generation
 
-    torch.set_num_threads(1)
-    torch._inductor.config.compile_threads = 1
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # one thread and inductor compiling in-process come with spawn_ranks' environment (tests.helpers.subprocess_env)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
 
@@ -66,19 +67,15 @@ def decode_under_wrappers(rank: int, port: int, out_dir: str) -> None:
             results["sharded"] = run(model, "compiled")
         results["sharded warned"] = any("sharded" in str(w.message) for w in caught)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.barrier()  # neither rank leaves while the other may still be in a collective
     finally:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_compiled_decode_of_fsdp2_compiled_checkpointed_blocks_equals_eager(tmp_path):
-    mp.spawn(decode_under_wrappers, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    # cold, on 2 loaded cores, the ranks take about 4 minutes (82 s alone)
+    spawn_ranks(decode_under_wrappers, (str(tmp_path),), world=2, log_dir=tmp_path, timeout=1200)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in WRAPPERS:
