@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers import spawn_ranks
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -64,4 +66,5 @@ def worker(rank: int, world: int, preset: str, precision: str, port: str, out: s
 if __name__ == "__main__":
     preset, precision, world, port, out, *rest = sys.argv[1:]
     overrides = {key: int(value) for key, value in (item.split("=") for item in rest)}
-    mp.spawn(worker, args=(int(world), preset, precision, port, out, overrides), nprocs=int(world))
+    # spawn_ranks: each rank's output kept, and no interpreter teardown after FSDP2 (tests/helpers.py)
+    spawn_ranks(worker, (int(world), preset, precision, port, out, overrides), int(world), Path(out).parent, 900)
