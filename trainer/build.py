@@ -15,7 +15,6 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DDPStrategy
 
 from models.atomic import StorageError, storage_error, write_atomically
 from models.checkpoint_io import architecture_differences
@@ -36,6 +35,7 @@ from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import announce_plan, planned_precision
+from trainer.stopping import StoppingDDPStrategy
 from trainer.storage import (
     claim_run_directory,
     has_checkpoints,
@@ -248,7 +248,7 @@ def make_strategy(config: TrainerConfig) -> Any:
     if config.strategy == "single":
         return "auto"
     if config.strategy == "ddp":
-        return DDPStrategy(timeout=collective_timeout(config))
+        return StoppingDDPStrategy(timeout=collective_timeout(config))  # SIGTERM: all ranks stop at one step
 
     # Pure FSDP2: one data-parallel dimension over every device of every node.
     return FSDP2Strategy(

@@ -10,6 +10,11 @@ its handlers are installed before the command runs, and Lightning's SIGTERM hand
 stages, writing a report) SIGTERM raises ``Terminated`` where the program is, so ``finally`` blocks still release
 the run folder's lock and close W&B, which the default action (dying at once) would not.
 
+Under several processes a stop must also end in bounded time: ``note_signal`` makes a rank that learnt of the signal
+from another (they agree to stop together: trainer/parallel.py) end as if it had received it, and ``end_within``
+ends a process that did not manage to stop by a deadline, counted from the signal's delivery (``watch_delivery``)
+even while its main thread waits in C code, where Python's own handlers do not run.
+
 Only the standard library at the top: alignment/commands/cli.py imports this module, and ``lantern --help`` must stay instant.
 """
 
@@ -17,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -44,6 +52,9 @@ class Terminated(SystemExit):
 
 # the signal that interrupted this process, if any: signal handlers are process-wide, so is what they record
 _received: int | None = None
+# the timer that ends this process if a multi-process stop outlives its grace, and when it fires (time.monotonic)
+_deadline: tuple[threading.Timer, float] | None = None
+_deadline_lock = threading.RLock()  # re-entrant: a signal handler may arm it while the main thread holds it
 
 
 def received_signal() -> int | None:
@@ -89,6 +100,100 @@ def watch_signals() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         _received = None  # a later command in this process (tests) starts uninterrupted
+        _cancel_deadline()
+
+
+def note_signal(signum: int) -> None:
+    """Record ``signum`` as this process's interruption though another rank received it (the ranks agreed to stop
+    on it): the command then ends as if it had received it itself (exit 128 + signum)."""
+    global _received
+    _received = _received or signum
+
+
+def end_within(seconds: float, last_words: Callable[[], str]) -> None:
+    """Arm, once, a timer that ends this process ``seconds`` from now if it is still running then: ``last_words``
+    runs (ending child processes, and the line to print, if any, which goes straight to stderr) and the process
+    exits at once with 128 + the signal, finally blocks or not: a stop that cannot finish in time (a rank hung in a
+    collective) ends without saving rather than not at all."""
+    global _deadline
+    with _deadline_lock:
+        if _deadline is not None:
+            return
+        timer = threading.Timer(seconds, _expire, (last_words,))
+        timer.daemon = True
+        _deadline = (timer, time.monotonic() + seconds)
+    timer.start()
+
+
+def deadline() -> float | None:
+    """When the timer ``end_within`` armed fires (``time.monotonic``), if one is armed."""
+    armed = _deadline
+    return armed[1] if armed else None
+
+
+def _expire(last_words: Callable[[], str]) -> None:
+    try:
+        line = last_words()
+        if line:  # not through logging: the main thread may hold its lock, stuck where it waits
+            os.write(2, (line.replace("\n", " ") + "\n").encode())
+    finally:
+        os._exit(128 + (_received or signal.SIGTERM))
+
+
+def _cancel_deadline() -> None:
+    global _deadline
+    with _deadline_lock:
+        if _deadline is not None:
+            _deadline[0].cancel()
+        _deadline = None
+
+
+def end_children(children: list[subprocess.Popen], *, until: float, signum: int | None = None) -> None:
+    """Send ``signum`` (if given) to ``children``, wait for them until ``until`` (``time.monotonic``), then SIGKILL
+    and reap what is left: a main process never exits leaving ranks behind, stuck in a collective with it."""
+    for child in children:
+        if signum is not None:
+            child.send_signal(signum)  # a no-op for one that has exited
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(until - time.monotonic(), 0.0))
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def watch_delivery(seconds: float, last_words: Callable[[], str]) -> Callable[[], None]:
+    """Call ``end_within(seconds, last_words)`` the moment a SIGTERM is delivered: Python runs its handlers only
+    when the main thread is back in Python, never while it waits in a collective for a rank that will not come,
+    but it writes each signal's number to the wakeup fd at once, and a thread reads it there. Returns the function
+    that stops watching (main thread only, as is this one; a no-op elsewhere, and on other systems than POSIX)."""
+    if threading.current_thread() is not threading.main_thread() or os.name != "posix":
+        return lambda: None
+    reader, writer = os.pipe()
+    os.set_blocking(writer, False)
+    previous = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(reader, 64):  # b"" once the writer is closed: watching stopped
+            if previous != -1:  # whoever set the wakeup fd before (an event loop) still hears of every signal
+                with contextlib.suppress(OSError):
+                    os.write(previous, data)
+            if signal.SIGTERM in data:
+                end_within(seconds, last_words)
+        os.close(reader)
+
+    threading.Thread(target=watch, name="lantern-sigterm-deadline", daemon=True).start()
+
+    stopped = threading.Event()
+
+    def stop() -> None:
+        if not stopped.is_set():
+            stopped.set()
+            signal.set_wakeup_fd(previous)
+            os.close(writer)
+
+    return stop
 
 
 def last_checkpoint(directory: Path) -> Path | None:

@@ -13,6 +13,9 @@ Precision under FSDP2 (``trainer.strategy=fsdp``) is FSDP's ``MixedPrecisionPoli
 - ``bf16-true``: the weights themselves are bf16 (cast before sharding); gradients are still reduced in fp32.
 - ``32-true``: everything fp32.
 
+A SIGTERM under several processes stops all ranks at one optimizer step, saved, and ends them in bounded time
+(``trainer.stopping.StopTogether``).
+
 Wrapper names: activation checkpointing adds ``_checkpoint_wrapped_module.`` and torch.compile ``_orig_mod.``
 to ``nn.Module.state_dict()`` names. Checkpoints never carry them (see trainer.lm_module.LanguageModelModule
 and trainer.callbacks.full_state_dict), so they load under any other combination of wrappers.
@@ -46,6 +49,7 @@ from torch.distributed.fsdp import (
 )
 
 from models.errors import CheckpointError
+from trainer.stopping import StopTogether
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -215,7 +219,7 @@ def plain_name(name: str) -> str:
     return name
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(StopTogether, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2), which also resumes a sharded checkpoint that holds only what
     trained (LoRA adapters: trainer/lm_module.py). Lightning asks the checkpoint for every tensor of the model and
     would fail on the base's; here the module's state is narrowed to the tensors the checkpoint has, after the

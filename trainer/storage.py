@@ -238,24 +238,28 @@ class AtomicCheckpoint(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         unsaved = trainer.global_step > max(self._last_saved_step, 0)
-        # SIGTERM (a scheduler's preemption): Lightning stops after the step's last hook, so its state is whole and
-        # is saved. Single process only: under several, ranks may stop at different points of the loop.
-        sigterm = isinstance(exception, SIGTERMException) and trainer.world_size == 1
+        # SIGTERM (a scheduler's preemption): Lightning stops after the step's last hook, so its state is whole and is
+        # saved. Under several ranks only when they all stop at that step (trainer/stopping.py's StopTogether): every
+        # rank is then here at the same point and writes its part, the collectives of the save matched.
+        together = trainer.world_size == 1 or getattr(trainer.strategy, "stop_agreed", False)
+        sigterm = isinstance(exception, SIGTERMException) and together
         # Not after the model's own failure (NaN), a disk error, Ctrl-C (it can land inside a step), nor mid-step
-        # (the data of the step under way is already counted as consumed).
+        # (the data of the step under way is already counted as consumed); under several ranks, nothing but an agreed
+        # SIGTERM (after another error, the other ranks may not be there to save).
         if (
             not unsaved
             or getattr(pl_module, "failed", False)
             or not (isinstance(exception, Exception) or sigterm)
             or isinstance(exception, OSError)
             or not self._between_steps(trainer)
-            or trainer.world_size > 1
+            or (trainer.world_size > 1 and not sigterm)
         ):
+            if not trainer.is_global_zero:
+                return
             if sigterm and self._last_saved_step == trainer.global_step > 0:  # it landed just after a save
                 log.error("stopped by SIGTERM at step %d; its state is saved in %s", trainer.global_step,
                           self._path(self._last_saved_step))  # fmt: skip
-                return
-            if trainer.is_global_zero and self._last_saved_step > 0:
+            elif self._last_saved_step > 0:
                 log.error(
                     "training stopped (%s); the last checkpoint is %s",
                     type(exception).__name__,
@@ -266,6 +270,8 @@ class AtomicCheckpoint(L.Callback):
             path = self.save(trainer)
         except Exception as error:
             log.error("training stopped (%r) and saving its state failed too (%r)", exception, error)
+            return
+        if not trainer.is_global_zero:
             return
         if sigterm:
             log.error("stopped by SIGTERM at step %d; its state is saved in %s", trainer.global_step, path)
