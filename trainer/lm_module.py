@@ -25,7 +25,7 @@ from models.adapter_config import PeftConfig, adapter_config, lantern_targets
 from models.adapters import trained_names
 from models.errors import CheckpointError, NonFiniteLossError
 from trainer.optim import optimizer_from_config
-from trainer.parallel import configure_parallelism, grad_norm_and_clip, plain_name
+from trainer.parallel import configure_parallelism, first_non_finite, grad_norm_and_clip, plain_name
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +97,10 @@ class LanguageModelModule(L.LightningModule):
         self._step_values = []
         if not noted:  # checked already, or nothing noted in this step
             return False
-        finite = torch.stack([torch.isfinite(value).all() for _, value in noted]).float()
-        # Every rank must agree, or one rank would raise (or skip) while the others wait in a collective.
-        if self.trainer.world_size > 1:
-            finite = self.trainer.strategy.reduce(finite, reduce_op="min")
-        flags = finite.tolist()
-        if min(flags) >= 1:
+        first = first_non_finite([value for _, value in noted], self.trainer)
+        if first is None:
             return False
-        what, value = noted[flags.index(min(flags))]  # the step's first non-finite value (on this rank, if here)
+        what, value = noted[first]  # the step's first non-finite value (on this rank, if here)
         bad = ~torch.isfinite(value)
         if value.numel() == 1 or not bad.any():
             described = f"{what} is {value.flatten()[0].item() if bad.any() else 'not finite on another rank'}"

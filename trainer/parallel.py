@@ -260,3 +260,14 @@ class FSDP2Strategy(StopTogether, ModelParallelStrategy):
                 options=StateDictOptions(cpu_offload=True),
             )
         return metadata
+
+
+def first_non_finite(tensors: list[torch.Tensor], trainer: Any) -> int | None:
+    """The index of the first of ``tensors`` holding a NaN/Inf on any rank, or None: every rank passes the same
+    list in the same order and gets the same answer (one host read; one all-reduce under several ranks, so no rank
+    raises or skips while the others wait in a collective)."""
+    finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).float()
+    if trainer.world_size > 1:
+        finite = trainer.strategy.reduce(finite, reduce_op="min")
+    flags = finite.tolist()
+    return None if min(flags) >= 1 else flags.index(min(flags))

@@ -33,7 +33,7 @@ from models.atomic import (
 from models.checkpoint_io import read_torch_file
 from models.errors import CheckpointError, NonFiniteLossError
 from models.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
-from trainer.parallel import plain_name
+from trainer.parallel import first_non_finite, plain_name
 
 log = logging.getLogger(__name__)
 
@@ -379,11 +379,8 @@ def non_finite_tensor(trainer: L.Trainer) -> str | None:
     local = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in named]
     if not local:
         return None
-    finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in local]).float()
-    if trainer.world_size > 1:
-        finite = trainer.strategy.reduce(finite, reduce_op="min")  # the same tensors, in order, on every rank
-    flags = finite.tolist()
-    return None if min(flags) >= 1 else plain_name(local[flags.index(min(flags))][0])
+    first = first_non_finite([t for _, t in local], trainer)  # the same tensors, in order, on every rank
+    return None if first is None else plain_name(local[first][0])
 
 
 def _is_float_tensor(value: Any) -> bool:
