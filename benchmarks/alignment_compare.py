@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alignment.commands.pipeline import RUNNERS, training_section
 from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, without_per_prompt
 from alignment.commands.pipeline_report import comparison_lines
 from alignment.shared.evaluation import json_safe
+from alignment.stages.registry import stage_named
 from benchmarks.score_models import open_pipeline
 from models.atomic import write_atomically
 
@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         for item in extra:  # load_stage_config has the overrides; leave the pipeline's section as it was
             getattr(config, stage).overrides.remove(item)
         stage_config.run.out_dir, stage_config.run.name = str(out), method
-        training_section(stage_config).checkpoint.resume = "none"
+        stage_named(stage).training_section(stage_config).checkpoint.resume = "none"
         budgets[method] = apply_budget(stage, stage_config, args.samples)
         print(f"\n=== {method}: {budgets[method]} responses ===", flush=True)
         start = time.perf_counter()
-        RUNNERS[stage](stage_config)
+        stage_named(stage).run(stage_config)
         seconds[method] = round(time.perf_counter() - start, 1)
         results[method] = evaluate_stage(config.report, method, out / method / "final", prompts, tokenizer, sft)
     compare_with_sft(results)

@@ -51,13 +51,14 @@ import lightning as L
 import torch
 
 from alignment.schemas.pretrain import PretrainConfig
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import device_target, plan_stage
+from alignment.shared.plan_knobs import device_target
+from alignment.shared.stage_plan import Models
 from alignment.stages.pretrain import PretrainModule, pretrain_datamodule
+from alignment.stages.registry import stage_named
 from data.pretrain.prepare import prepare
 from models.hf_format import config_to_hf
 from models.model import Transformer
-from trainer.build import make_trainer, resolve_compile, resolve_precision, run_directory
+from trainer.build import make_trainer, prepare_trainer, run_directory
 from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops
 from trainer.config import load_config
 from trainer.optim import build_optimizer
@@ -138,8 +139,8 @@ def build_config(args: argparse.Namespace, precision: str | None, out_dir: Path,
         raise SystemExit(
             f"loader.seq_len ({config.loader.seq_len}) exceeds model.max_seq_len ({config.model.max_seq_len})"
         )
-    resolve_precision(config.trainer)  # `auto` -> what this device trains in, for the contenders outside Lightning too
-    resolve_compile(config.trainer)  # `auto` -> eager on CPU, as Lightning runs it: a truthy 'auto' compiled the others
+    # `auto` precision and compile resolved, matmul precision set: for the contenders outside Lightning too
+    prepare_trainer(config.trainer)
     return config
 
 
@@ -308,10 +309,10 @@ def measure(name: str, config: PretrainConfig, args: argparse.Namespace) -> dict
 
 
 def planned_peak_gib(config: PretrainConfig) -> float | None:
-    """The plan's peak per GPU (alignment/shared/plan.py) for this config on this device, in GiB; None if the
+    """The plan's peak per GPU  for this config on this device, in GiB; None if the
     estimator fails (the benchmark goes on)."""
     try:
-        plan = plan_stage("pretrain", config, Models(config.model), device_target(config.trainer))
+        plan = stage_named("pretrain").plan(config, Models(config.model), device_target(config.trainer))
     except Exception as error:  # an estimator bug must not cost the measurement
         logging.getLogger(__name__).warning("plan: no estimate (%s)", error)
         return None

@@ -1,11 +1,12 @@
-"""The ``peft`` config section (LoRA adapters) and the names of the layers it may adapt; light on purpose (no torch,
-no peft), so that a stage schema and ``lantern --help`` import it for nothing. What the section does is in
-models/adapters.py."""
+"""The ``peft`` config section (LoRA adapters) and the names of the layers it may adapt; no torch, no peft, so that a
+stage schema and ``lantern --help`` import it for nothing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from models.config_checks import bounded
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 # Hugging Face Llama's names for the same layers, accepted in peft.target_modules and written in exported adapters
@@ -25,9 +26,9 @@ class PeftConfig:
     """The ``peft`` section of every fine-tuning stage. ``kind: none`` trains every weight."""
 
     kind: Literal["none", "lora"] = "none"
-    rank: int = 16
-    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input, in training
+    rank: int = bounded(16, ge=1)
+    alpha: float = bounded(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapter's input, in training
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
     @property

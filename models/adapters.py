@@ -1,21 +1,6 @@
-"""LoRA adapters through ``peft``: the ``peft`` config section, adding adapters to a model, switching them off for
-a reference pass, folding them into the weights, and the fingerprint that ties an adapter to its base.
-
-Choices:
-- peft's own layers (``inject_adapter_in_model``), not a wrapper model: the model stays a ``Transformer`` (or a
-  ``ScalarModel``) with its methods and names, so activation checkpointing, ``torch.compile`` and FSDP2 apply to it
-  as to any other (trainer/parallel.py), and only the adapted ``nn.Linear`` layers change. Their parameter names are
-  peft's (``layers.0.attention.wq.base_layer.weight``, ``....wq.lora_A.default.weight``); ``merge_adapters`` gives a
-  plain model back, and ``models/hf_format.py`` writes the adapter in peft's own file format.
-- The reference of DPO, PPO and GRPO is the same model with its adapters off (``adapters_disabled``), as TRL does:
-  no second copy of the weights. It switches the layers' forward only. peft's ``enable_adapters(False)`` also flips
-  the adapters' ``requires_grad``, which under FSDP2 would change a sharded parameter's flag between its all-gathers.
-- Targets are the blocks' projections, by Lantern's names (``wq wk wv wo w1 w2 w3``) or by Hugging Face's
-  (``q_proj`` ... ``up_proj``), which peft users write. The LM head is not a target: the chunked and fused losses
-  read its weight directly (models/loss.py), so an adapter there would be skipped.
-- A base is known by ``base_fingerprint``: every tensor's name, shape, dtype and a CRC-32 of all its bytes, so an
-  adapter is never resumed or exported onto another model, even one that differs in a single weight. CRC-32 runs at
-  ~2 GB/s on one core (1 s for the 2 GB fp32 embedding of Llama 3; a SHA-256 took 2.1 s, a float64 sum 17 s).
+"""LoRA adapters through ``peft``'s own layers: adding them (``add_adapters``), a reference pass with them off
+(``adapters_disabled``), folding them in (``merge_adapters``), and the fingerprint that ties them to their base
+(``base_fingerprint``). Targets are the blocks' projections, by Lantern's or Hugging Face's names; never the LM head.
 """
 
 from __future__ import annotations
@@ -46,8 +31,8 @@ def lora_config(config: PeftConfig, targets: Sequence[str] | None = None) -> Lor
 
 
 def check_peft_config(config: PeftConfig, model: nn.Module, key: str = "peft") -> None:
-    """One line naming the key: a target that is not one of the blocks' projections, or none at all. The rank's,
-    alpha's and dropout's ranges are models/config_checks.py's."""
+    """One line naming the key: a target that is not one of the blocks' projections, or none at all (the other
+    fields' ranges are checked at load)."""
     if not config.enabled:
         return
     targets = lantern_targets(config)

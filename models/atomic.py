@@ -1,29 +1,18 @@
-"""Safe writes, shared by everything Lantern puts on disk: files replaced by write-then-rename, folders built
-beside their destination and renamed into place, destination checks that never let Lantern delete what it
-did not write, SHA-256 manifests, and one-line errors for a full or read-only disk.
-
-The lowest layer (no torch, no Lightning): models/checkpoint.py, the trainer's checkpoints, metrics and
-plots all write through these helpers.
-
-Temporaries a writer may leave behind when it is killed (``kill -9``, the OOM killer) carry its process id in their
-names and are ``flock``'ed by it while it writes; the next writer of the same destination removes those whose
-writer is gone (``remove_leftovers``), and nothing else.
-"""
+"""Safe writes for everything Lantern puts on disk: write-then-rename for files and folders, destination checks,
+SHA-256 manifests, one-line disk errors, and removing what killed writers left (only the standard library)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -47,8 +36,8 @@ _STORAGE_ERRNOS = {
 
 
 class StorageError(LanternError, OSError):
-    """A write failed because of the disk (full, read-only, no permission). The message is one line that
-    names the path and says what was kept; ``errno`` is the original error's."""
+    """A write failed because of the disk (full, read-only, no permission): one line naming the path and what was
+    kept; ``errno`` is the original error's."""
 
     def __str__(self) -> str:
         return str(self.strerror)  # the message alone, without OSError's "[Errno N] ... : 'path'" decoration
@@ -120,10 +109,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def lock_exclusively(fd: int, *, wait: bool = False) -> bool:
-    """``flock`` the open ``fd`` (opened with O_CLOEXEC) for this process alone: True once held, False when another
-    process holds it (only without ``wait``). The lock ends when ``close_lock(fd)`` is called or this process
-    dies, and is never inherited by a child it forks (see _close_locks_in_child). Other OSErrors (a file system
-    without locks) are raised."""
+    """``flock`` the open ``fd`` for this process alone, never for a child it forks: True once held, False when
+    another process holds it (only without ``wait``). It ends with ``close_lock(fd)`` or this process."""
     _locked_fds.add(fd)  # before locking: a fork in another thread right after must not keep it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -187,10 +174,8 @@ def temporary_file(target: Path) -> Path:
 
 
 def remove_leftovers(target: PathLike) -> list[Path]:
-    """Remove what Lantern writers of ``target`` that died left beside it, and return it: temporaries named by
-    ``temporary_name`` / ``temporary_file``, and a previous folder set aside once ``target`` exists again. Only
-    Lantern's names, and only when the process named in them is not running here and nobody holds its lock (a
-    writer on another host sharing the disk holds it): never anyone else's files, never a live writer's."""
+    """Remove and return what Lantern writers of ``target`` that died left beside it: only Lantern's temporary names,
+    only when the process named in them is not running here and nobody (another host) holds its lock."""
     target = Path(target).absolute()
     name = re.escape(target.name)
     kinds = ["tmp", "old"] if target.exists() else ["tmp"]  # without target, an old-* folder is the only copy
@@ -224,29 +209,64 @@ def _lock_is_free(path: Path) -> bool:
         os.close(fd)
 
 
-def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file", durable: bool = True) -> Path:
-    """Replace ``path`` with ``data`` by write-then-rename: readers and a crash (kill -9, full disk) see the
-    whole old file or the whole new one, never a truncated one. The temporary is unique per call, so two
-    writers never collide on it, and removed when the write fails (raised as a StorageError). ``durable=False``
-    skips the fsyncs, for a record rewritten at every logged step whose version one step stale after a machine
-    crash costs little (trainer/wandb_run.py); a kill -9 still leaves the whole old or new file."""
+def rename_into_place(temporary: Path, target: Path, *, durable: bool = True) -> None:
+    """Make ``temporary`` (a file, or a folder of shards) ``target`` in one rename; a folder at ``target`` is removed
+    first, since no rename replaces one. ``durable`` fsyncs the data before the rename and the folder after."""
+    if durable:
+        fsync_tree(temporary)
+    if target.is_dir() and not target.is_symlink():
+        remove_path(target)
+    os.replace(temporary, target)
+    if durable:
+        fsync_dir(target.parent)
+
+
+def write_file_atomically(
+    path: PathLike,
+    write: Callable[[Path], object],
+    *,
+    what: str = "file",
+    durable: bool = True,
+    large: bool = False,
+    previous: str = "version",
+) -> Path:
+    """Replace ``path`` with what ``write(temporary)`` writes, by write-then-rename: readers and a crash see the
+    whole old file or the whole new one. The temporary is unique per call and removed when anything fails; an
+    OSError becomes a StorageError naming ``what``. ``large``: remove what killed writers of ``path`` left and
+    hold the temporary's lock while writing."""
     path = Path(path)
+    if large:
+        remove_leftovers(path)
     temporary = temporary_file(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data  # UTF-8 whatever the locale
+    held: list[int] = []
     try:
+        if large:
+            temporary.touch(exist_ok=False)
+            held = hold_as_writer(temporary)
+        write(temporary)
+        rename_into_place(temporary, path, durable=durable)
+    except BaseException as error:
+        remove_path(temporary)
+        if isinstance(error, OSError) and not isinstance(error, StorageError):
+            kept = f"the previous {previous} is unchanged" if path.exists() else "nothing was written"
+            raise storage_error(error, path, what, kept=kept) from error
+        raise
+    finally:
+        for fd in held:
+            close_lock(fd)
+    return path
+
+
+def write_atomically(path: PathLike, data: str | bytes, *, what: str = "file", durable: bool = True) -> Path:
+    """Replace ``path`` with ``data`` (a str as UTF-8) by write-then-rename (``write_file_atomically``).
+    ``durable=False`` skips the fsyncs: a kill still leaves the whole old or new file, a machine crash may not."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+
+    def write(temporary: Path) -> None:
         with open(temporary, "wb") as handle:
             handle.write(payload)
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
-        remove_path(temporary)
-        kept = "the previous version is unchanged" if path.exists() else "nothing was written"
-        raise storage_error(error, path, what, kept=kept) from error
-    if durable:
-        fsync_dir(path.parent)
-    return path
+
+    return write_file_atomically(path, write, what=what, durable=durable)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -310,12 +330,8 @@ def atomic_directory(
     sources: Iterable[PathLike] = (),
     what: str = "checkpoint folder",
 ) -> Iterator[Path]:
-    """Yield a hidden sibling temp dir; on success it replaces ``target``, on error it is deleted.
-
-    ``target`` is first checked with ``check_destination``. The old folder is renamed aside
-    (``.NAME.old-*``) before the new one is renamed in and deleted only after, so at every instant either
-    the complete old or the complete new folder is on disk. A full or read-only disk is a StorageError.
-    """
+    """Yield a hidden sibling temp dir that replaces ``target`` (checked with ``check_destination``) on success and
+    is deleted on error: at every instant the complete old or the complete new folder is on disk."""
     target = Path(target).absolute()
     check_destination(target, if_exists=if_exists, sources=sources)
     remove_leftovers(target)  # what a killed writer of this destination left (hundreds of MB each)
@@ -356,46 +372,3 @@ def atomic_directory(
     finally:
         for fd in held:
             close_lock(fd)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# checksums
-
-
-def sha256_file(path: PathLike, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_manifest(root: PathLike) -> dict[str, str]:
-    """{relative path: sha256} of every file under ``root`` (a folder), or {".": sha256} of ``root`` (a file),
-    so a manifest made before a rename still holds after it. Files are hashed in parallel threads (hashlib
-    releases the GIL), for sharded checkpoints."""
-    root = Path(root)
-    if root.is_file():
-        return {".": sha256_file(root)}
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
-        digests = list(pool.map(sha256_file, files))
-    return {str(p.relative_to(root)): digest for p, digest in zip(files, digests)}
-
-
-def manifest_mismatch(root: PathLike, expected: dict[str, str]) -> str | None:
-    """None when ``root`` holds exactly the files of ``expected`` with those hashes; else what differs."""
-    root = Path(root)
-    if not root.exists():
-        return "missing"
-    try:
-        actual = sha256_manifest(root)
-    except OSError as error:
-        return f"unreadable ({error})"
-    missing = sorted(set(expected) - set(actual))
-    if missing:
-        return f"files missing: {missing[:3]}"
-    changed = sorted(name for name in expected if actual[name] != expected[name])
-    if changed:
-        return f"checksum mismatch in {changed[:3]} (truncated or corrupted)"
-    return None

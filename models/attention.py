@@ -1,11 +1,7 @@
-"""Attention plumbing the decoder's layers share: the KV cache, the document-causal masks (a dense boolean mask
-for SDPA, a BlockMask for FlexAttention), the choice between the two kernels, and positions that restart at
-each document. The layers themselves (projections, RoPE, the attention call) stay in ``models/model.py``.
-
-Choices: SDPA by default (CPU, plain causal passes that can use ``is_causal`` flash, and KV-cache decoding);
-FlexAttention for document-masked full-sequence passes on CUDA, with one BlockMask built per forward and shared
-by every layer, because SDPA with a dense boolean mask cannot use its flash kernel (2.04 vs 0.98 ms/layer
-fwd+bwd measured on an H100, 1B shapes, 4 x 2048 tokens).
+"""Attention plumbing the decoder's layers share: the KV cache, the document-causal masks (a dense boolean mask for
+SDPA, a BlockMask for FlexAttention), the choice between the two kernels, and positions that restart at each
+document. FlexAttention runs document-masked full-sequence passes on CUDA (SDPA cannot use flash with a dense mask),
+with one BlockMask per forward shared by every layer; SDPA runs everything else.
 """
 
 from __future__ import annotations

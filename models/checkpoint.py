@@ -1,20 +1,10 @@
-"""Checkpoint interop, the one public entry: Lantern's native folder, Hugging Face Llama-family folders (Llama,
-Mistral, Qwen2) and Meta's
-consolidated.*.pth, all loaded into one in-memory model (``models.model.Transformer``, whose parameter names are
-Meta's).
+"""Checkpoint interop, the one public entry (``load_checkpoint``, ``save_checkpoint``, ``load_model_config``,
+``detect_format``, ``convert``, ``export_hf``, ``write_hf_folder``): Lantern's native folder, Hugging Face
+Llama-family folders and Meta's consolidated shards, all loaded into one ``Transformer``.
 
-Owns: the public functions (``load_checkpoint``, ``save_checkpoint``, ``load_model_config``, ``detect_format``,
-``convert``, ``export_hf``, ``write_hf_folder``), finding and dispatching on a folder's format, building the model
-from a checked state, writing folders atomically, and the **native** format itself: ``lantern.json`` (format, version,
-``ModelConfig.to_dict()``, free-form metadata) + ``model.safetensors`` (+ ``tokenizer.model``); tied models store
-only ``tok_embeddings.weight``. It does not own the other formats' details: ``models.hf_format`` (config and name
-mapping, wq/wk permutation, sharded weights) and ``models.meta_format`` (params.json, shard merging); nor file
-reading and state checks: ``models.checkpoint_io``.
-
-Safety rules: weights are read only with safetensors or ``torch.load(weights_only=True)`` (never arbitrary
-pickles); every missing / unexpected / mis-shaped tensor is reported at once in one ``ValueError``; folders are
-written to a hidden sibling temp dir, fsynced and renamed into place (``models.atomic``), so a crash mid-save never
-leaves a half-written checkpoint where a good one was.
+The native format is ``lantern.json`` (format, version, ``ModelConfig.to_dict()``, metadata) + ``model.safetensors``
+(+ the tokenizer files); tied models store only ``tok_embeddings.weight``. Folders are written atomically, so a crash
+mid-save never leaves a half-written checkpoint where a good one was.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Safe file access and state checks shared by every checkpoint format (``models.checkpoint``,
-``models.hf_format``, ``models.meta_format``).
-
-Owns: reading torch files, safetensors and JSON, writing safetensors (a failing disk raised as an ``OSError``), and
-checking a state dict (native names) against a ``ModelConfig``. Each read failure is a one-line ``CheckpointError``
-naming the file. It does not know any folder layout, file name other than ``model.safetensors``, or naming scheme:
-the format modules do.
-
-Choices:
-
-* the one ``torch.load`` of the checkpoint code is here, with ``weights_only=True``, so a checkpoint can never run
-  code; torch's own refusal (which advises ``weights_only=False``) is never passed on;
-* a state that does not fit its config is reported whole -- every missing, unexpected and mis-shaped tensor --
-  in one line that the CLI prints as is, the key lists cut short (a wrong-model checkpoint can miss hundreds).
+"""File access and state checks every checkpoint format shares: reading torch files (``weights_only=True`` only, so a
+checkpoint never runs code), safetensors and JSON, writing safetensors (a failing disk raised as an ``OSError``), and
+checking a native state dict against a ``ModelConfig``. A read failure is one ``CheckpointError`` naming the file; a
+state that does not fit its config is reported whole (every missing, unexpected and mis-shaped tensor) in one line.
 """
 
 from __future__ import annotations

@@ -1,173 +1,80 @@
-"""The one way a config value is refused: a ``ConfigError`` that names the key path, before any compute.
+"""The one way a config value is refused: a ``ConfigError`` naming the full key path, before any compute.
 
-Config files are read here too, by ``read_yaml``: every command reads its YAML through it, so a syntax error or a
-key given twice is one line naming the file and line, whichever command meets it.
-
-Three kinds of rule, each written once:
-- numeric ranges, for every numeric key of every schema (``RANGES``, by field name; ``check_ranges`` walks any
-  config dataclass, so a stage's file, a pipeline's stage section and a data section built in code get the same
-  check and the same message: ``optim.lr must be > 0 but got 0.0``);
-- choices among allowed strings (``check_choices``), for the data sections that are plain strings rather than
-  ``Literal`` types (OmegaConf checks those when a file is loaded);
-- cross-key rules, in each schema's own check function (``check_<stage>_config`` beside the schema), raising
-  ``ConfigError`` in the same words.
-
-Lives in the lowest layer because ``data/`` checks its sections with it as much as the stages do.
+A field declares what it accepts where it is defined: a range (``bounded``) or a ``Literal`` type. ``check_config``
+walks a config's whole tree once, where the config enters (a file through ``load_config``, a data section handed
+to ``data/``, a model from a checkpoint or ``--model``), then runs each section's cross-field rule (its
+``check_fields(prefix)`` method). ``read_yaml`` is the one reader of a YAML config.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import functools
 import math
+import sys
+import types
 import typing
-from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
 
 from models.errors import ConfigError, one_line
 
-log = logging.getLogger(__name__)
 
-# The range of every numeric config field, by field name ("section.field" wins over "field"), as
-# (low, high, low_open, high_open); None = unbounded. tests/faults/test_config_errors.py checks that every
-# numeric field of every stage schema has a rule here, or is listed in UNBOUNDED.
-AT_LEAST_1 = (1, None, False, False)
-AT_LEAST_0 = (0, None, False, False)
-POSITIVE = (0, None, True, False)
-ANY_FINITE = (None, None, False, False)  # any number but NaN and infinity
-UNIT = (0, 1, False, False)  # a probability or a discount: [0, 1]
-UNIT_HALF_OPEN = (0, 1, False, True)  # [0, 1): a fraction held out, an Adam beta
-RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
-    # optimiser
-    "lr": POSITIVE,
-    "min_lr": AT_LEAST_0,
-    "warmup_steps": AT_LEAST_0,
-    "weight_decay": AT_LEAST_0,
-    "eps": POSITIVE,
-    "grad_clip": POSITIVE,
-    "z_loss": AT_LEAST_0,
-    "betas": UNIT_HALF_OPEN,
-    # trainer, checkpoints, loaders
-    "devices": AT_LEAST_1,
-    "num_nodes": AT_LEAST_1,
-    "max_steps": AT_LEAST_1,
-    "accumulate_grad_batches": AT_LEAST_1,
-    "val_every_n_steps": AT_LEAST_1,
-    "log_every_n_steps": AT_LEAST_1,
-    "ac_every": AT_LEAST_1,
-    "loss_chunk_size": AT_LEAST_1,
-    "peak_tflops": POSITIVE,
-    "max_nonfinite_steps": AT_LEAST_0,
-    "collective_timeout_s": POSITIVE,
-    "every_n_steps": AT_LEAST_1,
-    "keep_last": AT_LEAST_1,
-    "seq_len": AT_LEAST_1,
-    "micro_batch_size": AT_LEAST_1,
-    "num_workers": AT_LEAST_0,
-    "val_batches": AT_LEAST_1,
-    "seed": AT_LEAST_0,
-    # sampling and evaluation
-    "max_new_tokens": AT_LEAST_1,
-    "temperature": AT_LEAST_0,
-    "generations": AT_LEAST_0,
-    "max_new_tokens_margin": AT_LEAST_0,
-    "batch_size": AT_LEAST_1,
-    "table_rows": AT_LEAST_0,
-    "every_n_rollouts": AT_LEAST_1,
-    "top_k": AT_LEAST_1,
-    "top_p": (0, 1, True, False),
-    # reward model
-    "margin": AT_LEAST_0,
-    "normalization_pairs": AT_LEAST_1,
-    # PPO
-    "rollout_batch_size": AT_LEAST_1,
-    "minibatch_size": AT_LEAST_1,
-    "epochs": AT_LEAST_1,
-    "response_max_tokens": AT_LEAST_1,
-    "ppo.temperature": AT_LEAST_0,  # 0: greedy rollouts (tests compare rank layouts with them)
-    "clip_ratio": POSITIVE,
-    "clip_value": POSITIVE,
-    "gamma": UNIT,
-    "lam": UNIT,
-    "reward_clip": POSITIVE,
-    "missing_eos_penalty": AT_LEAST_0,
-    "kl_coef": AT_LEAST_0,
-    "kl_target": POSITIVE,
-    "kl_horizon": AT_LEAST_1,
-    "entropy_coef": AT_LEAST_0,
-    "critic_warmup_rollouts": AT_LEAST_0,
-    # GRPO / RLOO, rewards, held-out evaluation
-    "prompts_per_rollout": AT_LEAST_1,
-    "group_size": (1, None, True, False),  # > 1: a group of one has no baseline
-    "pass_k": AT_LEAST_0,
-    "pass_k_prompts": AT_LEAST_0,
-    # DPO / IPO / SimPO
-    "beta": POSITIVE,
-    "label_smoothing": (0, 0.5, False, True),
-    "simpo_gamma": AT_LEAST_0,
-    # rejection sampling
-    "samples_per_prompt": AT_LEAST_1,
-    "keep_per_prompt": AT_LEAST_1,
-    "min_score": ANY_FINITE,
-    "max_prompts": AT_LEAST_0,
-    # data
-    "val_fraction": UNIT_HALF_OPEN,
-    "shard_tokens": AT_LEAST_1,
-    "num_proc": AT_LEAST_1,
-    "max_prompt_tokens": AT_LEAST_1,
-    "short_answer_max_tokens": AT_LEAST_1,
-    "short_answer_factor": AT_LEAST_1,
-    "short_answer_target_share": UNIT_HALF_OPEN,
-    # LoRA adapters (models/adapters.py)
-    "peft.rank": AT_LEAST_1,
-    "peft.alpha": POSITIVE,
-    "peft.dropout": UNIT_HALF_OPEN,
-    # pipeline
-    "n_train": AT_LEAST_1,
-    "n_val": AT_LEAST_1,
-    "n_pairs": AT_LEAST_1,
-    "short_share": UNIT,
-    "line_count_max": (1, 9, False, False),
-    "line_count_miscount": UNIT,
-    "prompts": AT_LEAST_0,
-}
-# Numeric fields whose own dataclass checks them (ModelConfig.__post_init__ names model.KEY), save for its sizes below.
-UNBOUNDED = {"model"}
-# A model section's sizes, bounded above far past any model trained (Llama 3.1 405B: 126 layers, dim 16384, 128 heads,
-# FFN 53248; vocabularies of 256K tokens; contexts of 10M): a value past them is a typo, and building even a
-# meta-device model of it (one module per layer) or planning it would run for hours or overflow (issue 31).
-MODEL_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
-    "n_layers": (1, 1024, False, False),
-    "dim": (1, 2**20, False, False),
-    "n_heads": (1, 2**14, False, False),
-    "n_kv_heads": (1, 2**14, False, False),
-    "head_dim_override": (1, 2**14, False, False),
-    "vocab_size": (1, 2**24, False, False),
-    "multiple_of": (1, 2**20, False, False),
-    "ffn_hidden_dim": (1, 2**22, False, False),
-    "ffn_dim_multiplier": (0, 256, True, False),
-    "max_seq_len": (1, 2**24, False, False),
-}
+@dataclass(frozen=True)
+class Range:
+    """The numbers a field accepts: finite, and within the bounds given (``ge``/``gt`` below, ``le``/``lt`` above)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def allows(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        below = (self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+        above = (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)
+        return not (below or above)
+
+    def __str__(self) -> str:
+        low, high = (self.gt, self.ge)[self.gt is None], (self.lt, self.le)[self.lt is None]
+        if low is None and high is None:
+            return "finite"
+        if high is None:
+            return f"> {low}" if self.gt is not None else f">= {low}"
+        opening, closing = "(" if self.gt is not None else "[", ")" if self.lt is not None else "]"
+        return f"in {opening}{low}, {high}{closing}"
 
 
-def _describe(rule: tuple[float | None, float | None, bool, bool]) -> str:
-    low, high, low_open, high_open = rule
-    if high is None:
-        return f"> {low}" if low_open else f">= {low}"
-    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+def bounded(
+    default: Any = MISSING,
+    *,
+    factory: typing.Callable[[], Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field whose numbers (or each number of its list) must lie in the range given; None passes."""
+    metadata = {"range": Range(ge, gt, le, lt)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-def _in_range(value: float, rule: tuple[float | None, float | None, bool, bool]) -> bool:
-    low, high, low_open, high_open = rule
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
-    if low is not None and (value <= low if low_open else value < low):
-        return False
-    return high is None or (value < high if high_open else value <= high)
+def range_of(schema: type, key: str) -> Range | None:
+    """The range declared for key path ``key`` of config dataclass ``schema`` (``sft.optim.lr``), else None."""
+    *sections, name = key.split(".")
+    for section in sections:
+        schema = _section_type(typing.get_type_hints(schema).get(section))
+        if schema is None:
+            return None
+    found = [item for item in fields(schema) if item.name == name]
+    return found[0].metadata.get("range") if found else None
 
 
 def numeric_fields(schema: type, prefix: str = "") -> dict[str, Any]:
@@ -186,54 +93,78 @@ def numeric_fields(schema: type, prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def range_rule(path: str) -> tuple[float | None, float | None, bool, bool] | None:
-    """The rule for key path ``path`` (e.g. "sft.optim.lr" in a pipeline, "optim.lr" in a stage)."""
-    parts = path.split(".")
-    if parts[0] in UNBOUNDED or (len(parts) > 1 and parts[-2] in UNBOUNDED):
-        return None
-    if len(parts) > 1 and f"{parts[-2]}.{parts[-1]}" in RANGES:
-        return RANGES[f"{parts[-2]}.{parts[-1]}"]
-    return RANGES.get(parts[-1])
-
-
-def check_ranges(config: Any, source: str = "", prefix: str = "") -> None:
-    """Raise a ConfigError naming the key path of the first numeric field outside its range (after ``source``,
-    the file, when there is one), and refuse min_lr > lr (the schedule would climb)."""
+def check_config(config: Any, source: str = "", prefix: str = "") -> None:
+    """Raise one ``ConfigError`` (after ``source``, the file, when there is one) naming the key path of the first
+    field of ``config``, or of a section under it, outside its declared range or choices, or breaking its section's
+    cross-field rule."""
+    hints = _type_hints(type(config))
     for item in fields(config):
-        value, path = getattr(config, item.name), f"{prefix}{item.name}"
-        if is_dataclass(value) and item.name in UNBOUNDED:
-            check_model_size(value, source, f"{path}.")
+        value, key = getattr(config, item.name), f"{prefix}{item.name}"
         if is_dataclass(value):
-            check_ranges(value, source, f"{path}.")
-            continue
-        rule = range_rule(path)
-        if rule is None or value is None or isinstance(value, bool):
-            continue
-        for index, element in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(element, (int, float)) and not _in_range(element, rule):
-                where = f"{path}[{index}]" if isinstance(value, list) else path
-                raise ConfigError(f"{_at(source)}{where} must be {_describe(rule)} but got {element!r}")
-    names = {item.name for item in fields(config)}
-    if {"lr", "min_lr"} <= names and config.min_lr > config.lr:
-        raise ConfigError(f"{_at(source)}{prefix}min_lr ({config.min_lr}) must be <= {prefix}lr ({config.lr})")
+            check_config(value, source, f"{key}.")
+        elif isinstance(value, list) and value and all(is_dataclass(element) for element in value):
+            for index, element in enumerate(value):
+                check_config(element, source, f"{key}[{index}].")
+        else:
+            problem = _choice_problem(value, hints.get(item.name)) or _range_problem(value, item.metadata.get("range"))
+            if problem:
+                where, text = problem
+                raise ConfigError(f"{_at(source)}{key}{where} must be {text}")
+    check_fields = getattr(config, "check_fields", None)
+    if callable(check_fields):
+        try:
+            check_fields(prefix)
+        except ConfigError as error:
+            raise ConfigError(f"{_at(source)}{error}") from None
+
+
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    """The field types of ``schema``; a field whose annotation does not resolve (a class local to a function) is left
+    out: it declares no choices."""
+    try:
+        return typing.get_type_hints(schema)
+    except NameError:
+        module = vars(sys.modules.get(schema.__module__, object()))
+        hints = {}
+        for item in fields(schema):
+            with contextlib.suppress(NameError):
+                hints[item.name] = eval(item.type, module) if isinstance(item.type, str) else item.type
+        return hints
+
+
+def _choice_problem(value: Any, kind: Any) -> tuple[str, str] | None:
+    """For a field typed with ``Literal`` choices (alone, or with bool or None): what is wrong with ``value``."""
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+    choices = [
+        choice for option in options if typing.get_origin(option) is Literal for choice in typing.get_args(option)
+    ]
+    if not choices or (value in choices and not isinstance(value, bool)):
+        return None
+    takes_bool, takes_none = bool in options, type(None) in options
+    if (takes_bool and isinstance(value, bool)) or (takes_none and value is None):
+        return None
+    text = f"{', '.join(map(str, choices))}, true or false" if takes_bool else f"one of {', '.join(map(str, choices))}"
+    return "", f"{text}, got {value!r}"
+
+
+def _range_problem(value: Any, rule: Range | None) -> tuple[str, str] | None:
+    if rule is None or value is None or isinstance(value, bool):
+        return None
+    for index, element in enumerate(value if isinstance(value, list) else [value]):
+        if isinstance(element, (int, float)) and not isinstance(element, bool) and not rule.allows(element):
+            return (f"[{index}]" if isinstance(value, list) else ""), f"{rule} but got {element!r}"
+    return None
+
+
+def _section_type(kind: Any) -> type | None:
+    options = (kind, *typing.get_args(kind))  # an optional section: X | None
+    return next((option for option in options if is_dataclass(option)), None)
 
 
 def check_model_size(model: Any, source: str = "", prefix: str = "model.") -> None:
-    """Raise a ConfigError naming the first size of a model config outside ``MODEL_RANGES`` (key ``prefix`` + field):
-    for a model section of a config, a ``--model`` preset or a checkpoint folder's config alike."""
-    for name, rule in MODEL_RANGES.items():
-        value = getattr(model, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _in_range(value, rule):
-            raise ConfigError(f"{_at(source)}{prefix}{name} must be {_describe(rule)} but got {value!r}")
-
-
-def check_choices(config: Any, choices: Mapping[str, Sequence[str]], source: str = "", prefix: str = "") -> None:
-    """Each field named in ``choices`` holds one of its allowed values."""
-    for key, allowed in choices.items():
-        if getattr(config, key) not in allowed:
-            raise ConfigError(
-                f"{_at(source)}{prefix}{key} must be one of {', '.join(allowed)}, got {getattr(config, key)!r}"
-            )
+    """A model config that enters from outside a stage config (``--model``, a checkpoint folder): its declared bounds."""
+    check_config(model, source, prefix)
 
 
 def read_yaml(path: Path) -> Any:

@@ -1,24 +1,12 @@
-"""Static-shape decoding: the one-token decode step over a fixed-size KV cache, optionally compiled.
+"""Static-shape decoding, the fast path of ``generate`` (``decode="static"`` / ``"compiled"``, and ``"auto"`` on CUDA):
+each one-token step reads the whole preallocated KV cache and masks the positions not yet written, so all steps
+share one shape and ``torch.compile(mode="reduce-overhead")`` makes the step a CUDA graph. Cache buffers are kept
+per (model, batch, length bucket) and reused across calls, so compiled code and graphs are reused too.
 
-Owns the fast path of ``models.generation.generate`` (``decode="static"`` / ``"compiled"``, and ``"auto"`` on
-CUDA). The eager cached path reads ``keys[:, :, :length]``, so every step has a new shape and a compiled step
-would recompile (and CUDA graphs could not be replayed). Here each step reads the WHOLE preallocated cache and
-masks the positions not yet written, so all steps share one shape: ``torch.compile(mode="reduce-overhead")``
-turns the step into a CUDA graph on CUDA. The cache buffers are kept per (model, batch, length bucket) and reused
-across calls, so the compiled code and graphs are reused too (PPO rollouts call generate with the same batch
-every step).
-
-Generation runs the transformer blocks without the wrappers training puts around them (``decode_blocks``:
-torch.compile's ``OptimizedModule``, activation checkpointing, FSDP2's hooks), in the decode step and in the
-prefill (``cached_forward``). A ``fullgraph`` trace cannot inline an FSDP2-wrapped compiled block (dynamo refuses
-``OptimizedModule.__call__``), and through the compiled blocks every new prompt width, cache length and layer
-would recompile them; in an inference-mode forward with FSDP2's weights gathered
-(``trainer.parallel.unsharded_for_generation``) the wrappers do nothing anyway. A model whose weights are still
-sharded is not decoded here (``decode_blocks`` returns None).
-
-The prefill writes the prompt into the same ``KVCache`` buffers (and its document ids); only decode steps take
-the static path. The mask equals ``models.model.attention_mask`` for a query in
-document REAL_DOCUMENT at cache position p: keys at positions <= p that belong to the same document.
+Decoding runs the blocks without training's wrappers (``decode_blocks``: compile, activation checkpointing, FSDP2's
+hooks, which do nothing once the weights are gathered, and which a ``fullgraph`` trace cannot inline); a model whose
+weights are still sharded is not decoded here. The mask equals ``models.model.attention_mask`` for a query at cache
+position p: keys at positions <= p of the same document.
 """
 
 from __future__ import annotations

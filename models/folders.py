@@ -1,20 +1,8 @@
-"""The folders Lantern writes into: which ones it owns, and one writer at a time in each.
+"""The folders Lantern writes into: the marker naming what a folder is for (``.lantern-folder.json``), ``claim_folder``
+(refuses a destination holding what Lantern did not write), and one writer at a time (``lock_folder``).
 
-Owns: the folder marker (``.lantern-folder.json``, naming what Lantern made the folder for: a pretrain run, prepared
-data, the demo data, a pipeline), ``claim_folder`` (a destination that holds anything Lantern did not write is
-refused with one line naming the entries; an empty or new folder is taken and marked), and the flock'ed lock
-(``lock_folder`` / ``release_folder``) that refuses a second writer while the first is alive.
-Does not own: single files and folders replaced atomically (models/atomic.py), what each command writes.
-Choices: a marker written when Lantern first takes a folder, rather than a guess from file names (a user's
-``config.yaml`` or ``train.jsonl`` looks just like Lantern's). Folders written before markers existed are adopted
-when they hold a record only Lantern writes there (the caller says which: a lock file, a data manifest); the marker
-is then written. The lock is ``flock``, which the kernel releases however its holder dies (kill -9 included), so a
-lock file left behind never blocks; and only the process that took it holds it: a flock belongs to the open file,
-which fork() shares, so models/atomic.py's ``lock_exclusively`` has every forked child (a ``datasets`` worker pool)
-close its copy, and O_CLOEXEC keeps it from exec'd ones. Judging the lock by whether the pid written in it is alive
-instead would break it across hosts sharing a disk and after pid reuse: the kernel's lock stays the one truth, and
-a holder that is not the named process (one started by an older Lantern) is named in the refusal. No torch here:
-``lantern --help`` and the data layer import it.
+The lock is ``flock``: the kernel releases it however its holder dies, and a pid written in the file is only for
+the refusal's message (pids are reused and not shared across hosts). No torch: ``lantern --help`` imports this.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ LOCK_FILE = ".lantern.lock"
 
 _held_locks: dict[Path, int] = {}  # folder -> the open, flock'ed lock file of this process
 
-if hasattr(os, "register_at_fork"):  # a forked child holds no lock (models/atomic.py closed its copies)
+if hasattr(os, "register_at_fork"):  # a forked child holds no lock: it closed its copies
     os.register_at_fork(after_in_child=_held_locks.clear)
 
 

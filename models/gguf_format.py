@@ -1,24 +1,5 @@
 """GGUF files (llama.cpp's single-file format) to and from Lantern's model: read (dequantized), convert to a native or
-Hugging Face folder, and write (f32 / f16 / bf16) for llama.cpp, Ollama, LM Studio and transformers' GGUF loader.
-
-Owns: ``read_gguf`` / ``load_gguf`` (a "llama" GGUF through transformers' GGUF loader, then ``models.hf_format``'s
-config and name mapping), ``convert_gguf`` (a GGUF file to a folder with its tokenizer, atomically) and
-``write_gguf`` (a Transformer and a folder's Hugging Face tokenizer files to a GGUF file, atomically).
-Does not own: the tokenizer fields (``models.gguf_tokenizer``), the Hugging Face mapping (``models.hf_format``),
-the folders (``models.checkpoint``).
-Choices:
-
-* reading goes GGUF -> Hugging Face (transformers dequantizes every ggml type and reverse-permutes attn_q / attn_k
-  to Hugging Face's rotate-half rows) -> native (``hf_format`` permutes back to Meta's interleaved pairs), so every
-  name and permutation lives in one table each; writing goes native -> Hugging Face (``native_to_hf_state``) ->
-  GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does it: gguf's own tensor-name map, q / k permuted to
-  interleaved pairs (which is Lantern's native layout), 1-D tensors (norms) kept f32, no ``output`` when tied;
-* transformers' GGUF loader ignores RoPE scaling for "llama". Llama 3.1 scaling is written as llama.cpp reads it
-  (a ``rope_freqs`` tensor of per-frequency divisors), linear as ``rope.scaling.type``/``factor``, and either also
-  as ``lantern.rope_scaling`` (JSON) so that ``read_gguf`` restores it exactly; a foreign ``rope_freqs`` is read
-  back as Llama 3.1's scaling when its values are those of a (factor, 1, 4, 8192) scaling, else refused;
-* gguf and transformers are imported inside the functions (the ``gguf`` extra).
-"""
+Hugging Face folder, and write (f32 / f16 / bf16) as llama.cpp's ``convert_hf_to_gguf.py`` does."""
 
 from __future__ import annotations
 
@@ -35,17 +16,7 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from models.atomic import (
-    IfExists,
-    check_destination,
-    close_lock,
-    fsync_dir,
-    hold_as_writer,
-    remove_leftovers,
-    remove_path,
-    storage_error,
-    temporary_file,
-)
+from models.atomic import IfExists, check_destination, write_file_atomically
 from models.errors import LanternError
 from models.gguf_tokenizer import (
     GENERATION_CONFIG,
@@ -291,73 +262,58 @@ def write_gguf(
     state = native_to_hf_state(_native_state(model), config)
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.n_layers)
 
-    remove_leftovers(out)  # what a write of this file that was killed left (gigabytes each)
-    temporary = temporary_file(out)
-    writer = GGUFWriter(temporary, "llama")  # opens the file it is given (the one locked below) only to write it
-    held: list[int] = []
-    try:
-        temporary.touch(exist_ok=False)
-        held = hold_as_writer(temporary)  # while held, no later write of this file removes it as a leftover
-        writer.add_name(name or "lantern")
-        writer.add_file_type(
-            {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16}[dtype]
-        )
-        writer.add_vocab_size(hf["vocab_size"])
-        writer.add_context_length(hf["max_position_embeddings"])
-        writer.add_embedding_length(hf["hidden_size"])
-        writer.add_block_count(hf["num_hidden_layers"])
-        writer.add_feed_forward_length(hf["intermediate_size"])
-        writer.add_head_count(hf["num_attention_heads"])
-        writer.add_head_count_kv(hf["num_key_value_heads"])
-        writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-        writer.add_rope_freq_base(hf["rope_theta"])
-        writer.add_rope_dimension_count(config.head_dim)
-        if config.head_dim * config.n_heads != config.dim:  # llama.cpp's names for heads not dim / n_heads wide
-            writer.add_key_length(config.head_dim)
-            writer.add_value_length(config.head_dim)
-        scaling = config.rope_scaling
-        if scaling is not None:
-            writer.add_string(LANTERN_ROPE_KEY, json.dumps(dataclasses.asdict(scaling)))
-            if getattr(scaling, "rope_type", "llama3") == "linear":
-                writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-                writer.add_rope_scaling_factor(scaling.factor)
-            else:
-                writer.add_tensor("rope_freqs.weight", _rope_divisors(config).numpy())
-        add_tokenizer_fields(writer, fields)
-        adders = {bool: writer.add_bool, int: writer.add_int64, float: writer.add_float32, str: writer.add_string}
-        for key, value in (metadata or {}).items():
-            if type(value) not in adders:
-                raise LanternError(
-                    f"cannot write {out}: metadata {key!r} is a {type(value).__name__}, not str/int/float/bool"
-                )
-            adders[type(value)](key, value)
-        for hf_name, tensor in state.items():
-            gguf_name = names.get_name(hf_name.removesuffix(".weight"))
-            if gguf_name is None:
-                raise LanternError(f"cannot write {out}: no GGUF name for {hf_name}")
-            if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-                heads = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
-                tensor = _llama_cpp_permute(tensor, heads)
-            array, raw_dtype = _gguf_array(tensor, dtype)
-            writer.add_tensor(f"{gguf_name}.weight", array, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, out)
-    except OSError as error:
-        writer.close()
-        remove_path(temporary)
-        kept = "the previous file is unchanged" if out.exists() else "nothing was written"
-        raise storage_error(error, out, "GGUF file", kept=kept) from error
-    except BaseException:
-        writer.close()
-        remove_path(temporary)
-        raise
-    finally:
-        for fd in held:
-            close_lock(fd)
-    fsync_dir(out.parent)
-    return out
+    def write(temporary: Path) -> None:
+        writer = GGUFWriter(temporary, "llama")
+        try:
+            writer.add_name(name or "lantern")
+            writer.add_file_type(
+                {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16}[
+                    dtype
+                ]
+            )
+            writer.add_vocab_size(hf["vocab_size"])
+            writer.add_context_length(hf["max_position_embeddings"])
+            writer.add_embedding_length(hf["hidden_size"])
+            writer.add_block_count(hf["num_hidden_layers"])
+            writer.add_feed_forward_length(hf["intermediate_size"])
+            writer.add_head_count(hf["num_attention_heads"])
+            writer.add_head_count_kv(hf["num_key_value_heads"])
+            writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+            writer.add_rope_freq_base(hf["rope_theta"])
+            writer.add_rope_dimension_count(config.head_dim)
+            if config.head_dim * config.n_heads != config.dim:  # llama.cpp's names for heads not dim / n_heads wide
+                writer.add_key_length(config.head_dim)
+                writer.add_value_length(config.head_dim)
+            scaling = config.rope_scaling
+            if scaling is not None:
+                writer.add_string(LANTERN_ROPE_KEY, json.dumps(dataclasses.asdict(scaling)))
+                if getattr(scaling, "rope_type", "llama3") == "linear":
+                    writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+                    writer.add_rope_scaling_factor(scaling.factor)
+                else:
+                    writer.add_tensor("rope_freqs.weight", _rope_divisors(config).numpy())
+            add_tokenizer_fields(writer, fields)
+            adders = {bool: writer.add_bool, int: writer.add_int64, float: writer.add_float32, str: writer.add_string}
+            for key, value in (metadata or {}).items():
+                if type(value) not in adders:
+                    raise LanternError(
+                        f"cannot write {out}: metadata {key!r} is a {type(value).__name__}, not str/int/float/bool"
+                    )
+                adders[type(value)](key, value)
+            for hf_name, tensor in state.items():
+                gguf_name = names.get_name(hf_name.removesuffix(".weight"))
+                if gguf_name is None:
+                    raise LanternError(f"cannot write {out}: no GGUF name for {hf_name}")
+                if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                    heads = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
+                    tensor = _llama_cpp_permute(tensor, heads)
+                array, raw_dtype = _gguf_array(tensor, dtype)
+                writer.add_tensor(f"{gguf_name}.weight", array, raw_dtype=raw_dtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+    # large: a killed write of this file leaves gigabytes, which the next one removes
+    return write_file_atomically(out, write, what="GGUF file", large=True, previous="file")

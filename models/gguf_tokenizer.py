@@ -1,16 +1,11 @@
-"""Tokenizers between GGUF files and Hugging Face tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``).
+"""Tokenizers between GGUF files and Hugging Face tokenizer files: writing ``tokenizer.json`` + ``tokenizer_config.json``
+as transformers 4.45+ and 5 both load them (``write_tokenizer_files``), a GGUF's tokenizer as those files
+(``write_gguf_tokenizer_files``), and a byte-level BPE ``tokenizer.json`` as llama.cpp's ``tokenizer.ggml.*`` fields
+(``gguf_tokenizer_fields``).
 
-Owns: writing a ``tokenizers.Tokenizer`` with its special tokens and chat template as the files transformers 4.45+
-and 5 both load (``write_tokenizer_files``: ``tokenizer_class`` PreTrainedTokenizerFast, the chat template inside
-``tokenizer_config.json``, bos/eos ids in ``generation_config.json``), a GGUF's tokenizer as those files
-(``write_gguf_tokenizer_files``, through transformers' GGUF tokenizer loader), and a folder's byte-level BPE
-``tokenizer.json`` as llama.cpp's ``tokenizer.ggml.*`` fields (``gguf_tokenizer_fields``).
-Does not own: the model part of a GGUF (``models.gguf_format``), tiktoken rank files (``data.tokenizer.convert``
-turns one into these files first: ``models`` cannot import ``data``).
-Choices: only byte-level BPE (GPT-2 / Llama 3 style, llama.cpp's "gpt2" model) is written; its pre-tokenizer must be
-one llama.cpp names (``_PRE_NAMES``), else the file is refused in one line rather than written with splits llama.cpp
-would not reproduce. A vocabulary shorter than the model's is padded with ``[PAD<id>]`` tokens of type UNUSED, as
-llama.cpp's converter does. gguf and transformers are imported inside the functions.
+Only byte-level BPE is written, with a pre-tokenizer llama.cpp names (``_PRE_NAMES``); anything else is refused in
+one line rather than written with splits llama.cpp would not reproduce. gguf and transformers are imported inside
+the functions.
 """
 
 from __future__ import annotations
@@ -30,9 +25,9 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 
-# Meta's Llama 3 pre-tokenizer regex (data/tokenizer/tokenizer.py's LLAMA3_PAT; the tests check they are equal) and
+# Meta's Llama 3 pre-tokenizer regex (the tiktoken backend's LLAMA3_PAT; the tests check they are equal) and
 # OpenAI's cl100k_base one, which llama.cpp splits as Llama 3's ("dbrx"). Oniguruma (tokenizers) reads the
-# possessive ``{1,3}+`` as a nested repetition, so cl100k's is also written without it (data/tokenizer/convert.py).
+# possessive ``{1,3}+`` as a nested repetition, so cl100k's is also written without it.
 LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _CL100K_SPLIT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 _PRE_NAMES = {

@@ -1,13 +1,8 @@
-"""The config.json of a Hugging Face Llama-family model (``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``) <-> ``ModelConfig``.
-
-Owns which families and config features the native model represents: the family is kept in
-``ModelConfig.hf_architecture`` (so an import exports back as the same family), Qwen2's q/k/v biases are
-``qkv_bias``, an explicit ``head_dim`` is ``head_dim_override``, RoPE types default / linear / llama3 are
-``rope_scaling``. Everything else (other architectures, o_proj / MLP biases, other activations or RoPE types, a
-sliding window shorter than the context) is refused in one line listing every problem. Both transformers 5
-(``rope_parameters``) and 4.x (``rope_theta`` / ``rope_scaling``) configs are read, and both are written.
-Weights and names are ``models.hf_format``'s.
+"""A Hugging Face Llama-family ``config.json`` <-> ``ModelConfig``, transformers 4.x and 5 alike. The family is kept in
+``ModelConfig.hf_architecture`` (an import exports back as the same family), Qwen2's q/k/v biases are ``qkv_bias``,
+an explicit ``head_dim`` is ``head_dim_override``, RoPE types default / linear / llama3 are ``rope_scaling``. Anything
+else (other architectures, other biases, activations or RoPE types, a sliding window shorter than the context) is
+refused in one line listing every problem.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""The Hugging Face Llama-family folder: ``config.json`` (``LlamaForCausalLM``, ``MistralForCausalLM`` or
-``Qwen2ForCausalLM``) + ``model.safetensors`` / sharded ``*.index.json`` / ``pytorch_model.bin``.
+"""The Hugging Face Llama-family folder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``): the one
+table of parameter names (``HF_NAME_MAP``), the wq/wk permutation, reading and writing the weights (sharded or not,
+Hugging Face's ``max_shard_size`` units) and bos/eos ids, and LoRA adapters in peft's own folder format.
 
-Owns: the one table of parameter names (``HF_NAME_MAP``, the same for the three families), the wq/wk permutation,
-and reading and writing the weights (sharded or not) and the bos/eos ids of such a folder; also LoRA adapters in
-peft's own folder for such a model (``native_to_hf_adapter_state``, ``write_hf_adapter``). The config.json mapping
-(which families and features are supported, refusals) is ``models.hf_config``'s (``config_to_hf`` is re-exported
-here). It does not pick the format, build the model, nor write the folder as a whole (atomicity, tokenizer,
-generation_config.json): ``models.checkpoint`` does; file reading and state checks are ``models.checkpoint_io``'s.
-
-Choices:
-
-* Hugging Face rotates half-splits of each head, Meta (and we) rotate interleaved pairs, so wq/wk rows (and
-  Qwen2's wq/wk biases) are permuted both ways (transformers' ``convert_llama_weights_to_hf`` permutation);
-* shards follow Hugging Face's layout and ``max_shard_size`` units (decimal KB/MB/GB, binary KiB/MiB/GiB).
+Hugging Face rotates half-splits of each head where Meta and Lantern rotate interleaved pairs, so wq/wk rows (and
+Qwen2's wq/wk biases) are permuted both ways, as transformers' ``convert_llama_weights_to_hf`` does.
 """
 
 from __future__ import annotations

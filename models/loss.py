@@ -1,20 +1,11 @@
-"""Language-model losses shared by every stage.
+"""Language-model losses shared by every stage, per token (stages reduce them differently), without ever holding the
+full (B, T, V) fp32 logits.
 
-Per-token losses are returned (not only their mean) because stages reduce differently: pretraining averages
-over tokens, SFT's ``example`` reduction averages per document first, PPO normalises by the accumulated
-batch's valid tokens.
-
-Two paths never hold the full (B, T, V) fp32 logits; for Llama 3's V=128256 at T=4096 that is the difference
-between gigabytes of logits and one chunk's worth (``benchmarks/bench_loss_memory.py``):
-
-* ``fused_linear_cross_entropy`` (what the model uses): a custom autograd Function. Forward keeps only each
-  token's logsumexp; backward recomputes one chunk's logits and writes the logit gradient in closed form
-  (softmax - onehot, scaled), so the only extra work over full logits is one head matmul per chunk -- no
-  autograd graph of fp32 (chunk, V) intermediates, no second forward of the softmax. Under autocast its
-  matmuls run in the autocast dtype in backward too (Lightning's backward runs outside autocast), from the
-  forward's own logits; on CUDA each chunk's body is compiled.
-* ``chunked_cross_entropy``: the same chunking through activation checkpointing (generic, slower: it replays
-  the whole chunk forward under autograd); kept as an independent reference for the fused path.
+* ``fused_linear_cross_entropy`` (what the model uses): forward keeps each token's logsumexp; backward recomputes
+  one chunk's logits and writes the logit gradient in closed form (softmax - onehot, scaled), so the only extra work
+  is one head matmul per chunk. Under autocast its backward matmuls run in the autocast dtype too.
+* ``chunked_cross_entropy``: the same chunking through activation checkpointing; slower, kept as an independent
+  reference for the fused path.
 """
 
 from __future__ import annotations

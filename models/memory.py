@@ -1,22 +1,8 @@
-"""What a model costs in memory, counted from the model itself: its parameters (a real ``Transformer`` or
-``ScalarModel`` built on the meta device, with its LoRA adapters when asked), the activations one micro-batch keeps
-for backward and the working sets on top of them, the fused / chunked LM loss, the KV cache and the full-logits
-passes the RL stages score responses with. ``lantern plan`` (trainer/plan.py, alignment/) adds them up.
-
-Choices:
-- Parameter counts come from the module, never from a formula: a change in models/ changes the plan with it.
-- Activation bytes are an op-by-op tally of what ``models/model.py`` and ``models/loss.py`` save for backward under
-  three numerics: ``fp32`` (32-true), ``bf16`` (bf16 weights in compute: bf16-true, FSDP2's bf16 mixed precision),
-  ``autocast`` (fp32 weights under bf16 autocast: bf16-mixed without FSDP, whose residual stream stays fp32 and
-  whose every linear casts its input, and caches its weight, in bf16). tests/models/test_memory.py holds the tally
-  to the bytes autograd really keeps (a saved-tensors hook) and the peak to an allocator trace (torch.profiler).
-- Attention is one of three paths (``attention_path``): ``causal`` (SDPA's causal flash kernel: q, k, v, the output
-  and its log-sum-exp are saved, never the T x T scores), ``dense-mask`` (SDPA with a document mask, CPU or
-  ``attention: sdpa``: the boolean (B, 1, T, T) mask once, and each layer's float copy of it, are saved too) and
-  ``flex`` (FlexAttention on CUDA: a block mask of a few KiB).
-- The peak is found among the moments it may fall on (``ActivationEstimate.moments``), each the saved bytes still
-  held then plus that moment's working set: the loss's forward and backward (its fp32 head gradient, one chunk's
-  logits), the last block's backward or, under checkpointing, one block recomputed, and the embedding's backward.
+"""What a model costs in memory, counted from the model itself (a meta-device ``Transformer`` or ``ScalarModel``, with
+its LoRA adapters when asked, never a formula): parameters, the activations one micro-batch keeps for backward and
+the working sets at each moment the peak may fall on, the fused / chunked LM loss, the KV cache, and the full-logits
+passes the RL stages score responses with. Bytes under three numerics: ``fp32`` (32-true), ``bf16`` (bf16 weights in
+compute) and ``autocast`` (bf16-mixed without FSDP). The tests hold the tally to what autograd really saves.
 """
 
 from __future__ import annotations
@@ -135,7 +121,7 @@ def meta_parameters(
 
 
 def attention_path(config: ModelConfig, *, masked: bool, device: str) -> AttentionPath:
-    """Which attention a full-sequence pass runs (models/attention.py's ``use_flex_attention``): FlexAttention for
+    """Which attention a full-sequence pass runs (as ``use_flex_attention`` chooses): FlexAttention for
     document-masked rows on CUDA (or ``attention: flex``), SDPA with a dense mask for other masked rows, SDPA's causal
     kernel for plain causal rows."""
     if not masked:
@@ -196,7 +182,7 @@ class ActivationEstimate:
 
 
 def checkpointed_blocks(n_layers: int, ac: str, every: int) -> int:
-    """Blocks trainer/parallel.py's ``apply_activation_checkpointing`` wraps: all (full), every ``every``-th from the
+    """Blocks activation checkpointing wraps: all (full), every ``every``-th from the
     first (selective), none."""
     if ac == "full":
         return n_layers
@@ -222,7 +208,7 @@ def activation_bytes(
 ) -> ActivationEstimate:
     """The activations of one training micro-batch of ``batch`` rows of ``seq`` tokens: the blocks (``ac``: none,
     full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
-    final norm and the head: the LM loss (``chunk_size``: fused and chunked, models/loss.py; None: full logits) or a
+    final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
     scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
     gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
     default: the plain model's.
@@ -278,7 +264,7 @@ def loss_bytes(
 ) -> tuple[int, dict[str, int]]:
     """(bytes the LM loss keeps for backward, its working sets) for ``tokens`` positions.
 
-    Fused and chunked (models/loss.py's ``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
+    Fused and chunked (``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
     validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
     a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
     softmax gradient at a time. Full logits (``chunk_size`` None): the (tokens, V) fp32 logits are kept."""
@@ -322,7 +308,7 @@ def autocast_block_weight_bytes(params: ParameterShapes) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, length: int, dtype_bytes: int) -> int:
-    """models/attention.py's ``KVCache``: keys and values of every layer, (batch, n_kv_heads, length, head_dim), in the
+    """A ``KVCache``: keys and values of every layer, (batch, n_kv_heads, length, head_dim), in the
     weights' dtype, plus an int64 document id per position."""
     per_layer = 2 * batch * config.n_kv_heads * length * config.head_dim * dtype_bytes
     return config.n_layers * per_layer + 8 * batch * length
@@ -353,7 +339,7 @@ def logprob_pass_bytes(
     config: ModelConfig, batch: int, width: int, response: int, *, numerics: Numerics, attention: AttentionPath,
     grad: bool, ac: str = "none", ac_every: int = 2, head_trains: bool = True,
 ) -> ActivationEstimate:  # fmt: skip
-    """One pass of alignment/shared/responses.py's ``response_logprobs`` over ``batch`` rows of ``width`` tokens
+    """One ``response_logprobs`` pass over ``batch`` rows of ``width`` tokens
     (prompt + response): the full (B, width, V) logits, then the fp32 log-softmax, its exp and the entropy of the
     ``response`` last positions. With ``grad`` (the RL training pass) the blocks' activations, the log-softmax and its
     exp are kept, and the backward of the slice makes a (B, width, V) gradient of the logits; without (rollout old

@@ -1,13 +1,8 @@
-"""Meta's consolidated folder: ``params.json`` + ``consolidated.NN.pth`` model-parallel shards, at the top of the
-folder or under ``original/`` (as in Hugging Face hub Llama repos).
-
-Owns: params.json -> ``ModelConfig`` and merging the shards into one state dict (native names: Meta's are ours).
-It does not check the state against the config nor build the model (``models.checkpoint`` does), and Lantern
-never writes this format. File reading is ``models.checkpoint_io``'s (``torch.load`` with ``weights_only=True``).
-
-Choices: what params.json leaves to Meta's runtime is inferred -- the vocabulary from the embeddings when it
-says -1, tied embeddings from a missing ``output.weight``, RoPE scaling and the context length per Llama
-generation; unknown params.json keys are a warning, not an error.
+"""Reading Meta's consolidated folder (``params.json`` + ``consolidated.NN.pth`` shards, at the top or under
+``original/``): ``params.json`` as a ``ModelConfig`` and the shards merged into one state dict (Meta's names are
+Lantern's). What params.json leaves to Meta's runtime is inferred: the vocabulary from the embeddings when it says
+-1, tied embeddings from a missing ``output.weight``, RoPE scaling and context length per Llama generation. Lantern
+never writes this format.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The Llama 3 decoder: one readable file, a dataclass config, no framework magic.
 
-Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...),
-so Meta checkpoints load without renaming and the Hugging Face mapping lives in one table
-(``models/hf_format.py``). RoPE rotates interleaved pairs (Meta's convention; ``models/rope.py``); Hugging Face's
-rotate-half layout is handled by permuting wq/wk on import/export. The same module is Hugging Face's Mistral, and
-Qwen2 with ``qkv_bias``; heads may be narrower or wider than dim / n_heads (``head_dim_override``).
-
-Packed rows: ``document_ids`` (B, T) mark which document each token belongs to. Attention never crosses a
-document boundary and positions restart at 0 in each document, so a packed row computes exactly what running
-each document alone would. Left padding is the same mechanism: padding is simply another "document".
-
-Attention backends (``ModelConfig.attention``): SDPA, or FlexAttention for document-masked passes on CUDA;
-the masks, the KV cache and that choice live in ``models/attention.py``.
+Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...), so Meta
+checkpoints load without renaming. RoPE rotates interleaved pairs (Meta's convention). The same module is Hugging
+Face's Llama, Mistral, and Qwen2 with ``qkv_bias``. ``document_ids`` (B, T) keep attention and positions inside each
+document of a packed row (left padding is one more document).
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ from models.attention import (
     positions_from_documents,
     use_flex_attention,
 )
-from models.config_checks import read_yaml
+from models.config_checks import bounded, read_yaml
 from models.loss import cross_entropy, fused_linear_cross_entropy
 from models.resources import model_preset_path, model_presets
 from models.rope import ROPE_SCALINGS, RopeScaling, apply_rope, rope_cos_sin, rope_frequencies
@@ -53,38 +45,35 @@ __all__ = [
 ]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-# The Hugging Face families this model is (models/hf_format.py maps each); ModelConfig.hf_architecture names one.
+# The Hugging Face families this model is; ModelConfig.hf_architecture names one.
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
 class ModelConfig:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
-    # None: dim // n_heads. Set (e.g. Mistral Nemo's 128 for dim 5120 / 32 heads) when the heads are not dim wide:
-    # wq (n_heads·head_dim, dim), wo (dim, n_heads·head_dim). ``head_dim`` reads the value in use. Kept None when
-    # derived (not filled in): a config merged over the defaults (OmegaConf) must not inherit a stale value.
-    head_dim_override: int | None = None
-    vocab_size: int = 4096
-    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    ffn_hidden_dim: int | None = None  # explicit hidden size (imported checkpoints); overrides the rule above
+    # sizes bounded far past any model trained (Llama 3.1 405B: 126 layers, dim 16384): a value past them is a typo
+    dim: int = bounded(256, ge=1, le=2**20)
+    n_layers: int = bounded(4, ge=1, le=1024)
+    n_heads: int = bounded(8, ge=1, le=2**14)
+    n_kv_heads: int | None = bounded(None, ge=1, le=2**14)  # None: same as n_heads (plain multi-head attention)
+    # None: dim // n_heads; set when the heads are not dim wide (Mistral Nemo: 128 for dim 5120 / 32 heads). Kept
+    # None when derived, so a config merged over the defaults never inherits a stale value.
+    head_dim_override: int | None = bounded(None, ge=1, le=2**14)
+    vocab_size: int = bounded(4096, ge=1, le=2**24)
+    multiple_of: int = bounded(256, ge=1, le=2**20)  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = bounded(None, gt=0, le=256)
+    ffn_hidden_dim: int | None = bounded(None, ge=1, le=2**22)  # explicit hidden size; overrides the rule above
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 2048
+    max_seq_len: int = bounded(2048, ge=1, le=2**24)
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False  # biases on wq / wk / wv, none on wo (Qwen2)
     logit_softcap: float | None = None
-    # auto: FlexAttention on CUDA when documents are masked (a block-sparse kernel instead of SDPA with a dense
-    # boolean mask, which falls off flash), SDPA otherwise (CPU, plain causal flash, KV-cache decoding).
+    # auto: FlexAttention on CUDA when documents are masked, SDPA otherwise (CPU, plain causal, KV-cache decoding)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    # the Hugging Face family exported to (config.json's architectures / model_type), one of HF_ARCHITECTURES;
-    # import records the source's, so a Qwen2 or Mistral checkpoint goes back out as one
-    hf_architecture: str = "LlamaForCausalLM"
+    hf_architecture: str = "LlamaForCausalLM"  # the Hugging Face family exported to, one of HF_ARCHITECTURES
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -365,9 +354,8 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Per-token cross entropy (B, T) in fp32, 0 where targets are IGNORE_INDEX (-100).
 
-        With ``chunk_size`` the (B, T, V) logits are never materialised (``fused_linear_cross_entropy`` in
-        ``models/loss.py``: one chunk of logits at a time, recomputed in backward); None computes
-        full logits. Under FSDP2 the training code registers this method as a forward method.
+        With ``chunk_size`` the (B, T, V) logits are never materialised (``fused_linear_cross_entropy``: one chunk
+        of logits at a time, recomputed in backward); None computes full logits. Under FSDP2 the training code registers this method as a forward method.
         """
         hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
         if chunk_size is None:

@@ -1,9 +1,6 @@
-"""Rotary position embeddings: the frequencies (with Llama 3.1's or linear scaling), the per-position cos / sin
-tables and the rotation of interleaved pairs (Meta's convention; Hugging Face's rotate-half layout is handled by
-permuting wq/wk rows on import/export, ``models/hf_format.py``).
-
-Owns ``RopeScaling`` and the RoPE arithmetic; ``models.model`` re-exports all of it, so ``from models.model import
-RopeScaling, rope_frequencies`` keeps working.
+"""Rotary position embeddings: the frequencies (with Llama 3.1's or linear scaling), the per-position cos / sin tables
+and the rotation of interleaved pairs (Meta's convention; Hugging Face's rotate-half layout is a wq/wk row
+permutation on import and export). ``models.model`` re-exports all of it.
 """
 
 from __future__ import annotations

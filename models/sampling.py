@@ -1,9 +1,6 @@
-"""Choosing the next token, and what generation returns: the one place temperature, top-k and top-p are applied.
-
-Shared by the eager decode loop (``models/generation.py``, ``sample_next``: ``torch.multinomial`` with the caller's
-generator) and the static / compiled step (``models/fast_decode.py``, ``pick_next``: the same draws made outside the
-graph by ``sampling_noise``, so both pick the very same tokens). Log-probs are those of ``logits / temperature``
-before top-k / top-p filtering (what a PPO ratio needs), from ``scaled_logprobs``, which RL training reuses.
+"""Choosing the next token: the one place temperature, top-k and top-p are applied, for the eager loop (``sample_next``)
+and the static / compiled step (``pick_next``), which pick the very same tokens. ``scaled_logprobs`` gives the
+log-probs of ``logits / temperature`` before filtering (what a PPO ratio needs).
 """
 
 from __future__ import annotations

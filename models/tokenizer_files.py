@@ -1,12 +1,5 @@
-"""The tokenizer files a checkpoint folder carries, by file name and first bytes only (no tokenizer library): a tiktoken
-rank file (``tokenizer.model``, in ``original/`` in Meta's Hugging Face repos) or Hugging Face's ``tokenizer.json``
-with its companions (``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``,
-``generation_config.json``).
-
-Owns: which files travel with a model (``tokenizer_files_in``, ``as_tokenizer_files``), which kind a tokenizer file is
-(``is_tokenizer_json``), copying them into a folder being written (``copy_tokenizer_files``), and the bos / eos ids
-they name (``special_ids``), which an export writes into ``config.json`` and ``generation_config.json``.
-Does not own: reading a tokenizer (data/tokenizer/), which this layer cannot import.
+"""The tokenizer files a checkpoint folder carries (a tiktoken ``tokenizer.model`` or Hugging Face's ``tokenizer.json``
+with its companions), judged by file name and first bytes only: this layer imports no tokenizer library.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 RANK_FILE = "tokenizer.model"
-# generation_config.json too: its eos_token_id list is part of the stop tokens (data/tokenizer/hf.py)
+# generation_config.json too: its eos_token_id list is part of the stop tokens
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -32,8 +25,8 @@ TokenizerFiles = Mapping[str, PathLike]
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """``models.checkpoint_io.read_json``, imported when called: this module stays free of torch, so that
-    data/tokenizer/files.py tells file kinds apart through it cheaply."""
+    """``models.checkpoint_io.read_json``, imported when called: this module stays free of torch, so telling file
+    kinds apart stays cheap."""
     from models.checkpoint_io import read_json
 
     return read_json(path)
@@ -140,7 +133,7 @@ def _hf_special_ids(files: Mapping[str, Path]) -> tuple[int | None, list[int] | 
 
 def _rank_file_special_ids(path: Path) -> tuple[int | None, list[int] | None]:
     """bos / stop ids of a Lantern / Llama 3 tiktoken rank file: its N ranks are followed by Meta's 256 specials,
-    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9 (see data/tokenizer/tokenizer.py)."""
+    <|begin_of_text|> = N, <|end_of_text|> = N+1, <|eom_id|> = N+8, <|eot_id|> = N+9."""
     try:
         lines = [line for line in path.read_bytes().splitlines() if line.strip()]
         ranks = [int(line.split()[1]) for line in lines]

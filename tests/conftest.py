@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch is imported: one intra-op thread in this process, as its spawned ranks have (tests/helpers.py). The
+# tests' tensors are too small to gain from a second OpenMP thread, and on shared cores every kernel then waits for
+# one (a tiny-model training step measured 5-15x slower with two threads on 2 loaded cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from pathlib import Path
 
 import pytest
+import torch
 
 from data.pretrain.config import PrepareConfig
 from data.pretrain.prepare import prepare
 from data.tokenizer.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(autouse=True)
+def session_threads():
+    """Every test starts with the session's intra-op threads, whatever a test before it set."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import Logger
 
 from models.atomic import StorageError, storage_error, write_atomically
 from models.checkpoint_io import architecture_differences
-from models.config_checks import check_ranges
+from models.config_checks import check_config
 from models.errors import CheckpointError, LanternError
 from models.model import ModelConfig
 from trainer.callbacks import (
@@ -30,21 +30,14 @@ from trainer.callbacks import (
     Throughput,
     device_peak_flops,
 )
+from trainer.checkpoints import has_checkpoints, latest_checkpoint, read_checkpoint_header
 from trainer.checks import resolve_stage_tokenizer
-from trainer.config import CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
+from trainer.config import CPU_OFFLOAD_NEEDS_GPUS, CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import announce_plan, planned_precision
 from trainer.stopping import StoppingDDPStrategy
-from trainer.storage import (
-    claim_run_directory,
-    has_checkpoints,
-    is_global_rank_zero,
-    latest_checkpoint,
-    lock_run_directory,
-    read_checkpoint_header,
-    release_run_directory,
-)
+from trainer.storage import claim_run_directory, is_global_rank_zero, lock_run_directory, release_run_directory
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +51,9 @@ def run_directory(out_dir: str, name: str) -> Path:
 
 
 def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | None = None) -> Path:
-    """The stage's run folder (run.out_dir / run.name), claimed and locked for this run (global rank 0; see
-    trainer.storage), with the resolved config written to config.yaml and, when given, the datamodule's loading
-    statistics to data_stats.json. A folder holding what Lantern did not write, another stage's run, or
-    checkpoints of another model is refused before anything in it changes. ``fit_stage`` releases the lock."""
+    """The stage's run folder (run.out_dir / run.name), claimed and locked (global rank 0), with the resolved config
+    in config.yaml and ``data_stats`` in data_stats.json; a folder not this run's is refused before anything in it
+    changes. ``fit_stage`` releases the lock."""
     run_dir = run_directory(config.run.out_dir, config.run.name)
     try:
         claim_run_directory(run_dir, stage)
@@ -104,47 +96,31 @@ def check_resumed_model(run_dir: Path, config: Any) -> None:
 
 
 def peak_flops(config: TrainerConfig) -> float:
-    """The peak FLOP/s Throughput reports MFU against: trainer.peak_tflops, else the device's (see
-    trainer.callbacks.device_peak_flops) in the dtype trainer.precision computes in."""
+    """The peak FLOP/s Throughput reports MFU against: trainer.peak_tflops, else the device's in the dtype
+    trainer.precision computes in."""
     device = torch.device("cuda" if _runs_on_cuda(config) else "cpu")
     dtype = torch.bfloat16 if config.precision.startswith("bf16") else torch.float32
-    return device_peak_flops(device, dtype, config.peak_tflops)
+    return device_peak_flops(device, dtype, config.peak_tflops, config.float32_matmul_precision)
 
 
 def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> None:
-    """What every stage checks first, before anything is created: every numeric key in its range (a config built
-    in code, or changed after loading, never passed load_config's check), then the trainer section
-    (``trainer``: the config's own unless given). A warmup longer than the run is allowed, with a warning."""
-    trainer = config.trainer if trainer is None else trainer
-    check_ranges(config)
-    check_trainer_config(trainer)
+    """What every stage does first, before anything is created, on a config already checked at load: pairs
+    ``data.tokenizer`` with every model the stage reads, and readies the trainer section (``trainer``: the config's
+    own unless given) for this machine."""
+    prepare_trainer(config.trainer if trainer is None else trainer)
     resolve_stage_tokenizer(config)
-    optim = getattr(config, "optim", None)
-    if optim is not None and optim.warmup_steps > trainer.max_steps:
-        log.warning(
-            "optim.warmup_steps (%d) exceeds trainer.max_steps (%d): the learning rate never reaches optim.lr",
-            optim.warmup_steps,
-            trainer.max_steps,
-        )
 
 
-def check_trainer_config(config: TrainerConfig) -> None:
-    """The checks Lightning would only make after launching processes, made up front with key names."""
-    if config.strategy == "single" and (config.devices != 1 or config.num_nodes != 1):
-        raise ConfigError(
-            f"trainer.strategy 'single' runs one process, but trainer.devices={config.devices} and "
-            f"trainer.num_nodes={config.num_nodes}: use 'ddp' or 'fsdp' for more"
-        )
-    check_ranges(config, prefix="trainer.")  # a config built in code never went through load_config's check
-    if config.cpu_offload and config.strategy != "fsdp":
-        raise ConfigError("trainer.cpu_offload needs trainer.strategy 'fsdp'")
-    if config.cpu_offload and (config.accelerator == "cpu" or not torch.cuda.is_available()):
-        raise ConfigError("trainer.cpu_offload moves FSDP shards from GPU memory to pinned CPU memory: it needs GPUs")
-    if config.init_device == "meta" and config.strategy != "fsdp":
-        raise ConfigError(
-            "trainer.init_device 'meta' needs trainer.strategy 'fsdp' (weights materialise after sharding)"
-        )
-    # Here because every stage calls this first, before any model is built or any matmul runs.
+def check_trainer_config(config: TrainerConfig, prefix: str = "trainer.") -> None:
+    """A trainer section built in code, checked as ``load_config`` checks one from a file."""
+    check_config(config, prefix=prefix)
+
+
+def prepare_trainer(config: TrainerConfig) -> None:
+    """Once per run, before any model is built or any matmul runs: refuse GPU-only options on a machine without
+    GPUs, resolve ``auto`` precision and compile (recorded in config.yaml) and set torch's matmul precision."""
+    if config.cpu_offload and not torch.cuda.is_available():
+        raise ConfigError(CPU_OFFLOAD_NEEDS_GPUS.format(prefix="trainer."))
     resolve_precision(config)
     resolve_compile(config)
     apply_float32_matmul_precision(config)
@@ -180,31 +156,16 @@ def resolve_precision(config: TrainerConfig) -> str:
 
 
 def resolve_compile(config: TrainerConfig) -> bool:
-    """trainer.compile ``auto`` becomes true when the run uses CUDA (compiled blocks: fused kernels, fewer
-    launches; the GPU presets' throughput is measured compiled) and false on CPU, where inductor's compile time is
-    not paid back by a tiny model's short runs; true and false are kept. Recorded as resolved in config.yaml."""
-    if not isinstance(config.compile, bool) and config.compile != "auto":
-        raise ConfigError(f"trainer.compile must be auto, true or false, got {config.compile!r}")
+    """trainer.compile ``auto`` becomes true when the run uses CUDA and false on CPU; true and false are kept."""
     if config.compile == "auto":
         config.compile = _runs_on_cuda(config)
     return config.compile
 
 
-MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
-
-
 def apply_float32_matmul_precision(config: TrainerConfig) -> str:
-    """Set torch's float32 matmul precision from trainer.float32_matmul_precision and return what was set.
-
-    ``auto`` is ``high`` (TF32 tensor cores: a 10-bit mantissa, ~1e-3 relative error per product, several
-    times the fp32 throughput; the usual choice for training) when the run is on CUDA, and ``highest``
-    elsewhere, where the setting changes nothing on CPU.
-    """
+    """Set torch's float32 matmul precision from trainer.float32_matmul_precision (``auto``: ``high`` on CUDA,
+    ``highest`` elsewhere) and return what was set."""
     value = config.float32_matmul_precision
-    if value not in MATMUL_PRECISIONS:
-        raise ConfigError(
-            f"trainer.float32_matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {value!r}"
-        )
     if value == "auto":
         value = "high" if _runs_on_cuda(config) else "highest"
     torch.set_float32_matmul_precision(value)
@@ -212,11 +173,8 @@ def apply_float32_matmul_precision(config: TrainerConfig) -> str:
 
 
 def collective_timeout(config: TrainerConfig) -> datetime.timedelta:
-    """trainer.collective_timeout_s as the process group's timeout (DDP and FSDP2 alike): a collective (a
-    barrier, the loss and gradient all-reduces, FSDP's all-gathers and reduce-scatters) that waits longer for
-    another rank fails instead of waiting forever, so the ranks left when a node dies or hangs exit non-zero in
-    this time (gloo on CPU: tests/trainer/test_multinode.py). It must exceed the longest a rank may rightly wait
-    for another (rank 0 writing a checkpoint or the final export, a slow first step)."""
+    """trainer.collective_timeout_s as the process group's timeout (DDP and FSDP2 alike): a collective that waits
+    longer for another rank fails, so the ranks left when a node dies or hangs exit non-zero."""
     return datetime.timedelta(seconds=config.collective_timeout_s)
 
 
@@ -260,7 +218,7 @@ def make_strategy(config: TrainerConfig) -> Any:
 
 def lightning_precision(config: TrainerConfig) -> str:
     # Under FSDP2, bf16-mixed is FSDP's MixedPrecisionPolicy (bf16 parameters for compute, fp32 master weights,
-    # fp32 gradient reduction), applied in trainer/parallel.py; Lightning must not add autocast on top.
+    # fp32 gradient reduction); Lightning must not add autocast on top.
     if config.strategy == "fsdp" and config.precision == "bf16-mixed":
         return "32-true"
     return config.precision
@@ -277,10 +235,8 @@ def describe_differences(saved: ModelConfig, configured: ModelConfig) -> str:
 
 
 def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None) -> str | None:
-    """``auto``: the newest checkpoint of this run that verifies against its checksum manifest and reads as a
-    training checkpoint (newer ones that do not are skipped with a warning naming why), if any; ``none``: start
-    fresh; else a path, which must read as a training checkpoint. Either way one of another model than ``model``
-    is refused in one line naming both (its tensors could not load)."""
+    """The checkpoint to resume: ``auto`` the newest of this run that verifies and loads, if any; ``none`` none; else
+    the path given. One of another model than ``model`` is refused in one line naming both."""
     if config.resume == "none":
         return None
     if config.resume == "auto":
@@ -314,7 +270,6 @@ def make_trainer(
     max_steps: int | None = None,
     validate: bool = True,
 ) -> L.Trainer:
-    check_trainer_config(config)
     return L.Trainer(
         accelerator=config.accelerator,
         devices=config.devices,
@@ -333,7 +288,7 @@ def make_trainer(
         logger=logger,
         # tqdm: plain progress lines that read well in logs and CI as well as in a terminal
         callbacks=[ProgressBar(refresh_rate=1), collective_failure_note(config), *callbacks],
-        enable_checkpointing=False,  # trainer.callbacks.AtomicCheckpoint saves instead
+        enable_checkpointing=False,  # AtomicCheckpoint saves instead
         use_distributed_sampler=False,  # the datamodules shard (and resume) their own samplers
         default_root_dir=str(run_dir),
         enable_model_summary=False,
@@ -362,10 +317,8 @@ def stage_callbacks(
 
 
 def in_save_order(callbacks: list[L.Callback]) -> list[L.Callback]:
-    """Lightning calls callbacks in list order. Whatever records a step (metrics rows, throughput) must run
-    before that step's checkpoint is published, or a kill between the two loses the row for good (resume
-    starts after that step); the final export runs after the final checkpoint, so a failed export never
-    costs the training. Plot failures are warnings (trainer.callbacks.LossPlot), so plotting first is safe."""
+    """``callbacks`` with the checkpoint after every recorder of a step and the final export last: a kill between a
+    step's row and its checkpoint must not lose the row, and a failed export must not cost the training."""
     saving = [c for c in callbacks if isinstance(c, AtomicCheckpoint)]
     exporting = [c for c in callbacks if isinstance(c, ExportFinal)]
     return [c for c in callbacks if c not in saving and c not in exporting] + saving + exporting
@@ -381,14 +334,13 @@ def fit_stage(
     validate: bool = True,
     plan: Callable[[], str] | None = None,
 ) -> Path | None:
-    """The end every stage shares: the plan's one line (``plan``, the stage's estimate: trainer/plan.py's
-    ``announce_plan``, which never fails a run), logger, trainer, resume (checkpoint.resume, from
-    run_dir/checkpoints) and fit. Returns run_dir on rank 0, None on the other ranks."""
+    """The end every stage shares: the plan's one line (``plan``; it never fails a run), logger, trainer, resume
+    and fit. Returns run_dir on rank 0, None on the other ranks."""
     logger: Logger | bool = False
     announce_plan(plan)
     try:
         resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
-        # the same W&B run as before when training resumes from this folder's checkpoint (trainer/loggers.py)
+        # the same W&B run as before when training resumes from this folder's checkpoint
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config), resume=resume)
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)

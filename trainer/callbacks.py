@@ -1,5 +1,5 @@
 """Callbacks shared by every stage: the progress bar, throughput/MFU, data progress, loss plots and metrics history,
-the NaN-step check and skip, the final export (atomic checkpoints are in trainer/storage.py, re-exported here)."""
+the NaN-step check and skip, the final export (and ``AtomicCheckpoint``, re-exported)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from models.atomic import check_destination, storage_error
 from models.checkpoint import save_checkpoint
 from models.heads import ScalarModel, save_scalar_model
 from models.model import Transformer
+from trainer.checkpoints import latest_checkpoint
+from trainer.hardware import gpu_from_device_name, peak_flops
 from trainer.parallel import plain_name
 from trainer.plots import metrics_csv_rows, plot_curves, read_metrics_csv, write_metrics_csv
-from trainer.storage import AtomicCheckpoint, latest_checkpoint  # noqa: F401 - every stage imports them from here
+from trainer.storage import AtomicCheckpoint  # noqa: F401 - every stage imports it from here
 
 log = logging.getLogger(__name__)
 
@@ -136,27 +138,17 @@ def _is_cuda(module: L.LightningModule) -> bool:
     return module.device.type == "cuda"
 
 
-KNOWN_PEAK_TFLOPS = {  # dense bf16 tensor-core peaks, per device
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-    "V100": 125.0,
-    "RTX 4090": 165.0,
-}
-
-
-def device_peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None) -> float:
-    """Configured peak, else a known GPU's datasheet peak, else measured with a large matmul (CPU)."""
+def device_peak_flops(
+    device: torch.device, dtype: torch.dtype, configured_tflops: float | None, float32_matmul_precision: str = "auto"
+) -> float:
+    """The peak FLOP/s MFU is reported against: ``configured_tflops``, else the GPU table's peak for the dtype the
+    matmuls compute in, else measured with a large matmul (CPU, a GPU not in the table)."""
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in KNOWN_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
+        gpu = gpu_from_device_name(torch.cuda.get_device_name(device))
+        if gpu is not None:
+            return peak_flops(gpu, "bf16-mixed" if dtype == torch.bfloat16 else "32-true", float32_matmul_precision)
     return measure_matmul_flops(device, dtype)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -23,74 +24,87 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models.config_checks import check_ranges, read_yaml
+from models.config_checks import bounded, check_config, read_yaml
 from models.errors import ConfigError, one_line
 from models.resources import model_preset_path, model_presets, shipped_path
 
 Strategy = Literal["single", "ddp", "fsdp"]
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true"]
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunConfig:
     name: str = "run"
     out_dir: str = "runs"  # the run writes to OUT_DIR/NAME
-    seed: int = 1234
+    seed: int = bounded(1234, ge=0)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
+    lr: float = bounded(3e-4, gt=0)
+    min_lr: float = bounded(3e-5, ge=0)
+    warmup_steps: int = bounded(100, ge=0)
+    weight_decay: float = bounded(0.1, ge=0)
     decay_embeddings_and_norms: bool = False
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    z_loss: float = 0.0
-    # cosine: warmup, then cosine down to min_lr at trainer.max_steps (pretraining, SFT); constant: warmup, then
-    # lr throughout (the RL stages' default: their data shifts as the policy does, so no end is known in advance)
+    betas: list[float] = bounded(factory=lambda: [0.9, 0.95], ge=0, lt=1)  # noqa: RUF009 (a dataclasses.field)
+    eps: float = bounded(1e-8, gt=0)
+    grad_clip: float | None = bounded(1.0, gt=0)
+    z_loss: float = bounded(0.0, ge=0)
+    # cosine: warmup, then cosine down to min_lr at trainer.max_steps; constant: warmup, then lr throughout
     schedule: Literal["cosine", "constant"] = "cosine"
+
+    def check_fields(self, prefix: str) -> None:
+        if self.min_lr > self.lr:  # the schedule would climb
+            raise ConfigError(f"{prefix}min_lr ({self.min_lr}) must be <= {prefix}lr ({self.lr})")
 
 
 @dataclass
 class TrainerConfig:
     strategy: Strategy = "single"
-    # auto: bf16-mixed on a GPU with bf16, 32-true on CPU (CPUs without native bf16 run bf16 matmuls several
-    # times slower than fp32); resolved before the run and recorded in its config.yaml
-    precision: Precision = "auto"
+    precision: Precision = "auto"  # auto: bf16-mixed on a GPU with bf16, else 32-true; recorded resolved
     accelerator: str = "auto"  # auto | cpu | gpu
-    devices: int = 1
-    num_nodes: int = 1
-    max_steps: int = 1000  # optimizer steps
-    accumulate_grad_batches: int = 1
-    val_every_n_steps: int = 100
-    log_every_n_steps: int = 10
+    devices: int = bounded(1, ge=1)
+    num_nodes: int = bounded(1, ge=1)
+    max_steps: int = bounded(1000, ge=1)  # optimizer steps
+    accumulate_grad_batches: int = bounded(1, ge=1)
+    val_every_n_steps: int = bounded(100, ge=1)
+    log_every_n_steps: int = bounded(10, ge=1)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    ac_every: int = 2  # selective: checkpoint every k-th block
-    # torch.compile each block: auto is on where the run uses CUDA and off on CPU (where compiling costs more than it
-    # saves); resolved before the run and recorded in its config.yaml as true or false
-    compile: bool | Literal["auto"] = "auto"
+    ac_every: int = bounded(2, ge=1)  # selective: checkpoint every k-th block
+    compile: bool | Literal["auto"] = "auto"  # torch.compile each block; auto: on CUDA only; recorded resolved
     cpu_offload: bool = False  # FSDP2 parameter/gradient offload to CPU
-    loss_chunk_size: int | None = 1024  # tokens per LM-head chunk; None materialises full logits
-    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs by name, measured on CPU
+    loss_chunk_size: int | None = bounded(1024, ge=1)  # tokens per LM-head chunk; None materialises full logits
+    peak_tflops: float | None = bounded(None, gt=0)  # per device, for MFU; None: known GPUs by name, measured on CPU
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: allocate weights only after sharding (large models)
-    # NaN/Inf loss: 0 stops the run at the first such step; N > 0 skips up to N steps in a row (no weight or
-    # optimizer-state update; the schedule still advances) and stops at the next; the last good checkpoint is kept
-    max_nonfinite_steps: int = 0
-    # float32 matmuls: highest (true fp32) | high (TF32 on NVIDIA GPUs: ~1e-3 relative error, several times
-    # faster) | medium (bf16 passes); auto is high on CUDA and highest elsewhere (CPU ignores it)
-    float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"
-    # ddp / fsdp: how long a rank waits in a collective (a barrier, an all-reduce, FSDP's all-gathers) for the others
-    # before it fails and exits non-zero: a node that died or hangs stops the job in this time, not the scheduler's
-    collective_timeout_s: float = 1800.0
+    # NaN/Inf loss: 0 stops at the first such step; N > 0 skips up to N in a row, keeping the last good checkpoint
+    max_nonfinite_steps: int = bounded(0, ge=0)
+    float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"  # auto: high on CUDA
+    collective_timeout_s: float = bounded(1800.0, gt=0)  # ddp / fsdp: a rank waits this long for the others
+
+    def check_fields(self, prefix: str) -> None:
+        if self.strategy == "single" and (self.devices != 1 or self.num_nodes != 1):
+            raise ConfigError(
+                f"{prefix}strategy 'single' runs one process, but {prefix}devices={self.devices} and "
+                f"{prefix}num_nodes={self.num_nodes}: use 'ddp' or 'fsdp' for more"
+            )
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ConfigError(f"{prefix}cpu_offload needs {prefix}strategy 'fsdp'")
+        if self.cpu_offload and self.accelerator == "cpu":
+            raise ConfigError(CPU_OFFLOAD_NEEDS_GPUS.format(prefix=prefix))
+        if self.init_device == "meta" and self.strategy != "fsdp":
+            raise ConfigError(
+                f"{prefix}init_device 'meta' needs {prefix}strategy 'fsdp' (weights materialise after sharding)"
+            )
+
+
+CPU_OFFLOAD_NEEDS_GPUS = "{prefix}cpu_offload moves FSDP shards from GPU memory to pinned CPU memory: it needs GPUs"
 
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: int = 500
-    keep_last: int = 3
+    every_n_steps: int = bounded(500, ge=1)
+    keep_last: int = bounded(3, ge=1)
     resume: str = "auto"  # auto (latest in the run folder, if any) | none | PATH
 
 
@@ -99,16 +113,27 @@ class LoggerConfig:
     kind: Literal["wandb", "csv", "none"] = "wandb"
     project: str = "lantern"
     mode: Literal["auto", "offline", "online"] = "auto"  # auto: online only with an API key
-    group: str | None = None  # the pipeline sets one per pipeline run; a stage run alone: none unless given
+    group: str | None = None  # the pipeline sets one per pipeline run
     job_type: str | None = None  # None: the stage (pretrain, sft, rm, ...)
     tags: list[str] = field(default_factory=list)
-    # W&B system charts (GPU utilisation, memory, power; CPU, RAM, disk, network), sampled every 15 s by W&B's
-    # service: on, since they cost nothing measurable even on a CPU smoke run (30 tiny pretraining steps, offline:
-    # 0.015 CPU-seconds of W&B's service, start and finish no longer; docs/configuration.md)
-    system_stats: bool = True
-    # checkpoints as W&B model artifacts: off | final (final/ at the end) | all (also every checkpoint as it is
-    # written); YAML's false / true read as off / final
+    system_stats: bool = True  # W&B system charts (GPU, CPU, memory, disk, network)
+    # checkpoints as W&B model artifacts: off | final | all (every checkpoint too); YAML false / true: off / final
     log_model: bool | Literal["off", "final", "all"] = "off"
+
+
+class StageConfig:
+    """What every stage config with ``optim`` and ``trainer`` sections checks across them, at load."""
+
+    def check_fields(self, prefix: str) -> None:
+        optim, trainer = getattr(self, "optim", None), getattr(self, "trainer", None)
+        if optim is not None and trainer is not None and optim.warmup_steps > trainer.max_steps:
+            log.warning(
+                "%soptim.warmup_steps (%d) exceeds %strainer.max_steps (%d): the learning rate never reaches optim.lr",
+                prefix,
+                optim.warmup_steps,
+                prefix,
+                trainer.max_steps,
+            )
 
 
 Schema = TypeVar("Schema")
@@ -303,7 +328,7 @@ def load_config(schema: type[Schema], path: str | Path | None = None, overrides:
         raise _explain(error, schema, source) from error
     except ValueError as error:  # a dataclass's own check, e.g. "ModelConfig.dim ..." → "model.dim ..."
         raise ConfigError(f"{source}: {str(error).replace('ModelConfig.', 'model.')}") from error
-    check_ranges(config, source)  # negative steps, lr <= 0, probabilities outside [0, 1]: named by key path
+    check_config(config, source)
     return config  # type: ignore[return-value]
 
 

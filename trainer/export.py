@@ -1,12 +1,9 @@
-"""Consolidate a training checkpoint (a single .ckpt file, or the folder of per-rank shards that FSDP2 writes)
-into one model folder that ``load_checkpoint``, ``lantern convert`` and other tools read.
+"""Consolidate a training checkpoint (a .ckpt file, or FSDP2's folder of per-rank shards) into one model folder that
+``load_checkpoint``, ``lantern convert`` and other tools read.
 
-A checkpoint trained with LoRA adapters (``peft.kind: lora``) holds only the adapters and a record of its base (the
-folder it was loaded from, or the seed and model config it was built from, and the base's fingerprint:
-alignment/shared/initial_model.py). Its export rebuilds that base, refuses one whose fingerprint differs (the folder
-was changed or replaced since training), adds the recorded adapters and loads the trained tensors, then writes
-either the plain model with the adapters folded in (the default: the model every tool reads), or the Hugging Face
-base beside the adapter in peft's own format (``adapter=True``: ``OUT/base`` and ``OUT/adapter``).
+A LoRA checkpoint holds only the adapters and a record of its base; its export rebuilds that base, refuses one whose
+fingerprint differs, and writes either the model with the adapters folded in (the default) or the Hugging Face base
+beside the adapter in peft's format (``adapter=True``: ``OUT/base`` and ``OUT/adapter``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""The hardware ``lantern plan`` plans for: GPUs (memory, peak FLOP/s, memory bandwidth), the interconnects between
-them, and the MFU a training step reaches on each, every figure with its source.
-
-Choices:
-- Datasheet figures (dense, no sparsity) for peak FLOP/s and bandwidth; memory as the driver reports it (nvidia-smi's
-  total), which is what a process can be given, less the CUDA context the plan keeps back (``CONTEXT_GIB``).
-- MFU is a measured figure, never a guess presented as one: Lantern has measured none on a GPU yet
-  (docs/distributed.md), so the defaults are published peer figures (torchtitan's, FSDP2 on Llama 3 models, stated
-  as theirs and marked "not measured by Lantern"), recomputed with Lantern's own FLOPs per token
-  (``ModelConfig.flops_per_token``) from the tokens/s they report. A GPU with no figure borrows the closest one's,
-  and says so. ``--mfu`` overrides.
-- Interconnect bandwidth is the nominal line rate per GPU in one direction; collectives are assumed to reach
-  ``COLLECTIVE_EFFICIENCY`` of it (an assumption: NCCL's bus bandwidth on large messages); ``--bandwidth``
-  overrides with a figure taken as achieved.
-"""
+"""The hardware Lantern plans for and reports MFU against: GPUs (memory, dense peak FLOP/s, memory bandwidth), the
+interconnects between them, and published MFU figures, each with its source."""
 
 from __future__ import annotations
 
@@ -113,6 +100,14 @@ def gpu_from_device_name(device_name: str) -> GPU | None:
         if family in name and (not variant or variant.rstrip("G") in name or variant in name):
             return gpu
     return None
+
+
+def peak_flops(gpu: GPU, precision: str, float32_matmul_precision: str = "auto") -> float:
+    """FLOP/s the matmuls can reach on ``gpu``: bf16 tensor cores under bf16, TF32 under 32-true (``high``, what
+    ``auto`` is on CUDA), plain fp32 under ``highest``."""
+    if precision.startswith("bf16"):
+        return gpu.bf16_tflops * 1e12
+    return (gpu.fp32_tflops if float32_matmul_precision == "highest" else gpu.tf32_tflops) * 1e12
 
 
 def fabric_named(name: str) -> tuple[float, str]:

@@ -1,29 +1,13 @@
-"""A command stopped by SIGTERM (a scheduler's stop, ``kill``) or SIGINT (Ctrl-C) ends with the exit status that
-says so, 128 + the signal (143, 130), and one line on stderr: what was interrupted, the last checkpoint and how to
-resume (alignment/commands/cli.py's ``main`` prints it).
-
-Lightning stops training gracefully on both signals but then exits with a status that hides them: its
-``SIGTERMException`` is a SystemExit without a code (status 0: a success to a scheduler or to ``a && b``), and after
-Ctrl-C it calls ``sys.exit(1)``. Neither says which signal it was, so ``watch_signals`` records the signal itself:
-its handlers are installed before the command runs, and Lightning's SIGTERM handler, installed only while
-``trainer.fit`` runs, calls the handler it found installed. Outside ``trainer.fit`` (loading data, between pipeline
-stages, writing a report) SIGTERM raises ``Terminated`` where the program is, so ``finally`` blocks still release
-the run folder's lock and close W&B, which the default action (dying at once) would not.
-
-Under several processes a stop must also end in bounded time: ``note_signal`` makes a rank that learnt of the signal
-from another (they agree to stop together: trainer/parallel.py) end as if it had received it, and ``end_within``
-ends a process that did not manage to stop by a deadline, counted from the signal's delivery (``watch_delivery``)
-even while its main thread waits in C code, where Python's own handlers do not run.
-
-Only the standard library at the top: alignment/commands/cli.py imports this module, and ``lantern --help`` must stay instant.
-"""
+"""A command stopped by SIGTERM or SIGINT exits with 128 + the signal (143, 130) and one line on stderr: what was
+interrupted, the last checkpoint and how to resume; a multi-process stop ends in bounded time (``end_within``).
+Only the standard library and light modules at import: ``lantern --help`` imports this module."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -35,10 +19,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-WATCHED = (signal.SIGTERM, signal.SIGINT)
+from trainer.checkpoints import latest_checkpoint
 
-_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")  # trainer/storage.py's names (importing it here would load Lightning)
-_LATEST = "latest"
+WATCHED = (signal.SIGTERM, signal.SIGINT)
 
 
 class Terminated(SystemExit):
@@ -196,37 +179,22 @@ def watch_delivery(seconds: float, last_words: Callable[[], str]) -> Callable[[]
     return stop
 
 
-def last_checkpoint(directory: Path) -> Path | None:
-    """The checkpoint ``latest`` names (exact after a graceful stop: the pointer moves only once a checkpoint is
-    complete), else the newest by step; not verified: hashing gigabytes is not for the moment of a Ctrl-C, and
-    resume verifies anyway."""
-    with contextlib.suppress(OSError, ValueError):  # no pointer (a kill -9 before it), or an unreadable one
-        named = directory / (directory / _LATEST).read_text().strip()
-        if _CHECKPOINT.fullmatch(named.name) and named.exists():
-            return named
-    try:
-        steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
-    except OSError:  # no checkpoint folder yet
-        return None
-    return max(steps)[1] if steps else None
-
-
 def checkpoint_note(checkpoints: Path) -> str:
-    found = last_checkpoint(checkpoints)
+    found = latest_checkpoint(checkpoints, verified=False)  # hashing gigabytes is not for the moment of a Ctrl-C
     return f"the last checkpoint is {found}" if found else f"no checkpoint in {checkpoints} yet"
 
 
-def _stage_note(schema: tuple[str, str], config_path: str, overrides: list[str]) -> str:
+def _stage_note(schema: tuple[str, str], prefix: str, config_path: str, overrides: list[str]) -> str:
     """Where an interrupted training command's checkpoints are and whether the same command resumes from them;
-    ``schema`` names its config's class (module, name), imported only now."""
+    ``schema`` names its config's class (module, name), imported only now; ``prefix`` is where in it the
+    checkpoint section is ("sft." for rejection sampling)."""
     module, name = schema
     from trainer.config import load_config  # deferred: only an interrupted training command needs it
 
     config: Any = load_config(getattr(importlib.import_module(module), name), config_path, overrides)
-    # rejection sampling trains through its embedded SFT section, which holds the checkpoint settings
-    prefix, section = ("", config) if hasattr(config, "checkpoint") else ("sft.", config.sft)
+    section = functools.reduce(getattr, prefix.split(".")[:-1], config)
     checkpoints = Path(config.run.out_dir) / config.run.name / "checkpoints"
-    if last_checkpoint(checkpoints) is None:
+    if latest_checkpoint(checkpoints, verified=False) is None:
         return f"{checkpoint_note(checkpoints)}: running the same command again starts it over"
     if section.checkpoint.resume != "auto":  # none or a given PATH: the same command would not resume from it
         return f"{checkpoint_note(checkpoints)}: run it again with {prefix}checkpoint.resume=auto to resume from it"
@@ -234,11 +202,17 @@ def _stage_note(schema: tuple[str, str], config_path: str, overrides: list[str])
 
 
 def interrupted_message(
-    command: str, signum: int, error: BaseException, args: Any, schema: tuple[str, str] | None = None
+    command: str,
+    signum: int,
+    error: BaseException,
+    args: Any,
+    schema: tuple[str, str] | None = None,
+    training_prefix: str = "",
 ) -> str:
     """The one line an interrupted command prints: the signal, what the code that was stopped added to the error
     (``add_note``: the pipeline's stage and command) and, for a training command (``schema``: its config class as
-    (module, name), which the CLI knows), its checkpoint and resume; "" on the ranks other than 0 of a
+    (module, name), and ``training_prefix``, where its checkpoint section is: the CLI knows both), its checkpoint
+    and resume; "" on the ranks other than 0 of a
     multi-process run."""
     # Every rank stops; rank 0 says so, once. Other ranks exist only once Lightning (imported with trainer.storage)
     # launched them, and importing it now could fail: the signal may have stopped `import torch` half-way.
@@ -249,7 +223,7 @@ def interrupted_message(
     if schema is not None and not notes:
         # a broken config, or an import the signal cut short: the interruption is still the news
         with contextlib.suppress(Exception):
-            notes.append(_stage_note(schema, args.config, args.overrides))
+            notes.append(_stage_note(schema, training_prefix, args.config, args.overrides))
     if isinstance(error, Exception):  # something failed on the way out: say so, it may matter
         notes.append(f"it stopped with {type(error).__name__}: {str(error).strip()[:200]}")
     name = signal.Signals(signum).name

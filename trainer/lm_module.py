@@ -1,13 +1,6 @@
-"""What every stage's LightningModule shares: parallelism, optimiser and schedule, gradient clipping with a
-logged norm, the NaN/Inf stop, the per-step and validation accounting, RNG state in checkpoints, and checkpoints
-whose parameter names are the plain model names whatever wraps the blocks (activation checkpointing,
-torch.compile, FSDP2), so a checkpoint saved under one combination of wrappers resumes under any other. Stages
-subclass it and write their steps.
-
-With LoRA adapters (models/adapters.py) a stage names the modules that carry them and their bases
-(``adapter_bases``): a checkpoint then holds only what trains (the adapters, a reward model's head) and, under
-``adapters``, each base's folder and fingerprint; resuming onto another base is refused in one line, before any
-weight is loaded."""
+"""The LightningModule every stage subclasses: one step path (loss normalisation, NaN/Inf guard, clipping, step
+counting) for automatic and manual optimisation alike, the step and validation accounting, and checkpoints under
+plain parameter names that hold only what trains."""
 
 from __future__ import annotations
 
@@ -31,19 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class LanguageModelModule(L.LightningModule):
-    """``config`` has ``optim`` (OptimConfig) and ``trainer`` (TrainerConfig) sections; ``self.model`` is the
-    module that is trained (built by the subclass, or on the meta device in ``build_model``).
-
-    The accounting, declared by the subclass and kept here:
-
-    - ``step_metrics``: what a training step adds up over its micro-batches, each micro-batch its share of the
-      step's mean (``step_share``); zeroed at train start, logged as ``train/NAME`` before each optimizer step,
-      where the log's sync sums the ranks' shares (one all-reduce per metric).
-    - ``validation_sums``: what validation adds up over its batches (``add_validation_sums``); summed over ranks in
-      one all-reduce at the epoch's end and divided into ``val/NAME`` by ``validation_metrics`` (by default each
-      sum over the last one, a count).
-    - ``progress_bar``: the metric names (train and val alike) the progress bar shows.
-    """
+    """``config`` has ``optim`` and ``trainer`` sections; ``self.model`` is what trains. A stage declares
+    ``step_metrics`` (a step's means, added up by ``loss_to_backpropagate``), ``validation_sums`` (sums over ranks,
+    divided by ``validation_metrics``) and ``progress_bar`` (the names the bar shows)."""
 
     step_metrics: tuple[str, ...] = ()
     validation_sums: tuple[str, ...] = ()
@@ -56,6 +39,7 @@ class LanguageModelModule(L.LightningModule):
         self.failed = False
         self.bar_metrics: dict[str, None] = {}  # training values the progress bar shows (``log``), in order
         self._step_values: list[tuple[str, Tensor]] = []  # what the optimizer step's NaN/Inf check looks at
+        self.grad_norms: dict[str, float] = {}  # manual optimisation: each module's gradient norm at its last update
         # attribute (``model``, PPO's ``critic``) -> its base: {"checkpoint": folder or None, "fingerprint", ...}
         self.adapter_bases: dict[str, dict[str, Any]] = {}
         self._resumed_rng: Mapping[str, Any] | None = None  # a checkpoint's RNG state, until the first step
@@ -72,27 +56,39 @@ class LanguageModelModule(L.LightningModule):
         configure_parallelism(self.model, self.trainer, self.config.trainer)
 
     def log(self, name: str, value: Any, prog_bar: bool = False, **kwargs: Any) -> None:
-        """Lightning's ``log``, except that a value logged for the progress bar during training is not turned into
-        a number by Lightning after every micro-batch (a host read: on a GPU, a wait for every queued kernel):
-        it is logged as any other value and ``trainer.callbacks.ProgressBar`` shows it, read at logging steps only."""
+        """Lightning's ``log``; a training value for the progress bar is logged as any other and read by the bar at
+        logging steps only (Lightning would read it, a host sync, after every micro-batch)."""
         if prog_bar and self._trainer is not None and self.trainer.training:
             self.bar_metrics[name] = None
             prog_bar = False
         super().log(name, value, prog_bar=prog_bar, **kwargs)
 
+    # ---- the step path: every stage's micro-batches and updates, automatic and manual optimisation alike ----
+
+    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over ranks (itself in one process): the global counts that losses are divided by."""
+        return self.trainer.strategy.reduce(tensor, reduce_op="sum") if self.trainer.world_size > 1 else tensor
+
+    def loss_to_backpropagate(self, share: Tensor, metrics: Tensor | None = None) -> Tensor:
+        """What to backpropagate for a micro-batch whose loss is ``share``: its sum divided by the optimizer step's
+        global count (tokens, pairs or weights over all ranks and micro-batches). Notes ``share`` for the step's
+        NaN/Inf check, adds ``metrics`` (default: ``share``) to the ``step_metrics`` sums, and undoes the ranks'
+        gradient averaging and Lightning's accumulation division, so the gradient is that of the step's loss."""
+        self.stop_if_not_finite(share)
+        if self.step_metrics:
+            self._step_sums += share.detach() if metrics is None else metrics
+        # manual optimisation (RL) has no accumulation division: Lightning refuses accumulate_grad_batches > 1 there
+        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
     def stop_if_not_finite(self, value: Tensor, what: str = "loss") -> None:
-        """Note a micro-batch's loss (or another value the update depends on: ``what`` names it, e.g. "reward",
-        "gradient norm") for its optimizer step's NaN/Inf check (``check_finite_step``). Kept on the device:
-        nothing is read here, so the micro-batches of a step run without waiting on the host."""
+        """Note ``value`` (a loss, or what an update depends on: "reward", "policy gradient norm") for the step's
+        NaN/Inf check, on the device: nothing is read until ``check_finite_step``."""
         self._step_values.append((what, value.detach().float()))
 
     def check_finite_step(self) -> bool:
-        """Before each optimizer step (``SkipNonFiniteSteps``, else this module's ``on_before_optimizer_step``; RL
-        stages before each update), once: stop the run if a value noted for the step (``stop_if_not_finite``) was
-        NaN/Inf, or, with ``trainer.max_nonfinite_steps`` = N > 0, skip up to N optimizer steps in a row that have
-        one. Returns whether this update is skipped; ``skip_step`` marks the step, whose gradients
-        ``trainer.callbacks.SkipNonFiniteSteps`` then drops, so the optimizer changes nothing. One host read a
-        step, and one all-reduce under several ranks."""
+        """Once before each update: stop the run when a noted value is NaN/Inf, or, with
+        ``trainer.max_nonfinite_steps`` = N > 0, skip up to N steps in a row (``skip_step``: the update's gradients
+        are dropped). Returns whether this update is skipped. One host read, one all-reduce under several ranks."""
         step, noted = self.global_step, self._step_values
         self._step_values = []
         if not noted:  # checked already, or nothing noted in this step
@@ -131,21 +127,9 @@ class LanguageModelModule(L.LightningModule):
         )
         return True
 
-    # ---- the step's metrics: this rank's shares, summed over micro-batches here and over ranks by the log ----
-
     def on_train_start(self) -> None:
         self._step_sums = torch.zeros(len(self.step_metrics), device=self.device)
         self._step_values = []
-
-    def step_share(self, share: Tensor, metrics: Tensor | None = None) -> Tensor:
-        """A micro-batch's share of its optimizer step's loss (``share``, with grad) and of the step's metrics
-        (``metrics``, detached, in ``step_metrics`` order; the loss share alone by default): notes the share for
-        the step's NaN/Inf check (``stop_if_not_finite``), adds the metrics to the step's sums, and returns what to
-        backpropagate: Lightning divides it by the accumulation count and DDP/FSDP average gradients over ranks,
-        and it is scaled to undo both, so the gradient is exactly that of the step loss the shares add up to."""
-        self.stop_if_not_finite(share)
-        self._step_sums += share.detach() if metrics is None else metrics
-        return share * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.check_finite_step()  # done already by SkipNonFiniteSteps where it is a callback (it runs first)
@@ -163,6 +147,35 @@ class LanguageModelModule(L.LightningModule):
                 reduce_fx="sum",
             )
         self._step_sums.zero_()
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def apply_update(self, *updates: tuple[Any, Any, nn.Module, float | None, str]) -> None:
+        """One update under manual optimisation, on the automatic path's pieces: each (optimizer, schedule,
+        module, max_norm, name) has its gradients clipped (``grad_norms[name]``: the norm, also checked), then,
+        after ``check_finite_step``, every optimizer steps or, when the update is skipped, none changes anything.
+        The schedules advance either way."""
+        norms = [grad_norm_and_clip(module.parameters(), max_norm) for _, _, module, max_norm, _ in updates]
+        for (*_, name), norm in zip(updates, norms):
+            self.stop_if_not_finite(norm, f"{name} gradient norm")
+        skipped = self.check_finite_step()
+        for (optimizer, schedule, _, _, name), norm in zip(updates, norms):
+            self.grad_norms[name] = float(norm)
+            if skipped:  # as SkipNonFiniteSteps does: no gradients, so the step changes no weight and no state
+                optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+
+    def count_global_step(self) -> None:
+        """Under manual optimisation, end one global step (an RL rollout, whatever number of updates it made): the
+        unit of trainer.max_steps, checkpoint intervals and plots."""
+        # Lightning counts only LightningOptimizer.step() calls and has no public counter for manual steps
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
 
     # ---- validation: sums over batches, one all-reduce, then the division ----
 
@@ -188,19 +201,13 @@ class LanguageModelModule(L.LightningModule):
         *sums, count = self.validation_sums
         return {name: totals[name] / max(totals[count], 1) for name in sums}
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        norm = grad_norm_and_clip(self.model.parameters(), self.config.optim.grad_clip)
-        self.log("train/grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
-
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load weights saved under plain names (or under any other wrappers' names) into this module as it is
-        wrapped now. Every checkpoint path funnels through here: Lightning's single-process load, and its
-        FSDP2 loads, which fill the plain-named dict that ``torch.distributed.checkpoint`` builds and then
-        call this (DCP's own ``set_model_state_dict`` passes names that already match and are kept)."""
+        """Load weights saved under plain names (or any other wrappers' names) into this module as wrapped now;
+        every checkpoint load, single-process and FSDP2, comes through here."""
         state_dict = self._to_wrapped_names(state_dict)
         # A checkpoint of another model would fail in load_state_dict with a screenful of size mismatches.
         current = super().state_dict(keep_vars=True)
@@ -293,7 +300,7 @@ class LanguageModelModule(L.LightningModule):
         checkpoint["rng"] = self._training_rng if validating else rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # single-process loads call this before the weights; FSDP2's loader (trainer/parallel.py) checks first itself
+        # single-process loads call this before the weights; FSDP2's loader checks the adapters first itself
         self.check_adapter_checkpoint(checkpoint, self.trainer.ckpt_path if self._trainer is not None else "checkpoint")
         state = checkpoint.get("rng")
         if state:
@@ -337,7 +344,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def describe_base(record: Mapping[str, Any]) -> str:
-    """An adapters' base, from its record (alignment/shared/initial_model.py): its folder, or its seed."""
+    """An adapters' base, from its record: its folder, or its seed."""
     return record.get("checkpoint") or f"the model seeded with run.seed={record.get('seed')}"
 
 

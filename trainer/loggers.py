@@ -1,11 +1,7 @@
-"""The loggers a stage writes to: Weights & Biases (offline unless a key and the server are both there) or CSV.
-
-Owns: choosing the W&B mode (``logger.mode=auto``), starting W&B so that no failure of it ever stops a run
-(online → offline → CSV, each step a warning) as the same W&B run across the job's resumes (its id from the run
-folder's record, trainer/wandb_run.py) with its group, job type (the stage) and system charts, the stage's final
-figures in the run's summary and its model artifacts (``logger.log_model``), reopening a finished run to add to
-its summary or log an artifact (the pipeline's report), and the CSV logger that keeps a resumed run's history.
-Does not own: what is logged (the LightningModules and trainer/callbacks.py) nor the plots (trainer/plots.py).
+"""The loggers a stage writes to: Weights & Biases or CSV. ``make_logger`` picks the W&B mode (``logger.mode=auto``:
+offline unless a key and the server are both there) and falls back online → offline → CSV, each step a warning, so
+no W&B failure ever stops a run; a resumed job continues its W&B run. Also the run's final summary and model
+artifacts, reopening a finished run (``recorded_run``), and a CSV logger that keeps a resumed run's history.
 """
 
 from __future__ import annotations
@@ -27,9 +23,10 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from models.errors import one_line
 from models.folders import folder_record
+from trainer.checkpoints import checkpoint_step
 from trainer.config import LoggerConfig
 from trainer.plots import read_csv_rows
-from trainer.storage import checkpoint_step, is_global_rank_zero
+from trainer.storage import is_global_rank_zero
 from trainer.wandb_run import (
     LoggedSteps,
     check_log_model,
@@ -196,7 +193,7 @@ class SafeWandbLogger(WandbLogger):
 
         # Close the run so the offline folder is complete when the process carries on (tests, pipelines). W&B's
         # service process writes the log's last records itself: on a loaded machine they were seen to land a
-        # moment after finish() returned (tests/alignment/test_pretrain_run.py waits for them).
+        # moment after finish() returned.
         if self._experiment is not None and wandb.run is not None:
             wandb.finish()
 
@@ -300,7 +297,7 @@ def resumes_run(run_dir: Path, resume: str | None) -> bool:
 
 
 def job_type(config: LoggerConfig, run_dir: Path) -> str | None:
-    """``logger.job_type``, else the stage the run folder was claimed for (its marker, models/folders.py)."""
+    """``logger.job_type``, else the stage the run folder was claimed for (its folder marker)."""
     return config.job_type or (folder_record(Path(run_dir)) or {}).get("stage")
 
 

@@ -1,25 +1,6 @@
-"""Parallelism applied from outside the model (torchtitan's order): activation checkpointing, then
-``torch.compile`` per block, then FSDP2 ``fully_shard`` per block and at the root.
-
-The model definition knows nothing of this: it only guarantees that each transformer block is its own module
-in ``model.layers``.
-
-Precision under FSDP2 (``trainer.strategy=fsdp``) is FSDP's ``MixedPrecisionPolicy``, not Lightning's autocast:
-
-- ``bf16-mixed``: the sharded master weights and the optimizer state stay fp32; each all-gather casts the
-  parameters to bf16, so forward and backward compute in bf16 (``param_dtype=bf16``); gradients are
-  reduce-scattered in fp32 (``reduce_dtype=fp32``: a bf16 sum over many ranks would lose the small
-  gradients) and land in fp32 on the fp32 shards the optimizer updates.
-- ``bf16-true``: the weights themselves are bf16 (cast before sharding); gradients are still reduced in fp32.
-- ``32-true``: everything fp32.
-
-A SIGTERM under several processes stops all ranks at one optimizer step, saved, and ends them in bounded time
-(``trainer.stopping.StopTogether``).
-
-Wrapper names: activation checkpointing adds ``_checkpoint_wrapped_module.`` and torch.compile ``_orig_mod.``
-to ``nn.Module.state_dict()`` names. Checkpoints never carry them (see trainer.lm_module.LanguageModelModule
-and trainer.callbacks.full_state_dict), so they load under any other combination of wrappers.
-"""
+"""Parallelism applied from outside the model, in torchtitan's order: activation checkpointing, ``torch.compile`` per
+block, then FSDP2 ``fully_shard`` per block and at the root; gradient norms and clipping over ranks; the FSDP2
+strategy that resumes adapters-only checkpoints. Checkpoints never carry the wrappers' name prefixes."""
 
 from __future__ import annotations
 
@@ -58,11 +39,8 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full", "selective"], every: int = 2) -> int:
-    """Recompute block activations in backward: every block (``full``) or every ``every``-th (``selective``).
-
-    Returns the number of wrapped blocks. The wrapper's state-dict hooks strip its prefix, so checkpoints
-    keep the plain parameter names.
-    """
+    """Recompute block activations in backward: every block (``full``) or every ``every``-th (``selective``);
+    returns the number of wrapped blocks."""
     if mode == "none":
         return 0
     if mode not in ("full", "selective"):
@@ -97,12 +75,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
     extra_forward_methods: tuple[str, ...] = (),
 ) -> None:
-    """FSDP2: shard each block, then the root (embeddings, final norm, LM head).
-
-    ``param_dtype=bf16`` computes in bf16 from fp32 master weights and reduces gradients in fp32.
-    Methods other than ``forward`` that run the model (``token_losses``) are registered so FSDP unshards
-    the root's parameters for them too.
-    """
+    """FSDP2: shard each block, then the root; ``extra_forward_methods`` (``token_losses``) unshard the root as
+    ``forward`` does."""
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -119,11 +93,8 @@ def apply_fsdp(
 
 
 def configure_parallelism(model: nn.Module, trainer, config) -> None:
-    """Apply the trainer config's activation checkpointing, compile and (under ``fsdp``) FSDP2 to ``model``.
-
-    Called from a LightningModule's ``configure_model``; safe to call twice (validate after fit).
-    ``config`` is a ``trainer.config.TrainerConfig``.
-    """
+    """Apply ``config``'s (a TrainerConfig) activation checkpointing, compile and (under ``fsdp``) FSDP2 to
+    ``model``; a second call does nothing."""
     if getattr(model, "_lantern_parallelized", False):
         return
     is_meta = any(p.is_meta for p in model.parameters())
@@ -163,26 +134,10 @@ def grad_norm_and_clip(parameters, max_norm: float | None) -> torch.Tensor:
     return norm.detach()
 
 
-def token_mean_over_ranks(loss_sum: torch.Tensor, token_count: torch.Tensor, trainer) -> torch.Tensor:
-    """The loss to backpropagate on this rank so that the gradient averaged over ranks (what DDP and FSDP
-    compute) is the gradient of the mean over *all* ranks' tokens, not a mean of per-rank means (which
-    weights a rank's tokens more when it has fewer of them). Also the value to log, averaged over ranks."""
-    world_size = trainer.world_size
-    if world_size == 1:
-        return loss_sum / token_count.clamp(min=1)
-    total = trainer.strategy.reduce(token_count.detach().float(), reduce_op="sum")
-    return loss_sum * world_size / total.clamp(min=1)
-
-
 @contextmanager
 def unsharded_for_generation(model: nn.Module) -> Iterator[None]:
-    """Gather FSDP2-sharded weights once for a whole generation, instead of an all-gather per layer per token.
-
-    While inside, each rank holds the full weights and forward passes run no collectives, so ranks may
-    generate different numbers of tokens. A no-op for models that are not sharded, and inside another such block
-    (reentrant): a caller whose ranks make different numbers of generate calls wraps them all in one block, which
-    every rank enters exactly once.
-    """
+    """Gather FSDP2-sharded weights once for a whole generation (inside, forwards run no collectives, so ranks may
+    generate different numbers of tokens); a no-op for a model not sharded, and inside another such block."""
     sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
     if not sharded or getattr(model, "_lantern_unsharded", False):  # not sharded, or already gathered by a caller
         yield
@@ -220,11 +175,8 @@ def plain_name(name: str) -> str:
 
 
 class FSDP2Strategy(StopTogether, ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2), which also resumes a sharded checkpoint that holds only what
-    trained (LoRA adapters: trainer/lm_module.py). Lightning asks the checkpoint for every tensor of the model and
-    would fail on the base's; here the module's state is narrowed to the tensors the checkpoint has, after the
-    module has checked the checkpoint's base, and the rest stays as the base loaded it. A sharded checkpoint with
-    adapters resumed without them, and a single process's checkpoint with adapters, are refused in one line."""
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) that also resumes a sharded checkpoint holding only what trained
+    (LoRA adapters): the load is narrowed to the checkpoint's tensors once the module has checked its base."""
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         module = self.lightning_module

@@ -1,15 +1,5 @@
-"""The training-state and time model of ``lantern plan``, stage-agnostic: what a trained model's parameters, gradients
-and AdamW states take per GPU at a precision and under a strategy, FSDP2's gathered working weights and its
-collectives per step, the step time at an MFU, the verdict against a GPU's memory, and the one line a stage prints
-before it trains. The stages' own shapes (which models, which batches) are alignment/shared/plan.py's.
-
-Precision rules (trainer/parallel.py, trainer/optim.py): ``32-true`` and ``bf16-mixed`` keep fp32 parameters, fp32
-gradients and two fp32 AdamW moments (bf16-mixed computes in bf16: FSDP2 gathers bf16 copies, a single process
-runs under autocast, which caches bf16 copies of the weights); ``bf16-true`` keeps parameters, gradients and
-moments in bf16 (FSDP2 still reduces gradients in fp32 and casts them back). AdamW (trainer/optim.py) holds state
-for trainable parameters only, plus a 4-byte step count per tensor; frozen ones (LoRA's base) keep their weights
-only. ``auto`` is planned as what it resolves to on the device (``resolve_precision``): bf16-mixed on a GPU.
-"""
+"""The stage-agnostic time and memory model of ``lantern plan``: training state per GPU at a precision and strategy,
+FSDP2's collectives per step, the step time at an MFU, the verdict against a GPU's memory, and the plan line."""
 
 from __future__ import annotations
 
@@ -19,7 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.memory import GiB, Numerics, ParameterShapes
-from trainer.hardware import COLLECTIVE_EFFICIENCY, CONTEXT_GIB, GPU, fabric_named
+from trainer.hardware import (
+    COLLECTIVE_EFFICIENCY,
+    CONTEXT_GIB,
+    GPU,
+    fabric_named,
+    peak_flops,  # noqa: F401 - the stages' plans import it from here
+)
 from trainer.storage import is_global_rank_zero
 
 log = logging.getLogger(__name__)
@@ -28,8 +24,8 @@ TIGHT = 0.9  # above this share of the usable memory a run fits only just: fragm
 
 
 def planned_precision(precision: str, on_gpu: bool) -> str:
-    """``auto`` on a GPU (with bf16) or not: bf16-mixed, else 32-true; the one rule for a run (trainer/build.py's
-    ``resolve_precision``, on the device it has) and a plan (on the device it plans for)."""
+    """``auto`` on a GPU (with bf16) or not: bf16-mixed, else 32-true; the one rule for a run (on the device it has)
+    and a plan (on the device it plans for)."""
     if precision == "auto":
         return "bf16-mixed" if on_gpu else "32-true"
     return precision
@@ -66,7 +62,7 @@ def model_state(
 ) -> ModelState:
     """What ``rank`` holds of a model trained with AdamW at ``precision``, its parameters sharded by FSDP2 over
     ``sharded_over`` GPUs (1: whole, as a single process or DDP keeps them). ``trains`` False: a frozen model, whose
-    weights are all there is. Exactly what a run allocates: tests/trainer/test_plan.py compares them."""
+    weights are all there is. Exactly what a run allocates (a test compares them)."""
     width = state_dtype_bytes(precision)
     parameters = width * params.shard_numel(sharded_over, rank)
     if not trains:
@@ -117,14 +113,6 @@ def fsdp_bytes_per_micro_batch(params: ParameterShapes, compute_bytes: int, worl
 def ddp_bytes_per_step(params: ParameterShapes, grad_bytes: int, world: int) -> float:
     """DDP: one all-reduce of the gradients per optimizer step (no sync while accumulating): 2 (W - 1) / W of them."""
     return 2 * (world - 1) / world * grad_bytes * params.trainable
-
-
-def peak_flops(gpu: GPU, precision: str, float32_matmul_precision: str = "auto") -> float:
-    """FLOP/s the matmuls can reach: bf16 tensor cores under bf16, TF32 under 32-true (``high``, what ``auto`` is on
-    CUDA), plain fp32 under ``highest``."""
-    if precision.startswith("bf16"):
-        return gpu.bf16_tflops * 1e12
-    return (gpu.fp32_tflops if float32_matmul_precision == "highest" else gpu.tf32_tflops) * 1e12
 
 
 def recompute_factor(ac: str, n_layers: int, every: int) -> float:
@@ -188,7 +176,7 @@ def duration(seconds: float) -> str:
 
 
 def announce_plan(line: Callable[[], str] | None) -> None:
-    """Log the plan's one line before a stage trains (trainer/build.py's ``fit_stage``). An estimator that fails
+    """Log the plan's one line before a stage trains. An estimator that fails
     says so as a warning: the plan is advice and never stops a run."""
     if line is None or not is_global_rank_zero():
         return

@@ -1,5 +1,4 @@
-"""PNG plots written beside a run, curves people would rather see than read, and the metric,step,value CSV
-files they are drawn from (written whole by write-then-rename, or appended row by row while a run goes)."""
+"""PNG plots of a run's metrics against step, and the metric,step,value CSV files they are drawn from."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import csv
 import io
 from pathlib import Path
 
-from models.atomic import write_atomically
+from models.atomic import write_atomically, write_file_atomically
 
 Series = dict[str, list[tuple[int, float]]]
 CSV_HEADER = ("metric", "step", "value")
@@ -91,8 +90,7 @@ def plot_curves(
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".tmp-{path.name}")
-    figure.savefig(temporary, format="png")
-    plt.close(figure)
-    temporary.replace(path)
-    return path
+    try:  # not fsynced: a lost plot is redrawn from its CSV
+        return write_file_atomically(path, lambda temporary: figure.savefig(temporary, format="png"), durable=False)
+    finally:
+        plt.close(figure)

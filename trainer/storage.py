@@ -1,44 +1,33 @@
-"""What keeps a run folder trustworthy: a folder Lantern marked for one stage (never someone else's, never
-another stage's), one run at a time per folder (an flock'ed lock file naming its holder, models/folders.py),
-atomic training checkpoints (``AtomicCheckpoint``) with a SHA-256 manifest beside each, and finding the newest
-checkpoint that verifies and reads as one, whatever the ``latest`` pointer says (it may be stale or missing after
-kill -9).
-"""
+"""Run folders (marked for one stage, one run at a time) and the callback that saves training checkpoints
+atomically (``AtomicCheckpoint``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.tensor import DTensor
 
-from models.atomic import (
-    fsync_dir,
-    fsync_tree,
-    manifest_mismatch,
-    remove_path,
-    sha256_manifest,
-    storage_error,
-    write_atomically,
-)
-from models.checkpoint_io import read_torch_file
-from models.errors import CheckpointError, NonFiniteLossError
+from models.atomic import remove_path, rename_into_place, storage_error, write_atomically
+from models.errors import NonFiniteLossError
 from models.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
+from trainer.checkpoints import (
+    LATEST,
+    MANIFEST_SUFFIX,
+    checkpoint_step,
+    manifest_path,
+    remove_checkpoint,
+    write_manifest,
+)
 from trainer.parallel import first_non_finite, plain_name
 
 log = logging.getLogger(__name__)
 
-MANIFEST_SUFFIX = ".sha256"
-CHECKPOINT_PATTERN = re.compile(r"step-(\d+)\.ckpt")
 RunFolderInUse = FolderInUse  # another live process holds the run folder's lock
 
 
@@ -53,7 +42,7 @@ def is_global_rank_zero() -> bool:
 
 
 def lock_run_directory(run_dir: Path) -> None:
-    """Take the run folder's lock for this process, or raise RunFolderInUse naming the holder (models/folders.py)."""
+    """Take the run folder's lock for this process, or raise RunFolderInUse naming the holder."""
     lock_folder(run_dir, what="run folder", hint="wait for it to finish, stop it, or set run.name to another folder")
 
 
@@ -62,8 +51,8 @@ def release_run_directory(run_dir: Path) -> None:
 
 
 RUN_FOLDER = "run folder"
-# files only Lantern writes into a run folder: a folder that has one but no marker is an older Lantern's run
-# (the pipeline's stage records are alignment/commands/pipeline_records.py's RECORD and PENDING)
+# files only Lantern writes into a run folder (its lock, the pipeline's stage records): a folder that has one but no
+# marker is an older Lantern's run
 _RUN_RECORDS = (LOCK_FILE, "pipeline_stage.json", "pipeline_stage.pending.json")
 
 
@@ -86,108 +75,8 @@ def claim_run_directory(run_dir: Path, stage: str) -> None:
         )
 
 
-def has_checkpoints(directory: Path) -> bool:
-    """Whether ``directory`` holds any training checkpoint (verified or not): what resume=auto would look at."""
-    return directory.is_dir() and any(checkpoint_step(p) is not None for p in directory.iterdir())
-
-
-# ---------------------------------------------------------------------------------------------------------
-# checkpoint manifests
-
-
-def manifest_path(checkpoint: Path) -> Path:
-    return checkpoint.with_name(checkpoint.name + MANIFEST_SUFFIX)
-
-
-def write_manifest(written: Path, checkpoint: Path, step: int) -> Path:
-    """Hash ``written`` (the temporary a checkpoint was saved to, a file or a shard folder) and write the
-    manifest of ``checkpoint`` (its final name) atomically, before the rename: a checkpoint under its final
-    name then always has its manifest."""
-    manifest = {"format": "lantern-checksums", "version": 1, "step": step, "sha256": sha256_manifest(written)}
-    return write_atomically(
-        manifest_path(checkpoint), json.dumps(manifest, indent=1) + "\n", what="checkpoint manifest"
-    )
-
-
-def checkpoint_problem(checkpoint: Path) -> str | None:
-    """None when ``checkpoint`` matches its manifest; else why not. A checkpoint from before manifests
-    existed (none beside it) is accepted, with a warning, as unverifiable."""
-    path = manifest_path(checkpoint)
-    if not path.is_file():
-        if checkpoint.exists():
-            warnings.warn(f"checkpoint {checkpoint} has no checksum manifest ({path.name}): using it unverified")
-            return training_checkpoint_problem(checkpoint)
-        return "missing"
-    try:
-        expected = json.loads(path.read_text())["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"unreadable manifest {path.name} ({error})"
-    return manifest_mismatch(checkpoint, expected) or training_checkpoint_problem(checkpoint)
-
-
-def read_checkpoint_header(path: Path) -> dict[str, Any]:
-    """What a training checkpoint says of itself without reading its tensors (a file is memory-mapped; a shard
-    folder's ``meta.pt`` holds it): the dict Lightning saved, with ``hyper_parameters``. A CheckpointError names the
-    file and the cause: a pickle of Python objects is refused (never loaded), a model's weights are not a training
-    checkpoint, anything else unreadable is damaged."""
-    if path.is_dir():
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"{path} is a folder but not a sharded training checkpoint (no .metadata)")
-        header = read_torch_file(path / _METADATA_FILENAME, mmap=True)
-    else:
-        header = read_torch_file(path, mmap=True)
-        if isinstance(header, dict) and "state_dict" not in header:
-            raise CheckpointError(
-                f"{path} holds {'model weights' if header else 'an empty dict'}, not a training checkpoint (no "
-                "state_dict, optimizer or loop state): start from a model with init.checkpoint instead"
-            )
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a training checkpoint (it holds a {type(header).__name__})")
-    return header
-
-
-def training_checkpoint_problem(path: Path) -> str | None:
-    """None when ``path`` reads as a training checkpoint; else why not (see ``read_checkpoint_header``)."""
-    try:
-        read_checkpoint_header(path)
-    except CheckpointError as error:
-        return str(error)
-    return None
-
-
-def checkpoint_step(path: Path) -> int | None:
-    match = CHECKPOINT_PATTERN.fullmatch(path.name)
-    return int(match.group(1)) if match else None
-
-
-def newest_verified_checkpoint(directory: Path) -> Path | None:
-    """The newest ``step-*.ckpt`` in ``directory`` that matches its manifest. Newer ones that do not
-    (truncated, bit-flipped, half-renamed) are skipped with a warning naming them; ``latest`` is not
-    trusted, since a kill between a checkpoint's rename and the pointer's update leaves it stale."""
-    if not directory.is_dir():
-        return None
-    candidates = sorted(
-        (p for p in directory.iterdir() if checkpoint_step(p) is not None), key=checkpoint_step, reverse=True
-    )
-    for candidate in candidates:
-        problem = checkpoint_problem(candidate)
-        if problem is None:
-            return candidate
-        warnings.warn(f"skipping checkpoint {candidate}: {problem}; trying an older one")
-    return None
-
-
-def remove_checkpoint(checkpoint: Path) -> None:
-    """A checkpoint and its manifest (the checkpoint first: a manifest alone is never mistaken for one)."""
-    remove_path(checkpoint)
-    manifest_path(checkpoint).unlink(missing_ok=True)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # training checkpoints
-
-
-LATEST = "latest"  # a file naming the newest complete checkpoint, for people: resume scans and verifies instead
 
 
 class AtomicCheckpoint(L.Callback):
@@ -239,7 +128,7 @@ class AtomicCheckpoint(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         unsaved = trainer.global_step > max(self._last_saved_step, 0)
         # SIGTERM (a scheduler's preemption): Lightning stops after the step's last hook, so its state is whole and is
-        # saved. Under several ranks only when they all stop at that step (trainer/stopping.py's StopTogether): every
+        # saved. Under several ranks only when they all stop at that step (StopTogether): every
         # rank is then here at the same point and writes its part, the collectives of the save matched.
         together = trainer.world_size == 1 or getattr(trainer.strategy, "stop_agreed", False)
         sigterm = isinstance(exception, SIGTERMException) and together
@@ -352,15 +241,11 @@ class AtomicCheckpoint(L.Callback):
         return self._path(self._last_saved_step) if self._last_saved_step > 0 else None
 
     def _publish(self, temporary: Path, final: Path, step: int) -> None:
-        """Manifest, rename, pointer, pruning; in that order, so that whatever a kill interrupts, every
-        checkpoint under its final name is complete and has its manifest (resume does not trust ``latest``)."""
-        fsync_tree(temporary)
+        """Manifest, rename, pointer, pruning; in that order, so that whatever a kill interrupts, every checkpoint
+        under its final name is complete and has its manifest (resume does not trust ``latest``)."""
         write_manifest(temporary, final, step)
-        if final.is_dir():  # saved at this step before, as shards: a folder cannot be replaced in one rename
-            remove_path(final)
-        os.replace(temporary, final)
+        rename_into_place(temporary, final)  # a folder of shards saved at this step before is replaced
         write_atomically(self.directory / LATEST, final.name + "\n", what="checkpoint pointer")
-        fsync_dir(self.directory)
         self._prune()
 
     def _prune(self) -> None:
@@ -385,9 +270,3 @@ def non_finite_tensor(trainer: L.Trainer) -> str | None:
 
 def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest checkpoint in ``directory`` that verifies against its checksum manifest, or None (see
-    ``trainer.storage.newest_verified_checkpoint``)."""
-    return newest_verified_checkpoint(Path(directory))

@@ -1,17 +1,8 @@
-"""What makes one W&B run of one job, however often the job stops and resumes: its record in the run folder.
-
-Owns: ``wandb-run.json`` in the run folder (the W&B run id, the project, group and job type it was started with,
-and the last ``trainer/global_step`` it logged with the metrics logged at that step), the rule for when the id is
-kept (training resumes from a checkpoint of this run folder) or a new one is made (anything that starts from step
-0: a new folder, ``checkpoint.resume=none``, the pipeline re-training a stage from scratch in a fresh folder), the
-filter that drops what an earlier start of the run already logged (the steps a resume replays after its
-checkpoint), and the model artifacts a run logs (``logger.log_model``).
-Does not own: starting, reopening or closing W&B (trainer/loggers.py), nor what is logged (the stages).
-Choices: the record is written by global rank 0 only (the only rank that starts W&B), without fsync (a record
-one step stale after a machine crash costs at most one step logged twice, never a lost run id); it is updated
-whenever a metric is logged at a new step or under a new name, because a kill between two checkpoints makes the
-resumed run replay those steps, and W&B keeps every row it is given: without the record the curve would go back
-and repeat the replayed steps. No torch and no wandb at import.
+"""One W&B run per job across its resumes: ``wandb-run.json`` in the run folder (the run id, project, group, job type,
+and the last ``trainer/global_step`` logged with the names logged at it). The id is kept when training resumes from
+a checkpoint of this folder and made anew for anything that starts from step 0; ``LoggedSteps`` drops what an
+earlier start already logged, so a resume's replayed steps never repeat on the curve. Written by global rank 0
+without fsync (one stale step costs at most a step logged twice). No torch and no wandb at import.
 """
 
 from __future__ import annotations

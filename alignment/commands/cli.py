@@ -6,6 +6,7 @@ Heavy imports (torch, datasets, lightning) happen inside the handlers so ``lante
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -15,22 +16,12 @@ from typing import TextIO
 from alignment.commands.convert_cli import add_convert_command
 from alignment.commands.export_cli import add_export_command
 from alignment.commands.plan_cli import add_plan_command
+from alignment.stages import registry
+from alignment.stages.registry import Stage
 from models.errors import LanternError, one_line
 from trainer.interrupts import interrupted_message, received_signal, watch_signals
 
 log = logging.getLogger("lantern")
-
-# training commands -> their config schema (module, class), imported only when needed: an interrupted run's config
-# is read again to find its checkpoints and its resume setting (the handlers below load the same schemas)
-STAGE_SCHEMAS: dict[str, tuple[str, str]] = {
-    "pretrain": ("alignment.schemas.pretrain", "PretrainConfig"),
-    "sft": ("alignment.schemas.sft", "SFTConfig"),
-    "rm": ("alignment.schemas.reward", "RMConfig"),
-    "ppo": ("alignment.schemas.rl", "PPOConfig"),
-    "grpo": ("alignment.schemas.rl", "GRPOConfig"),
-    "dpo": ("alignment.schemas.dpo", "DPOConfig"),
-    "rejection-sampling": ("alignment.schemas.rejection_sampling", "RejectionSamplingConfig"),
-}
 
 
 def _tokenizer_train(args: argparse.Namespace) -> None:
@@ -107,62 +98,14 @@ def _prepare(args: argparse.Namespace) -> None:
     print(f"prepared {config.data.out_dir} ({splits})")
 
 
-def _run_stage(args: argparse.Namespace, schema: type, run) -> None:
-    """A training stage: its config (file + overrides) run by `run`; rank 0 prints where everything is."""
+def _run_stage(stage: Stage, args: argparse.Namespace) -> None:
+    """A training stage: its config (file + overrides) run by its record's ``run``; rank 0 prints where everything
+    is."""
     from trainer.config import load_config
 
-    run_dir = run(load_config(schema, args.config, args.overrides))
+    run_dir = stage.run(load_config(stage.schema, args.config, args.overrides))
     if run_dir is not None:  # rank 0 only
         _print_run_summary(run_dir)
-
-
-def _pretrain(args: argparse.Namespace) -> None:
-    from alignment.schemas.pretrain import PretrainConfig
-    from alignment.stages.pretrain import run_pretrain
-
-    _run_stage(args, PretrainConfig, run_pretrain)
-
-
-def _sft(args: argparse.Namespace) -> None:
-    from alignment.schemas.sft import SFTConfig
-    from alignment.stages.sft import run_sft
-
-    _run_stage(args, SFTConfig, run_sft)
-
-
-def _rm(args: argparse.Namespace) -> None:
-    from alignment.schemas.reward import RMConfig
-    from alignment.stages.reward import run_rm
-
-    _run_stage(args, RMConfig, run_rm)
-
-
-def _ppo(args: argparse.Namespace) -> None:
-    from alignment.schemas.rl import PPOConfig
-    from alignment.stages.ppo import run_ppo
-
-    _run_stage(args, PPOConfig, run_ppo)
-
-
-def _grpo(args: argparse.Namespace) -> None:
-    from alignment.schemas.rl import GRPOConfig
-    from alignment.stages.grpo import run_grpo
-
-    _run_stage(args, GRPOConfig, run_grpo)
-
-
-def _dpo(args: argparse.Namespace) -> None:
-    from alignment.schemas.dpo import DPOConfig
-    from alignment.stages.dpo import run_dpo
-
-    _run_stage(args, DPOConfig, run_dpo)
-
-
-def _rejection_sampling(args: argparse.Namespace) -> None:
-    from alignment.schemas.rejection_sampling import RejectionSamplingConfig
-    from alignment.stages.rejection_sampling import run_rejection_sampling
-
-    _run_stage(args, RejectionSamplingConfig, run_rejection_sampling)
 
 
 def _pipeline(args: argparse.Namespace) -> None:
@@ -172,7 +115,7 @@ def _pipeline(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from alignment.commands.plan import run_plan
+    from alignment.commands.plan_command import run_plan
 
     run_plan(args)  # prints the table, or JSON
 
@@ -198,7 +141,7 @@ def _demo_data(args: argparse.Namespace) -> None:
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
 
-def _add_stage(commands, name: str, help: str, handler) -> None:
+def _add_config_command(commands, name: str, help: str, handler) -> None:
     stage = commands.add_parser(name, help=help)
     stage.add_argument("config", help="YAML config (e.g. configs/pretrain/shakespeare.yaml)")
     stage.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.max_steps=100")
@@ -249,22 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_command(commands)
 
-    _add_stage(commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare)
-    _add_stage(commands, "pretrain", "pretrain a model on prepared token shards", _pretrain)
-    _add_stage(commands, "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data", _sft)
-    _add_stage(commands, "rm", "train a reward model on preference pairs", _rm)
-    _add_stage(commands, "ppo", "optimise the SFT policy against the reward model with PPO", _ppo)
-    _add_stage(
-        commands, "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward", _grpo
+    _add_config_command(
+        commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare
     )
-    _add_stage(commands, "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs", _dpo)
-    _add_stage(
-        commands,
-        "rejection-sampling",
-        "sample K answers per prompt, keep the best by the reward, then SFT on them",
-        _rejection_sampling,
-    )
-    _add_stage(
+    for stage in registry.STAGES:
+        _add_config_command(commands, stage.command, stage.help, functools.partial(_run_stage, stage))
+    _add_config_command(
         commands,
         "pipeline",
         "run prepare, pretrain, SFT, reward model and PPO from one config, with a report",
@@ -331,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             args.handler(args)
         except BaseException as error:
             # SIGTERM or Ctrl-C: exit 128 + the signal, never 0 (Lightning's SIGTERM exit) nor 1, so that a scheduler
-            # or `a && b` sees the interruption; one line saying where the run stopped (trainer/interrupts.py)
+            # or `a && b` sees the interruption; and one line saying where the run stopped
             signum = received_signal() or (signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
             if signum is not None:
-                message = interrupted_message(args.command, signum, error, args, STAGE_SCHEMAS.get(args.command))
+                stage = registry.find_stage(args.command)
+                where = (stage.schema_location, stage.training_prefix) if stage is not None else (None, "")
+                message = interrupted_message(args.command, signum, error, args, *where)
                 if message:
                     print(message, file=sys.stderr, flush=True)
                 return 128 + signum

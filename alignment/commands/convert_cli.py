@@ -1,6 +1,6 @@
-"""``lantern convert``: a model folder or GGUF file into a native, Hugging Face or GGUF one, with its tokenizer
-(models/checkpoint.py and models/gguf_format.py do the work; this module parses, picks the path and reports,
-importing torch only when the command runs, so that ``lantern --help`` stays light)."""
+"""``lantern convert``: a model folder or GGUF file into a native, Hugging Face or GGUF one, with its tokenizer. Parses,
+picks the path and reports; torch is imported only when the command runs, so ``lantern --help`` stays light.
+"""
 
 from __future__ import annotations
 

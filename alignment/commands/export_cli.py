@@ -1,6 +1,7 @@
-"""``lantern export``: a training checkpoint (a .ckpt file or a sharded folder) into a model folder, native or
-Hugging Face, with LoRA adapters merged or kept apart in peft's format (trainer/export.py does the work; this module
-parses and reports, importing torch only when the command runs, so that ``lantern --help`` stays light)."""
+"""``lantern export``: a training checkpoint (a .ckpt file or a sharded folder) into a native or Hugging Face model
+folder, LoRA adapters merged or kept apart in peft's format. Parses and reports; torch is imported only when the
+command runs, so ``lantern --help`` stays light.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The pipeline's held-out evaluation: every language model the pipeline trained (the pretrained base, SFT, and
-each alignment stage) answers the same held-out prompts, all of them, greedily, scored by the same checker; the
-SFT model and each stage after it also get pass@k and their KL to the SFT model. ``report.md`` and ``report.json``
-(alignment/commands/pipeline_report.py) are written from what this returns.
-
-Choices: one set of prompts, one token budget and one checker for every model, so the numbers compare; a
-stage's difference from SFT is paired over the same prompts (``alignment.shared.evaluation.paired_difference``) and is
-called a gain only beyond 2 standard errors; each stage's results are cached in ``report/eval-STAGE.json`` under
-the stage's hash and the evaluation settings, so a re-run that changed one stage re-evaluates only that one.
+"""The pipeline's held-out evaluation: every language model it trained answers all the same held-out prompts greedily,
+with one token budget and one checker, so the numbers compare; the SFT model and each stage after it also get pass@k
+and their KL to the SFT model. Each stage's results are cached in ``report/eval-STAGE.json`` under the stage's hash
+and the evaluation settings, so a re-run that changed one stage re-evaluates only that one.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from alignment.shared.evaluation import (
     verdict,
 )
 from alignment.shared.rewards import load_checker
+from alignment.stages import registry
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import write_atomically
@@ -40,7 +36,10 @@ from models.errors import ConfigError
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports the report, which imports this module
     from alignment.commands.pipeline import Pipeline, ReportSection
 
-POLICY_STAGES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # stages whose final/ is an LM
+
+def policy_stages() -> list[str]:
+    """The stages whose final/ is a language model the report scores, in pipeline order."""
+    return [stage.name for stage in registry.STAGES if stage.language_model]
 
 
 def heldout_prompts(demo: Path, report: ReportSection, tokenizer: Tokenizer) -> list[dict[str, Any]]:
@@ -113,7 +112,7 @@ def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]]
 def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """(the held-out prompts, {stage: results}) for every policy stage whose final model exists, from the cache
     where it is current."""
-    stages = [s for s in POLICY_STAGES if s in pipeline.config.stages or pipeline.upstream(s)[0] is not None]
+    stages = [s for s in policy_stages() if s in pipeline.config.stages or pipeline.upstream(s)[0] is not None]
     finals = {s: pipeline.upstream(s) for s in stages}
     finals = {s: (path, digest) for s, (path, digest) in finals.items() if path is not None and path.is_dir()}
     if not finals:

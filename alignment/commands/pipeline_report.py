@@ -1,10 +1,7 @@
-"""The pipeline's report: ``report.md`` in the pipeline folder, with each stage's headline numbers, its plots
-(copied to ``report/``) and an overview figure, the comparison of every model on the same held-out prompts
-(accuracy with its standard error, the paired difference from SFT called a gain only beyond 2 SE, pass@k, KL to
-SFT, training time) and a table of their answers to the first few; and ``report.json``, the same numbers for
+"""The pipeline's report: ``report.md`` (each stage's headline numbers and plots, an overview figure, every model
+compared on the same held-out prompts, and their answers to the first few) and ``report.json``, the same numbers for
 other tools: ``{"stages": {name: {"heldout": {"accuracy", "se", "n", "per_task"}, "kl", "seconds", ...}}}``.
-It only reads what the stages left and what ``alignment/commands/pipeline_eval.py`` measures; running the stages is
-``alignment/commands/pipeline.py``'s job.
+It only reads what the stages left and what the held-out evaluation measured.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from alignment.commands.pipeline_eval import evaluate_models
 from alignment.commands.pipeline_records import RECORD, read_json
 from alignment.shared.evaluation import json_safe
+from alignment.stages import registry
 from models.atomic import write_atomically
 from trainer.plots import read_metrics_csv
 
@@ -25,7 +23,6 @@ if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports t
     from alignment.commands.pipeline import Pipeline
 
 Series = dict[str, list[tuple[int, float]]]
-RL_STAGES = ("ppo", "grpo")  # stages whose x axis is rollouts and whose eval.csv holds held-out curves
 
 
 def stage_metrics(stage: str, run_dir: Path) -> Series:
@@ -43,19 +40,16 @@ def _first_last(series: Series, name: str) -> str:
 
 
 def headline(stage: str, series: Series) -> str:
-    if stage == "pretrain":
-        return _first_last(series, "val/loss")
-    if stage == "sft":
-        return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/accuracy')} (exact match)"
-    if stage == "rm":
-        return f"{_first_last(series, 'val/accuracy')} (pairwise, held-out pairs)"
-    if stage in RL_STAGES:
-        kl = series.get(f"{stage}/kl")
-        final_kl = f"final {stage}/kl {kl[-1][1]:.3f}" if kl else f"{stage}/kl n/a"
-        return f"{_first_last(series, 'eval/gt_score')} (ground truth); {_first_last(series, 'eval/reward')} (its reward); {final_kl}"
-    if stage == "dpo":
-        return f"{_first_last(series, 'val/loss')}; {_first_last(series, 'val/reward_accuracy')} (implicit reward, held-out pairs)"
-    return f"{_first_last(series, 'val/loss')} (SFT on the kept samples)"
+    """The stage's line in the report: its record's metrics, first → last (or the final value)."""
+    parts = []
+    for metric, note, kind in registry.stage_named(stage).headline:
+        name = metric.format(stage=stage)
+        if kind == "final":
+            points = series.get(name)
+            parts.append(f"final {name} {points[-1][1]:.3f}" if points else f"{name} n/a")
+        else:
+            parts.append(f"{_first_last(series, name)} {note}".rstrip())
+    return "; ".join(parts)
 
 
 def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -66,16 +60,12 @@ def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [  # title, stage, (left metrics, label), (right metrics, label)
-        ("pretraining", "pretrain", (("train/loss", "val/loss"), "loss"), ((), "")),
-        ("SFT", "sft", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
-        ("reward model", "rm", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
-        *(
-            (f"{stage.upper()}: greedy answers to held-out prompts", stage,
-             (("eval/gt_score", "eval/reward"), "score"), ((f"{stage}/kl",), "KL to the SFT model (nats)"))
-            for stage in RL_STAGES
-        ),
-    ]  # fmt: skip
+    panels = [  # title, stage, (left metrics, label), (right metrics, label): the first five stages that have one
+        (title, stage.name, *(([m.format(stage=stage.name) for m in names], label) for names, label in axes))
+        for stage in registry.STAGES
+        if stage.panel is not None
+        for title, *axes in [stage.panel]
+    ][:5]
     figure, axes = plt.subplots(2, 3, figsize=(16, 8), dpi=110)
     for ax, (title, stage, left, right) in zip(axes.flat, panels):
         lines = []
@@ -88,7 +78,7 @@ def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]],
                     lines += axis.plot(*zip(*points), style, color=color, label=name, marker=marker, markersize=3)
             if axis is not None:
                 axis.set_ylabel(label)
-        ax.set(title=title, xlabel="rollout" if stage in RL_STAGES else "optimizer step")
+        ax.set(title=title, xlabel=registry.stage_named(stage).x_axis)
         ax.grid(alpha=0.3)
         if lines:
             ax.legend(lines, [line.get_label() for line in lines], fontsize=8)

@@ -1,18 +1,9 @@
-"""The pipeline in Weights & Biases: one group per pipeline run, the report's figures in each stage's run summary,
-and the report itself as an artifact of a pipeline-level run, so that the group's table in W&B shows the report's.
+"""The pipeline in Weights & Biases: one group per pipeline run (``NAME-ID``, kept in ``pipeline_wandb.json``), the
+report's figures in each stage's run summary, and the report as a versioned artifact of a pipeline-level run.
 
-Owns: the pipeline's W&B record (``pipeline_wandb.json`` in the pipeline folder: the group, and what was last
-written to W&B), when a pipeline run begins, the summary keys (``report/...``) and the ``report`` artifact, and
-the lines that list the W&B runs at the end.
-Does not own: the stages' runs (trainer/loggers.py starts them, with ``job_type`` = the stage), the numbers
-(alignment/commands/pipeline_eval.py) nor the report (alignment/commands/pipeline_report.py).
-Choices: a pipeline run begins when its first model stage trains from scratch (a new folder, or a change that
-re-trains every stage after it, a new seed say) and gets the group ``NAME-ID``; resuming it, or re-running it so
-that later stages re-train, keeps the group, so the group holds the runs behind the models in ``report.md``. The
-report's figures exist only once every model has been evaluated, after the stages' own runs ended, so each stage's
-run is reopened by its id (``resume="allow"``; offline, one more folder that ``wandb sync`` adds to the same run)
-and only when its figures changed. The report run (``job_type`` report) keeps one id per group and logs each new
-report as a new version of the artifact ``report-GROUP``.
+A pipeline run begins when its first model stage trains from scratch; resuming it, or re-running later stages, keeps
+the group. The figures exist only after every model is evaluated, so each stage's finished run is reopened by its id,
+and only when its figures changed.
 """
 
 from __future__ import annotations

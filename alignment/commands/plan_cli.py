@@ -1,5 +1,4 @@
-"""The arguments of ``lantern plan`` (alignment/commands/plan.py plans; this module only parses, so that ``lantern
---help`` stays light: it imports no torch)."""
+"""The arguments of ``lantern plan``: only parsing here (no torch), so that ``lantern --help`` stays light."""
 
 from __future__ import annotations
 

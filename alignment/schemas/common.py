@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.config_checks import bounded
+
 
 @dataclass
 class InitConfig:
@@ -12,13 +14,13 @@ class InitConfig:
 
 @dataclass
 class StageLoaderConfig:
-    micro_batch_size: int = 8
-    num_workers: int = 0
+    micro_batch_size: int = bounded(8, ge=1)
+    num_workers: int = bounded(0, ge=0)
 
 
 @dataclass
 class EvalConfig:
-    generations: int = 64  # validation examples answered greedily each validation (exact match)
-    max_new_tokens_margin: int = 8  # each answer may run this many tokens past its reference's length
-    batch_size: int = 16
-    table_rows: int = 16  # answers logged as a W&B table and to val_samples.jsonl
+    generations: int = bounded(64, ge=0)  # validation examples answered greedily each validation (exact match)
+    max_new_tokens_margin: int = bounded(8, ge=0)  # each answer may run this many tokens past its reference's length
+    batch_size: int = bounded(16, ge=1)
+    table_rows: int = bounded(16, ge=0)  # answers logged as a W&B table and to val_samples.jsonl

@@ -1,13 +1,5 @@
-"""Config schema of rejection sampling (``lantern rejection-sampling``): K samples per training prompt scored by
-the reward, the best kept, then SFT on them (``alignment/stages/rejection_sampling.py``).
-
-Choices: the reward is the one section every sampling stage shares (``RewardConfig``, default: the demo's
-checker, as GRPO's); the fine-tuning is the whole SFT schema embedded as the ``sft`` section, so every SFT key
-works under ``sft.`` (``sft.optim.lr``, ``sft.trainer.strategy``, ``sft.data.val`` ...), except what the stage
-sets itself: ``sft.init.checkpoint`` (= ``init.policy``), ``sft.data.train`` (the kept samples),
-``sft.data.tokenizer`` (= ``data.tokenizer``) and ``sft.run`` (= ``run``). There is no separate trainer for
-sampling: it runs on the device ``sft.trainer`` names (a GPU unless ``sft.trainer.accelerator=cpu``).
-"""
+"""The schema of ``lantern rejection-sampling``: K samples per training prompt scored by the reward, the best kept,
+then SFT on them through the embedded ``sft`` section (every SFT key under ``sft.``, bar what the stage sets)."""
 
 from __future__ import annotations
 
@@ -16,6 +8,7 @@ from dataclasses import dataclass, field
 from alignment.schemas.rl import RewardConfig, RewardTermConfig
 from alignment.schemas.sft import SFTConfig
 from data.records.prompts import PromptDataConfig
+from models.config_checks import bounded
 from trainer.config import RunConfig
 
 
@@ -26,16 +19,16 @@ class RejectionSamplingInitConfig:
 
 @dataclass
 class SamplingConfig:
-    samples_per_prompt: int = 8  # K responses sampled per training prompt
-    keep_per_prompt: int = 1  # the best this many distinct responses of each prompt become SFT examples
-    min_score: float | None = None  # keep a response only if its reward is >= this (e.g. 1.0: only correct ones)
+    samples_per_prompt: int = bounded(8, ge=1)  # K responses sampled per training prompt
+    keep_per_prompt: int = bounded(1, ge=1)  # the best this many distinct responses of each prompt become SFT examples
+    min_score: float | None = bounded(None)  # keep a response only if its reward is >= this (1.0: only correct ones)
     keep_truncated: bool = False  # keep responses cut at response_max_tokens (no end of turn) too
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    response_max_tokens: int = 128
-    batch_size: int = 8  # prompts per generation call (each sampled K times: batch_size * K rows)
-    prompts: int = 0  # training prompts sampled: 0 = all of them, else a subset seeded by run.seed
+    temperature: float = bounded(1.0, ge=0)
+    top_k: int | None = bounded(None, ge=1)
+    top_p: float | None = bounded(None, gt=0, le=1)
+    response_max_tokens: int = bounded(128, ge=1)
+    batch_size: int = bounded(8, ge=1)  # prompts per generation call (each sampled K times: batch_size * K rows)
+    prompts: int = bounded(0, ge=0)  # training prompts sampled: 0 = all of them, else a subset seeded by run.seed
 
 
 def rejection_sampling_sft() -> SFTConfig:

@@ -1,11 +1,5 @@
-"""Config schemas of the RL stages, PPO and GRPO/RLOO, and the sections every stage that samples shares: the
-reward (``RewardConfig``) and the held-out evaluation (``RLEvalConfig``).
-
-Choices: a reward is a weighted sum of terms (a reward model, a checker named by import path, exact match), so a
-verifiable reward, a learned one or a mix is one YAML list; the learning rate is constant by default (an RL
-stage's data moves with the policy, so a schedule that decays to a known end fits it badly); PPO and GRPO share
-their sampling, clipping and KL keys through one base dataclass, so the two read the same.
-"""
+"""Config schemas of the RL stages, PPO and GRPO / RLOO, and the sections every sampling stage shares: the reward
+(``RewardConfig``) and the held-out evaluation (``RLEvalConfig``)."""
 
 from __future__ import annotations
 
@@ -14,7 +8,8 @@ from typing import Literal
 
 from data.records.prompts import PromptDataConfig
 from models.adapter_config import PeftConfig
-from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
+from models.config_checks import bounded
+from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
 
 
 def rl_optim(lr: float) -> OptimConfig:
@@ -25,9 +20,8 @@ def rl_optim(lr: float) -> OptimConfig:
 @dataclass
 class RewardTermConfig:
     kind: Literal["reward_model", "checker", "exact_match"] = "checker"
-    # reward_model: the model folder (`lantern rm`), scored normalised by its training mean / std;
-    # checker: "package.module:function" taking (prompt row, answer) -> score in [0, 1] or None (alignment/shared/rewards.py);
-    # exact_match: 1 when the answer equals the prompt's reference answer (a trailing assistant turn or `answer`)
+    # reward_model: a `lantern rm` folder (scores normalised); checker: "package.module:function" of (prompt row,
+    # answer) -> score in [0, 1] or None; exact_match: 1 when the answer is the prompt's reference answer
     path: str = ""
     weight: float = 1.0
 
@@ -40,33 +34,32 @@ class RewardConfig:
 
 @dataclass
 class RLEvalConfig:
-    # the ground truth of held-out answers: "package.module:function" (alignment/shared/rewards.py); "" measures none.
-    # The demo's: data.demo.scoring:score_example
-    checker: str = ""
-    generations: int = 0  # held-out prompts answered greedily at each evaluation; 0: all of them
-    every_n_rollouts: int = 10
-    batch_size: int = 32
-    table_rows: int = 8
-    pass_k: int = 8  # pass@k of k samples (temperature 1) per held-out prompt, before and after training; 0: off
-    pass_k_prompts: int = 100  # held-out prompts pass@k is measured on (k samples each); 0: all
+    checker: str = ""  # held-out answers' ground truth, "package.module:function"; "": none measured
+    generations: int = bounded(0, ge=0)  # held-out prompts answered greedily at each evaluation; 0: all of them
+    every_n_rollouts: int = bounded(10, ge=1)
+    batch_size: int = bounded(32, ge=1)
+    table_rows: int = bounded(8, ge=0)
+    pass_k: int = bounded(8, ge=0)  # pass@k of k samples (temperature 1) per held-out prompt, before and after; 0: off
+    pass_k_prompts: int = bounded(100, ge=0)  # held-out prompts pass@k is measured on (k samples each); 0: all
 
 
 @dataclass
 class RolloutHyperparameters:
     """What PPO and GRPO share: sampling the responses, the clipped ratio, the KL to the reference."""
 
-    minibatch_size: int = 8  # sequences per rank per optimiser step
-    micro_batch_size: int = 4  # sequences per forward/backward (gradient accumulation within a minibatch)
-    epochs: int = 2  # passes over each rollout
-    response_max_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.05
+    minibatch_size: int = bounded(8, ge=1)  # sequences per rank per optimiser step
+    micro_batch_size: int = bounded(4, ge=1)  # sequences per forward/backward (accumulated within a minibatch)
+    epochs: int = bounded(2, ge=1)  # passes over each rollout
+    response_max_tokens: int = bounded(32, ge=1)
+    temperature: float = bounded(1.0, ge=0)  # 0: greedy rollouts
+    top_k: int | None = bounded(None, ge=1)
+    top_p: float | None = bounded(None, gt=0, le=1)
+    clip_ratio: float = bounded(0.2, gt=0)
+    kl_coef: float = bounded(0.05, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k1"
-    entropy_coef: float = 0.0
-    missing_eos_penalty: float | None = 1.0  # subtracted from the score of a response without an end-of-turn
+    entropy_coef: float = bounded(0.0, ge=0)
+    # subtracted from the score of a response without an end-of-turn
+    missing_eos_penalty: float | None = bounded(1.0, ge=0)
     frozen_device: Literal["same", "cpu"] = "same"  # where the reference and reward model live
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -85,21 +78,21 @@ class PPOInitConfig:
 
 @dataclass
 class PPOHyperparameters(RolloutHyperparameters):
-    rollout_batch_size: int = 16  # prompts per rank per rollout
-    clip_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
+    rollout_batch_size: int = bounded(16, ge=1)  # prompts per rank per rollout
+    clip_value: float = bounded(0.2, gt=0)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lam: float = bounded(0.95, ge=0, le=1)
     whiten_advantages: bool = True
     whiten_rewards: bool = False
-    reward_clip: float | None = None  # clip normalised scores to [-c, c]
+    reward_clip: float | None = bounded(None, gt=0)  # clip normalised scores to [-c, c]
     kl_adaptive: bool = False
-    kl_target: float | None = 6.0
-    kl_horizon: int = 10000
-    critic_warmup_rollouts: int = 0  # rollouts that train only the critic
+    kl_target: float | None = bounded(6.0, gt=0)
+    kl_horizon: int = bounded(10000, ge=1)
+    critic_warmup_rollouts: int = bounded(0, ge=0)  # rollouts that train only the critic
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(StageConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(name="ppo"))
     init: PPOInitConfig = field(default_factory=PPOInitConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none
@@ -124,24 +117,24 @@ class GRPOInitConfig:
 
 @dataclass
 class GRPOHyperparameters(RolloutHyperparameters):
-    prompts_per_rollout: int = 8  # prompts per rank per rollout; each is sampled group_size times
-    group_size: int = 8  # G responses per prompt
+    prompts_per_rollout: int = bounded(8, ge=1)  # prompts per rank per rollout; each is sampled group_size times
+    group_size: int = bounded(8, gt=1)  # G responses per prompt: a group of one has no baseline
     # grpo: (score - group mean) / group std; rloo: score - mean of the other G - 1 (leave-one-out)
     baseline: Literal["grpo", "rloo"] = "grpo"
     scale_advantages: bool = True  # grpo only: divide by the group std (False: Dr. GRPO's plain difference)
     # token: every response token weighs the same (DAPO / Dr. GRPO); sequence: every response weighs the same
     # (GRPO's paper), so a one-token answer is not outvoted by long ones in a mixed-length batch
     loss_aggregation: Literal["token", "sequence"] = "token"
-    minibatch_size: int = 32
-    micro_batch_size: int = 16
-    epochs: int = 1
-    kl_coef: float = 0.04
+    minibatch_size: int = bounded(32, ge=1)
+    micro_batch_size: int = bounded(16, ge=1)
+    epochs: int = bounded(1, ge=1)
+    kl_coef: float = bounded(0.04, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"  # k3 = exp(r) - r - 1 >= 0, in the loss (not the reward)
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: float | None = bounded(None, ge=0)
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(StageConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(name="grpo"))
     init: GRPOInitConfig = field(default_factory=GRPOInitConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none

@@ -9,7 +9,7 @@ from alignment.schemas.common import EvalConfig, InitConfig, StageLoaderConfig
 from data.sft.config import SFTDataConfig
 from models.adapter_config import PeftConfig
 from models.model import ModelConfig
-from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, TrainerConfig
+from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
 
 
 @dataclass
@@ -18,7 +18,7 @@ class SFTLossConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(StageConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(name="sft"))
     init: InitConfig = field(default_factory=InitConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters (kind: lora); default: none

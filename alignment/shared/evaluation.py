@@ -1,15 +1,10 @@
-"""Held-out evaluation every stage shares: answers to chat prompts (greedy, or k samples each), their ground-truth
-scores, and the statistics that say whether a difference is real.
+"""Held-out evaluation every stage shares: answers to chat prompts (greedy, or k samples each), their scores, and the
+statistics that say whether a difference is real.
 
-Owns: answering encoded prompts (``sample_answers``, ``answer_prompts``), exact match, scoring held-out prompts with
-a checker into accuracy (pass@1) with its standard error, per task, and pass@k (``heldout_summary``,
-``pass_at_k``), the paired difference of two models on the same prompts (``paired_difference``, ``verdict``), the
-KL of a policy to a reference on its own samples (``sampled_kl``), and the start-up check that held-out prompts
-are disjoint from training prompts (``check_disjoint``).
-Choices: the standard error of a mean of per-prompt scores is sd / sqrt(n) (sample sd); two models answered the
-same prompts, so their difference uses the paired per-prompt differences, whose SE is much smaller than the
-two SEs combined; a difference is called a gain or a loss only beyond 2 SE. pass@k is the unbiased estimator of
-Chen et al. (2021) from n >= k samples. A checker that cannot judge a prompt (None) leaves it out of the mean.
+The standard error of a mean of per-prompt scores is sd / sqrt(n) (sample sd); two models that answered the same
+prompts are compared by their paired per-prompt differences (a much smaller SE than the two combined), and a
+difference is a gain or a loss only beyond 2 SE. pass@k is Chen et al.'s (2021) unbiased estimator from n >= k
+samples. A prompt a checker cannot judge (None) is left out of the mean.
 """
 
 from __future__ import annotations

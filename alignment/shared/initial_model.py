@@ -1,16 +1,6 @@
-"""The model a stage starts from: a checkpoint folder, else a new model seeded with ``run.seed``.
-
-SFT and the reward model's backbone start from ``init.checkpoint``, DPO's policy from ``init.policy`` and its
-reference from ``init.reference``; ``load_initial_model`` loads every one of them, so the seeding is one rule: a
-checkpoint (native, Hugging Face or Meta) is read in fp32 and draws nothing from the RNG; with none,
-``torch.manual_seed(run.seed)`` comes right before ``Transformer(model)``, so every rank and every run builds
-the same weights.
-
-Why here, in alignment/shared/: it is the lowest layer that knows what it reads. The ``init``, ``run`` and
-``model`` sections are the stage schemas' (alignment/schemas), and seeding the global RNG with the run's seed is
-a stage's decision; models/ (the Transformer, the checkpoint formats) and trainer/ (the Lightning
-infrastructure) know no stage config. alignment/stages/sft.py, reward.py (through ``load_initial_reward_model``)
-and dpo.py all import it from here, below them.
+"""The model a stage starts from (``load_initial_model``): a checkpoint folder (native, Hugging Face or Meta, read in
+fp32, drawing nothing from the RNG), else a new model built right after ``torch.manual_seed(run.seed)``, so every rank
+and every run builds the same weights. It lives above models/ and trainer/ because it reads stage config sections.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Loss reductions of the alignment stages.
-
-Every loss here is computed as this micro-batch's *contribution* to the loss of the whole optimizer step
-(all ranks, all accumulation micro-batches): its sum divided by a step-wide count the data pipeline supplies.
-Summing contributions over micro-batches and ranks gives the step's loss exactly, so micro-batch 1 x
-accumulation 8 and micro-batch 8 x accumulation 1 produce the same update — a mean of per-micro-batch means
-would not (it over-weights micro-batches with few tokens).
-"""
+"""Alignment losses and RL maths. A loss here is a micro-batch's share of its optimizer step's loss: its sum
+divided by a count over the whole step (all ranks, all micro-batches), so shares add up to the step's loss."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""A stage's plan with its verdict's knob, and the one line every stage prints before it trains.
+"""A stage's plan with its verdict's knob, and the device a run plans for.
 
-``plan_stage`` plans any stage (alignment/shared/plan.py, plan_rl.py) and, when the peak does not fit, finds the
-setting that makes it fit by planning again with it (``knob``): activation checkpointing or a smaller micro-batch
-when activations lead, sharding over more GPUs, CPU offload or LoRA when the model's state does, the frozen models
-on the host or in bf16 for RL. Every suggestion was planned and fits; the cheapest come first.
-
-``stage_plan_line`` is what a stage hands to trainer/build.py's ``fit_stage``: the plan for the device the run has
-(the GPU it sees, or the host's memory on CPU), as one line.
+``plan_stage`` plans a stage (its record names its plan) and, when the peak does not fit, plans again with the
+setting that would make it fit (``knob``): activation checkpointing or a smaller micro-batch when activations lead,
+more GPUs, CPU offload or LoRA when the model's state does, the frozen models on the host or in bf16 for RL. Every
+suggestion was planned and fits; the cheapest come first. A stage is read through its ``Stage`` record's
+``name``, ``training_prefix``, ``rollout_section``, ``training_section`` and ``plan_without_knob``.
 """
 
 from __future__ import annotations
@@ -16,37 +14,25 @@ from typing import Any
 
 import torch
 
-from alignment.shared.plan import Models, StagePlan, Target, plan_lm_stage, training_sections, with_overrides
-from alignment.shared.plan_rl import plan_rejection_sampling, plan_rl_stage
+from alignment.shared.stage_plan import Models, StagePlan, Target, with_overrides
 from models.memory import GiB
 from trainer.hardware import GPU, gpu_from_device_name
 from trainer.plan import gib
 
-STAGES = ("pretrain", "sft", "rm", "dpo", "ppo", "grpo", "rejection_sampling")
 MAX_GPUS = 4096
 STATE_ITEMS = (" parameters", " gradients", " optimizer states")  # what cpu_offload moves to the host
 
 
-def plan_without_knob(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
-    if stage in ("ppo", "grpo"):
-        return plan_rl_stage(stage, config, models, target)
-    if stage == "rejection_sampling":
-        return plan_rejection_sampling(config, models, target, plan_lm_stage)
-    return plan_lm_stage(stage, config, models, target)
-
-
-def plan_stage(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
+def plan_stage(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
     """The stage's plan; when it does not fit, with the knob that makes it fit."""
-    if stage not in STAGES:
-        raise ValueError(f"no plan for stage {stage!r}: one of {', '.join(STAGES)}")
-    plan = plan_without_knob(stage, config, models, target)
+    plan = stage.plan_without_knob(config, models, target)
     if plan.verdict == "does not fit":
         plan.knob = knob(stage, config, models, target, plan)
     return plan
 
 
-def _fits(stage: str, config: Any, models: Models, target: Target, changes: dict[str, Any]) -> bool:
-    plan = plan_without_knob(stage, with_overrides(config, changes), models, target)
+def _fits(stage: Any, config: Any, models: Models, target: Target, changes: dict[str, Any]) -> bool:
+    plan = stage.plan_without_knob(with_overrides(config, changes), models, target)
     return plan.verdict != "does not fit"
 
 
@@ -59,10 +45,10 @@ def _largest_fitting(fits: Callable[[int], bool], below: int) -> int | None:
     return low or None
 
 
-def knob(stage: str, config: Any, models: Models, target: Target, plan: StagePlan) -> str:
+def knob(stage: Any, config: Any, models: Models, target: Target, plan: StagePlan) -> str:
     """'<the largest item> N GiB: set A, or B' naming settings that each make the peak fit; else what comes closest."""
-    prefix = "sft." if stage == "rejection_sampling" else ""
-    sections = training_sections(config)
+    prefix = stage.training_prefix
+    sections = stage.training_section(config)
     trainer = sections.trainer
     phase = plan.peak_phase
     largest = max(phase.items, key=lambda item: item.bytes)
@@ -74,9 +60,9 @@ def knob(stage: str, config: Any, models: Models, target: Target, plan: StagePla
             return True
         return False
 
-    rl = stage in ("ppo", "grpo")
-    micro_key = f"{stage}.micro_batch_size" if rl else "loader.micro_batch_size"
-    micro = getattr(config, stage).micro_batch_size if rl else sections.loader.micro_batch_size
+    rl = stage.rollout_section
+    micro_key = f"{rl}.micro_batch_size" if rl else "loader.micro_batch_size"
+    micro = getattr(config, rl).micro_batch_size if rl else sections.loader.micro_batch_size
     if trainer.activation_checkpointing != "full":
         if trainer.activation_checkpointing == "none":
             tried(
@@ -90,13 +76,13 @@ def knob(stage: str, config: Any, models: Models, target: Target, plan: StagePla
     if best:
         options.append(f"{prefix}{micro_key} ≤ {best}")
     if rl:
-        hp = getattr(config, stage)
+        hp = getattr(config, rl)
         if hp.frozen_device != "cpu":
-            tried({f"{stage}.frozen_device": "cpu"}, f"{stage}.frozen_device=cpu")
+            tried({f"{rl}.frozen_device": "cpu"}, f"{rl}.frozen_device=cpu")
         if hp.frozen_dtype != "bfloat16":
-            tried({f"{stage}.frozen_dtype": "bfloat16"}, f"{stage}.frozen_dtype=bfloat16")
-    peft = getattr(sections, "peft", None)
-    if peft is not None and not peft.enabled and stage != "pretrain":
+            tried({f"{rl}.frozen_dtype": "bfloat16"}, f"{rl}.frozen_dtype=bfloat16")
+    peft = getattr(sections, "peft", None)  # pretraining has none: it trains every weight
+    if peft is not None and not peft.enabled:
         tried({"peft.kind": "lora"}, f"{prefix}peft.kind=lora")
     if target.gpu is not None:
         options += _more_gpus(stage, config, models, target, prefix, trainer)
@@ -110,15 +96,15 @@ def knob(stage: str, config: Any, models: Models, target: Target, plan: StagePla
     return f"{what}: no one setting makes it fit; {_combined(stage, config, models, target, prefix, micro_key)}"
 
 
-def _combined(stage: str, config: Any, models: Models, target: Target, prefix: str, micro_key: str) -> str:
+def _combined(stage: Any, config: Any, models: Models, target: Target, prefix: str, micro_key: str) -> str:
     """Full activation checkpointing (and, for RL, the frozen models on the host) with the largest micro-batch that
     then fits, or with a micro-batch of 1 and the fewest GPUs FSDP2 needs."""
     base = {prefix + "trainer.activation_checkpointing": "full"}
-    if stage in ("ppo", "grpo"):
-        base[f"{stage}.frozen_device"] = "cpu"
+    rl = stage.rollout_section
+    if rl:
+        base[f"{rl}.frozen_device"] = "cpu"
     named = " ".join(f"{key}={value}" for key, value in base.items())
-    sections = training_sections(config)
-    micro = getattr(config, stage).micro_batch_size if stage in ("ppo", "grpo") else sections.loader.micro_batch_size
+    micro = getattr(config, rl).micro_batch_size if rl else stage.training_section(config).loader.micro_batch_size
     best = _largest_fitting(lambda m: _fits(stage, config, models, target, {**base, prefix + micro_key: m}), micro + 1)
     if best == micro:
         return f"together: {named}"
@@ -126,13 +112,13 @@ def _combined(stage: str, config: Any, models: Models, target: Target, prefix: s
         return f"together: {named} and {prefix}{micro_key} ≤ {best}"
     smallest = with_overrides(config, {**base, prefix + micro_key: 1})
     if target.gpu is not None:
-        gpus = _more_gpus(stage, smallest, models, target, prefix, training_sections(smallest).trainer)
+        gpus = _more_gpus(stage, smallest, models, target, prefix, stage.training_section(smallest).trainer)
         if gpus:
             return f"together: {named}, {prefix}{micro_key}=1 and {gpus[0]}"
     return f"not even with {named}, a micro-batch of 1 and FSDP2 over {MAX_GPUS} GPUs"
 
 
-def _more_gpus(stage: str, config: Any, models: Models, target: Target, prefix: str, trainer: Any) -> list[str]:
+def _more_gpus(stage: Any, config: Any, models: Models, target: Target, prefix: str, trainer: Any) -> list[str]:
     """FSDP2 over the fewest GPUs (of 8 a node past one node) on which the stage fits, if the state is the matter."""
     world = trainer.devices * trainer.num_nodes
     count = world * 2 if trainer.strategy == "fsdp" else max(world, 2)
@@ -159,8 +145,3 @@ def device_target(trainer: Any) -> Target:
     memory = torch.cuda.get_device_properties(0).total_memory / GiB
     flops = float(trainer.peak_tflops or 0.0)
     return Target(GPU("cuda", name, memory, flops, flops, flops, 0.0, "pcie4", "eth-100g"))
-
-
-def stage_plan_line(stage: str, config: Any, models: Models) -> str:
-    """The plan's one line for a stage about to train on this machine's device."""
-    return plan_stage(stage, config, models, device_target(training_sections(config).trainer)).line()

@@ -1,27 +1,22 @@
 """The plans of the stages that sample: PPO and GRPO / RLOO (one rollout a step: generate, score, then train on it) and
-rejection sampling (sample and score once, then SFT). alignment/shared/plan.py holds the rest of the plan and the
-pieces these share with it.
+rejection sampling (sample and score once, then SFT). The RL plan reads its algorithm from the stage record (its
+hyperparameter section and the keys whose product is a rollout's sequences); a critic is planned when the stage
+holds one (``Models.critic``).
 
-What an RL step holds (alignment/stages/rl.py, rl_module.py, ppo_module.py, grpo_module.py):
-- the policy (trained; LoRA: adapters only), PPO's critic (a ``ScalarModel``, trained; its own adapters and head under
-  LoRA), the frozen reference (none under LoRA: the policy with its adapters off) and reward models, the last two in
-  ``frozen_dtype`` on ``frozen_device``;
-- generation: under FSDP2 the policy's weights gathered whole for the rollout (``unsharded_for_generation``), and the
-  KV cache of the rollout batch, (prompt + response) positions, in the weights' dtype; on CUDA the compiled decoder
-  keeps it (and the evaluation batch's) between rollouts (models/fast_decode.py), so it stays during training too;
-- scoring: the old log-probs, the reference's and the critic's values, a micro-batch at a time without gradients,
-  with full (B, width, V) logits; the reward models score the whole rollout at once;
-- training: each micro-batch's policy pass with gradients (full logits, fp32 log-softmax and entropy) and, for PPO,
-  the critic's, backpropagated together.
-Time: decoding is bound by memory bandwidth (every step reads the weights and the cache) at ``DECODE_EFFICIENCY`` of
-the GPU's, an assumption until measured; the forward and training passes run at the table's MFU.
+An RL step holds: the policy (LoRA: adapters only) and PPO's critic, trained; the frozen reference (none under LoRA)
+and reward models in ``frozen_dtype`` on ``frozen_device``; for generation, the policy gathered whole under FSDP2 and
+the rollout's KV cache (kept between rollouts by the compiled decoder on CUDA, so it stays during training too); for
+scoring, full (B, width, V) logits a micro-batch at a time; for training, each micro-batch's policy (and critic)
+pass with gradients. Decoding time is bound by memory bandwidth at ``DECODE_EFFICIENCY`` (an assumption until
+measured); the other passes run at the table's MFU.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from alignment.shared.plan import (
+from alignment.shared.stage_plan import (
     Item,
     Models,
     Phase,
@@ -35,6 +30,7 @@ from alignment.shared.plan import (
     frozen_items,
     lm_flops_per_token,
     peft_of,
+    plan_sft,
     step_timing,
     trained_items,
 )
@@ -50,7 +46,7 @@ from trainer.hardware import mfu_for
 from trainer.plan import model_state, peak_flops
 
 DECODE_EFFICIENCY = 0.6  # share of the memory bandwidth a decode step reaches (assumed, not measured by Lantern)
-CACHE_BUCKET = 128  # models/fast_decode.py's LENGTH_BUCKET: static caches are rounded up to it on CUDA
+CACHE_BUCKET = 128  # the static decoder's LENGTH_BUCKET: its caches are rounded up to it on CUDA
 
 
 def cache_length(width: int, setup: Setup, max_seq_len: int) -> int:
@@ -60,10 +56,11 @@ def cache_length(width: int, setup: Setup, max_seq_len: int) -> int:
     return min(length, max_seq_len)
 
 
-def rollout_shape(stage: str, config: Any) -> tuple[Any, int, int]:
+def rollout_shape(stage: Any, config: Any) -> tuple[Any, int, int]:
     """(the hyperparameter section, sequences one rollout samples per GPU, prompt + response width)."""
-    hp = config.ppo if stage == "ppo" else config.grpo
-    sequences = hp.rollout_batch_size if stage == "ppo" else hp.prompts_per_rollout * hp.group_size
+    algorithm = stage.algorithm
+    hp = getattr(config, algorithm.stage)
+    sequences = math.prod(getattr(hp, key) for key in algorithm.rollout)
     return hp, sequences, config.data.max_prompt_tokens + hp.response_max_tokens
 
 
@@ -81,7 +78,7 @@ def frozen_models(config: Any, models: Models, hp: Any, setup: Setup, reference:
     return items
 
 
-def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
+def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
     """PPO or GRPO: the memory of the rollout's generation and scoring and of the training passes, and a rollout's
     time."""
     trainer = config.trainer
@@ -92,9 +89,8 @@ def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> St
     params = meta_parameters(policy, peft=peft)
     trained = trained_items("policy", params, setup, trainer, peft)
     critic_params = None
-    if stage == "ppo":
-        critic_config = models.critic or policy
-        critic_params = meta_parameters(critic_config, scalar_head=True, peft=peft, trainable=("head.",))
+    if models.critic is not None:
+        critic_params = meta_parameters(models.critic, scalar_head=True, peft=peft, trainable=("head.",))
         trained += trained_items("critic", critic_params, setup, trainer, peft)
     frozen = frozen_models(config, models, hp, setup, reference=peft is None)
     cuda = setup.device == "cuda"
@@ -123,7 +119,7 @@ def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> St
         Item("prefill working set", prefill, "no grad"),
     ], "prefill")  # fmt: skip
     micro = hp.micro_batch_size
-    # under FlexAttention the full-sequence passes pad rows to a multiple of 128 (models/generation.py's flex_bucketed)
+    # under FlexAttention the full-sequence passes pad rows to a multiple of 128 (generation's flex_bucketed)
     padded = min(-(-width // CACHE_BUCKET) * CACHE_BUCKET, policy.max_seq_len) if attention == "flex" else width
     scoring = [logprob_pass_bytes(policy, micro, padded, hp.response_max_tokens, numerics=numerics, attention=attention, grad=False).peak]  # fmt: skip
     if hp.frozen_device != "cpu":  # frozen models on the host score there
@@ -140,7 +136,7 @@ def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> St
     )  # fmt: skip
     if critic_params is not None:
         critic = activation_bytes(
-            models.critic or policy, micro, padded, numerics=numerics, attention=attention, head="scalar",
+            models.critic, micro, padded, numerics=numerics, attention=attention, head="scalar",
             ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, embedding_trains=peft is None,
         )  # fmt: skip
         for name, value in critic.saved.items():
@@ -150,7 +146,7 @@ def plan_rl_stage(stage: str, config: Any, models: Models, target: Target) -> St
     training = Phase("training", [*trained, *frozen, *kept, *act], moment)
     timing = rl_timing(stage, config, models, target, setup, params, critic_params, sequences, width)
     plan = StagePlan(
-        stage, describe_model(policy, params), describe_run(setup, trainer, target),
+        stage.name, describe_model(policy, params), describe_run(setup, trainer, target),
         f"{sequences} sequences of up to {width} tokens per GPU a rollout, micro-batches of {micro}, "
         f"{hp.epochs} epoch(s); one step = one rollout", [generation, score_phase, training], None, "", 0, timing,
     )  # fmt: skip
@@ -172,7 +168,7 @@ def decode_seconds(
 
 
 def rl_timing(
-    stage: str, config: Any, models: Models, target: Target, setup: Setup, params: Any, critic_params: Any,
+    stage: Any, config: Any, models: Models, target: Target, setup: Setup, params: Any, critic_params: Any,
     sequences: int, width: int,
 ) -> Any:  # fmt: skip
     """One rollout: generation (memory-bound decoding), the scoring forwards, the training epochs."""
@@ -189,7 +185,7 @@ def rl_timing(
     )
     critic_fpt = 0.0
     if critic_params is not None:
-        critic_fpt = lm_flops_per_token(models.critic or policy, width, critic_params, head=False)
+        critic_fpt = lm_flops_per_token(models.critic, width, critic_params, head=False)
     training = hp.epochs * (policy_fpt + critic_fpt)
     notes = [f"decoding at {DECODE_EFFICIENCY:.0%} of the memory bandwidth (assumed, not measured by Lantern)"]
     timing = step_timing(
@@ -216,10 +212,10 @@ def rl_timing(
     return timing
 
 
-def plan_sampling(config: Any, models: Models, target: Target) -> tuple[Phase, Any]:
+def plan_sampling(stage: Any, config: Any, models: Models, target: Target) -> tuple[Phase, Any]:
     """Rejection sampling's sampling phase: the policy generating ``batch_size x samples_per_prompt`` rows (no
     optimizer yet), the reward models beside it; and the time of one batch."""
-    setup = Setup.of(config.sft.trainer, target)
+    setup = Setup.of(stage.training_section(config).trainer, target)
     sampling = config.sampling
     policy = models.policy
     params = meta_parameters(policy)
@@ -251,11 +247,10 @@ def plan_sampling(config: Any, models: Models, target: Target) -> tuple[Phase, A
     return phase, seconds
 
 
-def plan_rejection_sampling(config: Any, models: Models, target: Target, plan_sft: Any) -> StagePlan:
-    """Sampling, then the SFT plan of the ``sft`` section on the same policy; the peak is the larger."""
-    phase, seconds = plan_sampling(config, models, target)
-    plan = plan_sft("sft", config.sft, models, target)
-    plan.stage = "rejection_sampling"
+def plan_rejection_sampling(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
+    """Sampling, then the SFT plan of its training section on the same policy; the peak is the larger."""
+    phase, seconds = plan_sampling(stage, config, models, target)
+    plan = plan_sft(stage, stage.training_section(config), models, target)
     plan.phases.insert(0, phase)
     prompts = config.sampling.prompts
     if seconds is not None:

@@ -1,15 +1,7 @@
-"""The reward model's data from the policy's own samples: K answers per training prompt from the policy (the SFT
-model), the one a checker scores best preferred over the one it scores worst; and the measure that says whether a
-reward model can guide RL at all: its agreement with the checker on the policy's samples of held-out prompts.
-
-A reward model trained on synthetic pairs (a correct answer against a rule-corrupted one) agreed with the
-checker on the policy's own samples 52% of the time in the demo, chance: PPO then learned to please it, not the
-task. Pairs from the policy's samples are what the reward model will be asked to judge during RL.
-
-Choices: a prompt gives one pair, its best and worst distinct answers, and none when all its samples score the same
-(no preference to learn); agreement counts every pair of a held-out prompt's samples that the checker tells apart,
-and a tie in the reward model's scores counts half. Sampling runs in one process (rank 0 of a launch does it
-before the others start; see ``alignment/stages/reward.py``).
+"""The reward model's data from the policy's own samples: per training prompt, the answer a checker scores best
+preferred over the one it scores worst (no pair when all score the same); and the reward model's agreement with the
+checker on the policy's samples of held-out prompts (every pair the checker tells apart; a tie in the reward
+model's scores counts half), which says whether it can guide RL. Sampling runs in one process.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Prompt + response rows and what is computed over them, the same way in the rollout, the reference pass and
-the training pass: the response tokens' log-probs and entropies, and the critic's values.
-
-Rows are left-padded prompts (all of length P) followed by right-padded responses; ``real`` marks real
-tokens, from which the document ids and restarting positions come (padding is its own document). The logit
-at position t scores token t+1, so response token j (at P + j) is scored by logits[P + j - 1], and the critic's
-value for it is read at the same position. Under FlexAttention the rows are padded to a length bucket first
-(``models.generation.flex_bucketed``: the compiled kernel then sees a few lengths, not one per rollout) and the
-results cut back to the rows' width.
-"""
+"""Log-probs, entropies and critic values of the response tokens of prompt + response rows (left-padded prompts,
+right-padded responses), computed the same way in the rollout, reference and training passes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""K sampled responses per prompt, scored by the reward: the candidates rejection sampling keeps the best of, and
-the answers the reward model's policy pairs are made from (alignment/shared/policy_pairs.py).
-
-Choices: prompts are batched by length (little padding), each sampled K times side by side in one generate call;
-one generator seeded per rank makes the samples reproducible; every sample keeps its answer, total and per-term
-score, length and whether it ended its turn, in prompt order (prompt i's samples at i*K .. i*K + K - 1).
+"""K sampled responses per prompt, scored by the reward (``sample_and_score``): rejection sampling's candidates and the
+reward model's policy pairs. Prompts are batched by length, each sampled K times in one generate call, from one
+generator seeded per rank; results come in prompt order (prompt i's samples at i*K .. i*K + K - 1), each with its
+answer, total and per-term score, length and whether it ended its turn.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The DPO stage (`lantern dpo`), as a recipe: check the config, load the policy (and the frozen reference),
-build the preference pairs (data/preference/dpo.py's ``DPODataModule``: the reward model's pairs with the response
-tokens of each side as targets), then fit ``DPOModule`` (alignment/stages/dpo_module.py, which owns the loss, the
-reference log-probs and the logging) with the callbacks every stage has, exporting the policy to ``final/`` as SFT
-does. With precomputed reference log-probs, their cache is keyed by ``reference_cache_key``.
-
-With ``peft.kind: lora`` the policy gets LoRA adapters and, without an ``init.reference``, the reference is the
-policy itself with its adapters off (as TRL does): no second copy of the weights. An explicit ``init.reference``
-is still loaded as a separate frozen model.
-"""
+"""The DPO stage's recipe (``run_dpo``): check the config, load the policy (and the frozen reference, or with
+LoRA the policy with its adapters off), build the preference pairs, fit ``DPOModule`` and export the policy."""
 
 from __future__ import annotations
 
@@ -22,9 +14,9 @@ from torch import Tensor, nn
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import stage_plan_line
+from alignment.shared.stage_plan import Models
 from alignment.stages.dpo_module import DPOModule, reference_dtype
+from alignment.stages.registry import stage_named
 from alignment.stages.reward import preference_data, preference_stage_callbacks
 from data.preference.dpo import DPODataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -38,7 +30,7 @@ from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
-# bump when what the reference table holds, or how responses are found (data/preference/dpo.py), changes
+# bump when what the reference table holds, or how responses are found, changes
 CACHE_FORMAT = 1
 
 
@@ -99,7 +91,7 @@ def base_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def reference_cache_key(config: DPOConfig, reference: nn.Module, datamodule: DPODataModule) -> str:
-    """What the precomputed reference table depends on (models/digests.py's key): the reference's weights (their
+    """What the precomputed reference table depends on: the reference's weights (their
     bytes), the pairs of both splits (their ids), the numerics the reference runs in, and the table's format.
     ``reference`` is the frozen reference, or the policy whose base (adapters off) is the reference: its base's
     weights are hashed, never the adapters (which train, and are zero at the start anyway)."""
@@ -163,5 +155,5 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
         policy.config, reference=reference.config if config.init.reference and reference is not None else None
     )
     del policy, reference  # the module holds them now; a precomputed reference is freed once it is scored
-    plan = partial(stage_plan_line, "dpo", config, models)
+    plan = partial(stage_named("dpo").plan_line, config, models)
     return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

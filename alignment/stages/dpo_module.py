@@ -1,35 +1,6 @@
-"""DPOModule: direct preference optimisation of a policy against a frozen reference (DPO, IPO) or none (SimPO).
-The stage around it (checks, models, callbacks) is alignment/stages/dpo.py, its data data/preference/dpo.py.
-
-One forward per micro-batch: the preference batch's rows are [chosen_0 .. chosen_{B-1}, rejected_0 ..
-rejected_{B-1}] (data/preference/pairs.py), and ``response_logprob_sums`` scores all 2B rows at once through the
-model's own per-token loss (``Transformer.token_losses``, fused with the LM head and chunked, so the (2B, T, V)
-logits never exist; ``models.generation.sequence_logprobs`` computes the same log-softmax from full fp32 logits,
-and the tests hold the two equal), whose targets are the response tokens only. Rows are right-padded, so plain
-causal attention already hides the padding from every real token: no document mask. A side's sequence log-prob
-is the sum over its response tokens for DPO and their mean for IPO and SimPO (``alignment.shared.losses.preference_loss``
-says why).
-
-The reference is frozen and kept out of the module tree, as PPO's (alignment/stages/ppo_module.py): never
-checkpointed, never sharded or moved by Lightning; a resume rebuilds it from its folder. It runs in the
-numerics the policy computes in: Lightning's autocast under bf16-mixed, and cast to bf16 where the policy's
-parameters are bf16 for compute (bf16-true, or FSDP2's bf16 mixed-precision policy). With
-``loss.reference_logprobs=precompute`` it scores every train and val pair once in ``on_fit_start`` (each rank
-its share, summed over ranks), the table is cached in the run folder under a hash of what determines it
-(alignment/stages/dpo.py's ``reference_cache_key``), so a resume reuses exactly the same numbers, and the reference is
-dropped. ``on_the_fly`` keeps it and scores each micro-batch beside the policy; the two differ only by float
-rounding (the batches they score are laid out differently).
-
-With LoRA adapters (``peft.kind: lora``) and no ``init.reference``, there is no frozen copy: the reference is the
-policy itself with its adapters switched off (``models.adapters.adapters_disabled``, TRL's trick), run under
-``torch.no_grad`` in the policy's own numerics and, under FSDP2, on its shards (the precompute pass runs the same
-number of forwards on every rank, as the policy's all-gathers need). At step 0 the adapters add exactly zero (LoRA's
-B starts at zero), so the policy equals its reference as with two copies.
-
-Reduction: a micro-batch returns its real pairs' loss sum over the pairs of the whole optimizer step
-(``step_pairs``, alignment/shared/losses.py's convention), scaled back for Lightning's accumulation and the ranks'
-gradient averaging, so micro-batch 1 x accumulation 8 gives the update of 8 x 1 on any number of ranks.
-"""
+"""``DPOModule``: direct preference optimisation of a policy against a frozen reference (DPO, IPO) or none (SimPO).
+Chosen and rejected rows are scored in one forward through the fused per-token loss; the reference's log-probs are
+precomputed once (cached in the run folder) or scored beside each micro-batch."""
 
 from __future__ import annotations
 
@@ -230,7 +201,7 @@ class DPOModule(LanguageModelModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, sums = self.pair_terms(batch, "train")
         step_pairs = batch["step_pairs"].clamp(min=1)
-        return self.step_share(loss / step_pairs, sums[:5] / step_pairs)
+        return self.loss_to_backpropagate(loss / step_pairs, sums[:5] / step_pairs)
 
     # ---- validation: the same numbers on held-out pairs ----
 

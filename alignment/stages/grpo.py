@@ -1,7 +1,5 @@
-"""The GRPO / RLOO stage: what GRPO brings to the RL recipe (alignment/stages/rl.py, ``run_rl``). Its reward is a
-checker by default (a verifiable reward; or a reward model, exact match, or a weighted sum:
-alignment/shared/rewards.py), each prompt is sampled ``grpo.group_size`` times, and there is no critic: the group is
-the baseline. ``GRPOModule`` (alignment/stages/grpo_module.py) owns the rollouts and the update.
+"""The GRPO / RLOO stage (``GRPO``, ``run_grpo``): a checker by default, ``grpo.group_size`` samples per prompt and
+no critic (the group is the baseline).
 
     lantern grpo configs/grpo/tiny.yaml grpo.baseline=rloo
 """

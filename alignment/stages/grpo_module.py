@@ -1,15 +1,6 @@
-"""GRPOModule: critic-free RL. Each rollout samples ``group_size`` responses to each prompt, scores them with the
-stage's reward, and gives every response one advantage from its group: GRPO's (score - group mean) / group std,
-or RLOO's score - mean of the other G - 1. The policy then follows the clipped surrogate (PPO's loss, token-level)
-with the KL to the frozen reference (k3 by default; with peft.kind=lora, the policy with its adapters off) in the
-loss rather than in the reward. The stage around it is the RL recipe of alignment/stages/rl.py (GRPO's reward and plots: alignment/stages/grpo.py); sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
-
-Choices: no critic and no value loss, so one optimiser; the loss of a minibatch is divided by its valid tokens over
-all ranks (the token-level normalisation of DAPO / Dr. GRPO: a long response does not get less weight per token);
-a group of one prompt's responses never splits across ranks (each rank samples whole groups), so the group
-statistics need no communication; old log-probs come from the training pass in the first epoch's micro-batches,
-so the first ratio is exactly 1.
-"""
+"""``GRPOModule``: critic-free RL. Each rollout samples ``group_size`` responses per prompt, gives each the group
+advantage (GRPO's normalised score or RLOO's leave-one-out), and follows the clipped surrogate with the KL to the
+reference in the loss, normalised by the minibatch's tokens (or responses) over all ranks."""
 
 from __future__ import annotations
 
@@ -129,9 +120,7 @@ class GRPOModule(RLModule):
                     kl, entropy_sum = kl_tokens.sum(), (entropy * micro_mask).sum()
                     penalty = ((grpo.kl_coef * kl_tokens - grpo.entropy_coef * entropy) * weights).sum()
                     loss = policy_loss + penalty / weight_total
-                    # DDP/FSDP average gradients over ranks; weight_total above is already global
-                    self.manual_backward(loss * self.trainer.world_size)
-                    self.stop_if_not_finite(loss)
+                    self.manual_backward(self.loss_to_backpropagate(loss))
                     if epoch == 0 and start == 0:
                         deviation = ((logp - old_logp[micro]).abs() * micro_mask).max().detach()
                         first_log_ratio = torch.maximum(first_log_ratio, deviation)

@@ -1,12 +1,5 @@
-"""The PPO stage (RLHF): what PPO brings to the RL recipe (alignment/stages/rl.py, ``run_rl``). Its reward is the
-reward model of ``init.reward_model`` unless ``reward.terms`` name one (a reward model, a checker, or a weighted sum:
-alignment/shared/rewards.py); beyond the policy and its frozen reference it trains a critic, copied from the reward
-model (in its normalised units) or a fresh value head on the policy's backbone. ``PPOModule``
-(alignment/stages/ppo_module.py) owns the rollouts and the PPO update.
-
-With ``peft.kind: lora`` the critic gets its own LoRA adapters (``ppo_adapters``; its base is the reward model it
-is copied from, or the policy as loaded) and its score head trains whole, as the reward model's does.
-"""
+"""The PPO stage (``PPO``, ``run_ppo``): a reward model by default, and a critic copied from it (in its normalised
+units) or a fresh value head on the policy's backbone; with LoRA the critic gets its own adapters."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""PPOModule: optimise the SFT policy against a reward (a reward model, a checker, or a weighted sum), with a
-KL penalty to the SFT reference (with peft.kind=lora, the policy with its adapters off) and a critic. The stage around it (checks, model loading, callbacks) is the RL
-recipe of alignment/stages/rl.py, with PPO's models and reward from alignment/stages/ppo.py; sampling, the frozen models, evaluation and checkpointed RL state are alignment/stages/rl_module.py's.
-
-Each training step is one rollout: generate responses to a batch of prompts (KV cache, policy in eval mode,
-FSDP weights gathered once), score them, then several PPO epochs over minibatches. Optimisation is manual:
-two optimisers (policy, critic) with their own schedules (constant by default). Lightning's global step counts
-rollouts. Scores are in normalised units (a reward model's by its training mean / std), and so are the critic's
-values: ``load_ppo_models`` rescales a critic copied from the reward model to them.
-
-Rollout, reference and training passes all read log-probs and values through alignment/shared/responses.py (which
-states the position alignment) at the same temperature, so the first PPO ratio is exactly 1.
-"""
+"""``PPOModule``: each global step is one rollout (sample, score, GAE against the critic, with a KL penalty to the
+reference in the reward) and several clipped-surrogate epochs over minibatches, with two optimisers (policy,
+critic); the first minibatch's ratio is exactly 1."""
 
 from __future__ import annotations
 
@@ -178,9 +168,7 @@ class PPOModule(RLModule):
                     loss = value_loss
                     if train_policy:
                         loss = loss + policy_loss - ppo.entropy_coef * entropy_sum / token_count
-                    # DDP/FSDP average gradients over ranks; the token_count above is already global
-                    self.manual_backward(loss * self.trainer.world_size)
-                    self.stop_if_not_finite(loss)
+                    self.manual_backward(self.loss_to_backpropagate(loss))
                     if epoch == 0 and start == 0:
                         deviation = ((logp - rollout.old_logp[micro]).abs() * mask).max().detach()
                         first += torch.stack(

@@ -1,7 +1,5 @@
-"""The pretraining stage: ``PretrainModule`` (next-token loss over packed windows of the token shards, the
-token mean taken over every rank) and ``run_pretrain``, its recipe: check the config, the tokenizer and the
-prepared data, build the datamodule, then fit with the callbacks every stage has.
-Does not own: preparing the shards (data/pretrain/prepare.py, ``lantern prepare``) nor the model (models/model.py)."""
+"""Pretraining: next-token loss over packed windows of prepared token shards (``PretrainModule``), and its recipe
+``run_pretrain``."""
 
 from __future__ import annotations
 
@@ -14,8 +12,8 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import stage_plan_line
+from alignment.shared.stage_plan import Models
+from alignment.stages.registry import stage_named
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
 from data.tokenizer.tokenizer import Tokenizer
@@ -28,10 +26,10 @@ from trainer.callbacks import LossPlot
 from trainer.checks import check_context_length
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
-from trainer.parallel import token_mean_over_ranks
 
 
 class PretrainModule(LanguageModelModule):
+    step_metrics = ("loss",)
     validation_sums = ("loss", "tokens")  # sum and count: the reported loss is the true token average
     progress_bar = ("loss", "perplexity")
 
@@ -56,10 +54,10 @@ class PretrainModule(LanguageModelModule):
         )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = token_mean_over_ranks(self._losses(batch).sum(), (batch["targets"] != IGNORE_INDEX).sum(), self.trainer)
-        self.stop_if_not_finite(loss)
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
-        return loss
+        # the step's tokens are not known before its last micro-batch: each micro-batch counts for 1 / accumulation
+        tokens = self.sum_over_ranks((batch["targets"] != IGNORE_INDEX).sum().float()).clamp(min=1)
+        step_tokens = tokens * self.trainer.accumulate_grad_batches
+        return self.loss_to_backpropagate(self._losses(batch).sum() / step_tokens)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         losses = self._losses(batch)
@@ -112,7 +110,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
         *(extra_callbacks or []),
     ]
-    plan = partial(stage_plan_line, "pretrain", config, Models(config.model))
+    plan = partial(stage_named("pretrain").plan_line, config, Models(config.model))
     if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks, plan=plan) is None:
         return None  # not rank 0
     if config.sample.prompt:

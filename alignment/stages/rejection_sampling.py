@@ -1,30 +1,6 @@
-"""Rejection sampling (``lantern rejection-sampling``), as a recipe: check the config, load the training
-prompts, sample K responses per prompt from the SFT policy, score them with the reward, keep the best, then
-fine-tune on them with the SFT stage (``run_sft``) from the same policy.
-
-Choices:
-
-- One run folder, ``run.out_dir/run.name``, holds both parts: ``samples.jsonl`` (the kept responses as SFT chat
-  records ``{"messages": [...prompt..., {"role": "assistant", ...}], "score", ...}``), ``sampling.json``
-  (statistics, and the hash of the sampling config and its inputs) and, from ``run_sft``, the SFT run itself
-  (``config.yaml``, ``checkpoints/``, ``final/``, which the pipeline reads).
-- Resume: ``sampling.json`` is written last, after ``samples.jsonl`` (both atomically), and records a hash of
-  what decides the samples (the ``data``, ``reward`` and ``sampling`` sections, ``run.seed``, the prompts
-  as encoded, the tokenizer, and the names / sizes / mtimes of the policy's and reward models' files) and of
-  ``samples.jsonl``. A rerun whose hash matches does not sample again and goes straight to SFT, which resumes
-  from its latest checkpoint (``sft.`` keys are not in the hash: more ``sft.trainer.max_steps`` continues).
-  A changed hash samples again, unless the folder holds SFT checkpoints trained on the old samples: then the
-  run stops before any compute (new ``run.name``, or ``sft.checkpoint.resume=none`` to start SFT over).
-- Selection (``select_best``): per prompt the ``keep_per_prompt`` highest-scoring distinct, non-empty responses
-  that ended with an end of turn (or any, with ``sampling.keep_truncated``); ties go to the shorter, then the
-  first sampled; nothing scoring below ``sampling.min_score`` is ever kept. A prompt longer than
-  ``data.max_prompt_tokens`` is sampled cut (as PPO's are), but its record holds the whole prompt.
-- Processes: sampling runs before ``run_sft``, on global rank 0 (one device). Lightning's launcher (DDP /
-  FSDP2 with ``sft.trainer.devices > 1``) starts the other ranks from inside ``run_sft``, after sampling: they
-  rerun this recipe, find the finished sampling by its hash and skip it. Ranks started together by an outside
-  launcher (torchrun, SLURM) wait for rank 0's ``sampling.json``. If the caller has already initialised
-  ``torch.distributed``, the prompts are sharded over its ranks and gathered on rank 0 instead.
-"""
+"""Rejection sampling (``run_rejection_sampling``): sample K responses per training prompt from the SFT policy, score
+them, keep the best per prompt (``select_best``), then fine-tune on them with ``run_sft``, in one run folder. A rerun
+whose sampling hash (``sampling_digest``) matches skips sampling."""
 
 from __future__ import annotations
 
@@ -48,21 +24,17 @@ from alignment.shared.sampling import sample_and_score
 from alignment.stages.sft import run_sft
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import sha256_file, write_atomically
+from models.atomic import write_atomically
 from models.checkpoint import load_checkpoint, load_model_config
+from models.checksums import sha256_file
 from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError, DataError, LanternError
 from models.model import ModelConfig
 from trainer.build import check_stage_config, run_directory
+from trainer.checkpoints import latest_checkpoint
 from trainer.checks import check_context_length
 from trainer.config import RunConfig, to_dict
-from trainer.storage import (
-    claim_run_directory,
-    is_global_rank_zero,
-    latest_checkpoint,
-    lock_run_directory,
-    release_run_directory,
-)
+from trainer.storage import claim_run_directory, is_global_rank_zero, lock_run_directory, release_run_directory
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +142,8 @@ def load_training_prompts(config: RejectionSamplingConfig) -> list[dict[str, Any
 
 
 def sampling_digest(config: RejectionSamplingConfig, prompts: list[dict[str, Any]], tokenizer: Tokenizer) -> str:
-    """The key of what decides the samples (see the module docstring)."""
+    """The hash of what decides the samples: the data, reward and sampling sections, run.seed, the prompts as
+    encoded, the tokenizer, and the names, sizes and mtimes of the models' files (not the ``sft.`` keys)."""
     settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling")}
     models = [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]
     return content_key(

@@ -1,16 +1,6 @@
-"""Reward model: a scalar head on the SFT model, trained with the Bradley-Terry loss on preference pairs.
-
-Each batch scores chosen and rejected sides in one forward (data/preference/pairs.py lays them out); the reward of a
-side is the head's output at its last real token, the reply's <|eot_id|>. The loss of a pair is
--log sigmoid(r_chosen - r_rejected - margin); a micro-batch returns its pairs' sum divided by the pairs of
-the whole optimizer step (alignment/shared/losses.py's convention), so 1 x 8 accumulation equals 8 x 1.
-
-At the end, the reward's mean and std over (up to ``loss.normalization_pairs``) training pairs go into the
-exported model's metadata: PPO computes ``(reward - reward_mean) / reward_std`` (``alignment.shared.rewards.normalize_reward``).
-
-``policy_samples`` trains (or refreshes) the model on the policy's own samples labelled by a checker, and
-measures its agreement with the checker on the policy's samples of held-out prompts (alignment/shared/policy_pairs.py).
-"""
+"""The reward model (``RewardModule``, ``run_rm``): a scalar head on the SFT model trained with the Bradley-Terry loss
+on preference pairs, read at each side's last real token; the exported metadata holds the reward's training mean and
+std, and ``policy_samples`` trains on (and measures agreement with a checker on) the policy's own samples."""
 
 from __future__ import annotations
 
@@ -26,9 +16,9 @@ from torch import Tensor
 
 from alignment.schemas.reward import RMConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import stage_plan_line
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
+from alignment.shared.stage_plan import Models
+from alignment.stages.registry import stage_named
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.heads import ScalarModel
@@ -98,7 +88,7 @@ class RewardModule(LanguageModelModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, sums = self._pair_sums(batch)
         step_pairs = batch["step_pairs"].clamp(min=1)
-        return self.step_share(loss / step_pairs, sums[:3] / step_pairs)
+        return self.loss_to_backpropagate(loss / step_pairs, sums[:3] / step_pairs)
 
     # ---- validation: pairwise accuracy on held-out pairs ----
 
@@ -206,7 +196,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     ]
     module = RewardModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    plan = partial(stage_plan_line, "rm", config, Models(model.config))
+    plan = partial(stage_named("rm").plan_line, config, Models(model.config))
     run_dir = fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)
     if run_dir is not None and samples.policy and samples.checker and samples.heldout:  # rank 0, after the export
         result = measure_agreement(config, run_dir, tokenizer)

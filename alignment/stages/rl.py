@@ -1,16 +1,6 @@
-"""The one recipe of the RL stages, PPO and GRPO / RLOO alike: check the config, build the reward (alignment/shared/
-rewards.py), load the policy and its frozen reference from SFT, build the prompts data (held-out prompts disjoint
-from the training ones), then fit the algorithm's module with the callbacks every stage has.
-
-What differs between the algorithms is data and a few hooks, an ``RLAlgorithm``: PPO's (a reward model by default,
-a critic) is in alignment/stages/ppo.py, GRPO's (a checker by default, no critic) in alignment/stages/grpo.py. Their
-modules own the rollouts and the update (ppo_module.py, grpo_module.py, over rl_module.py).
-
-With ``peft.kind: lora`` the policy gets LoRA adapters (its base: ``init.policy``) and there is no reference copy:
-the reference is the policy with its adapters off (rl_module.py's ``reference_logprobs``). The extra models are
-built first, from the policy as loaded, so a critic copied from it never carries the policy's adapters; the
-algorithm gives them their own (``extra_adapters``: PPO's critic).
-"""
+"""The one recipe of the RL stages, PPO and GRPO / RLOO (``run_rl``): check the config, build the reward, load the
+policy and its reference, build disjoint training and held-out prompts, then fit the algorithm's module. What
+differs between algorithms is an ``RLAlgorithm``."""
 
 from __future__ import annotations
 
@@ -29,10 +19,10 @@ from torch import nn
 
 from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import stage_plan_line
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, load_checker
+from alignment.shared.stage_plan import Models
+from alignment.stages.registry import stage_named
 from alignment.stages.rl_module import RLModule
 from data.records.prompts import PromptDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -68,7 +58,7 @@ class RLAlgorithm:
     # the models beyond the policy and its reference (PPO's critic), by the module's keyword; they may check the reward
     extra_models: Callable[[Any, Transformer, Reward], dict[str, nn.Module]] = no_extra_models
     # with peft.kind=lora: adds the extra models' own adapters, in place, and returns their bases' records
-    # (alignment/shared/initial_model.py's ``add_model_adapters``) by the module attribute that holds each model
+    # by the module attribute that holds each model
     extra_adapters: Callable[[Any, dict[str, nn.Module], Reward], dict[str, dict[str, Any]]] = no_extra_adapters
 
     def hyperparameters(self, config: Any) -> Any:
@@ -161,5 +151,5 @@ def run_rl(
     planned = Models(
         policy.config, rewards=[scorer.model.config for scorer in reward.models], critic=getattr(critic, "config", None)
     )
-    plan = partial(stage_plan_line, algorithm.stage, config, planned)
+    plan = partial(stage_named(algorithm.stage).plan_line, config, planned)
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False, plan=plan)

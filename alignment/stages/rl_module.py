@@ -1,18 +1,5 @@
-"""What every RL stage's LightningModule shares (PPO in ppo_module.py, GRPO/RLOO in grpo_module.py): sampling
-responses, the frozen reference and reward, held-out evaluation, and the bookkeeping of manual optimisation.
-
-Owns: the frozen models (kept out of the module tree: never checkpointed, sharded or moved by Lightning; placed by
-``frozen_device`` / ``frozen_dtype``; with LoRA adapters there is no frozen reference: it is the policy with its
-adapters off, on the policy's device and in its numerics, so those two keys then place the reward model only), the
-sampler (a generator on the device that samples, part of the checkpoint), ``sample`` (prompt + response rows
-through ``models.generation.generate``), ``score`` (the one ``alignment.shared.rewards.Reward``, with the missing
-end-of-turn penalty), the reference's log-probs, one training step = one rollout (``rl_step``, the subclass's)
-counted as one global step, held-out evaluation (greedy pass@1 with its standard error per task, pass@k before and
-after, the reward of the greedy answers) written to ``eval.csv``, ``eval.png`` and ``heldout.json`` beside the run.
-Choices: evaluation samples with its own generator (seeded by run.seed and the step), so how often one evaluates
-never changes the training samples; each rank answers its share of the held-out prompts and the per-prompt
-scores are gathered, so a multi-rank run reports what a single process would.
-"""
+"""What PPO and GRPO share (``RLModule``): sampling with a checkpointed generator, the frozen reference and reward,
+the reference's log-probs, one global step per rollout, and held-out evaluation written beside the run."""
 
 from __future__ import annotations
 
@@ -25,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
 from alignment.shared.responses import response_logprobs
@@ -38,7 +25,7 @@ from models.generation import generate, left_pad
 from models.model import Transformer
 from trainer.callbacks import write_curves
 from trainer.lm_module import LanguageModelModule
-from trainer.parallel import grad_norm_and_clip, unsharded_for_generation
+from trainer.parallel import unsharded_for_generation
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +65,8 @@ class RLModule(LanguageModelModule):
             raise ValueError("an RL stage needs a reference model, or a policy with adapters (its base is then one)")
         # None: the reference is the policy with its adapters off (reference_logprobs), no second copy of the weights
         self.frozen = {} if reference is None else {"reference": reference.eval().requires_grad_(False)}
-        self.checker = checker  # the ground truth of held-out answers (alignment/shared/rewards.py); None: not measured
+        self.checker = checker  # the ground truth of held-out answers; None: not measured
         self.eval_history: dict[str, list[tuple[int, float]]] = {}
-        self.grad_norms: dict[str, float] = {}
         self.heldout: dict[str, Any] = {}  # "before" / "after": summaries written to heldout.json
         # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
         # on another device), which is only known once Lightning has placed the module: see on_fit_start.
@@ -120,9 +106,6 @@ class RLModule(LanguageModelModule):
             self.sampler.manual_seed(self.config.run.seed + step)
         self._pending_sampler_state = None
 
-    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
-        return self.trainer.strategy.reduce(tensor, reduce_op="sum") if self.trainer.world_size > 1 else tensor
-
     def global_mean(self, values: Tensor) -> float:
         """The mean of ``values`` over every rank's elements."""
         pair = self.sum_over_ranks(
@@ -145,21 +128,13 @@ class RLModule(LanguageModelModule):
         for name, value in metrics.items():
             shown = name in ("score", "kl", "accuracy")
             self.log(f"{self.stage}/{name}", float(value), on_step=True, prog_bar=shown, rank_zero_only=True)
-        self._count_rollout()
+        self.count_global_step()
         last = self.global_step >= self.trainer.max_steps
         if self.global_step % self.config.eval.every_n_rollouts == 0 or last:
             self.evaluate(pass_k=last)
 
     def rl_step(self, prompts: list[dict]) -> dict[str, float]:
         raise NotImplementedError(f"{type(self).__name__} must implement rl_step")
-
-    def _count_rollout(self) -> None:
-        """Lightning counts a global step per optimiser.step() under manual optimisation; RL steps its torch
-        optimisers many times per rollout and counts the rollout here, so trainer.max_steps, checkpoint
-        intervals and plots are all in rollouts."""
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        progress.increment_ready()
-        progress.increment_completed()
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]]) -> Responses:
@@ -212,23 +187,6 @@ class RLModule(LanguageModelModule):
         device = next(reference.parameters()).device
         logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]
         return logp.to(device=self.device, dtype=torch.float32)
-
-    def apply_update(self, *updates: tuple[Any, Any, nn.Module, float | None, str]) -> None:
-        """One minibatch's update through the shared NaN/Inf guard (``check_finite_step``, trainer.max_nonfinite_steps):
-        each (optimizer, schedule, module, max_norm, name) has its gradients clipped, then every optimizer steps, or,
-        when a loss, reward or gradient norm noted for the update is not finite, none does (the gradients are
-        dropped). The schedules advance either way; ``grad_norms[name]`` keeps the rollout's last norm."""
-        norms = [grad_norm_and_clip(module.parameters(), max_norm) for _, _, module, max_norm, _ in updates]
-        for (*_, name), norm in zip(updates, norms):
-            self.stop_if_not_finite(norm, f"{name} gradient norm")
-        skipped = self.check_finite_step()
-        for (optimizer, schedule, _, _, name), norm in zip(updates, norms):
-            self.grad_norms[name] = float(norm)
-            if skipped:  # as SkipNonFiniteSteps does: no gradients, so the step changes no weight and no state
-                optimizer.zero_grad(set_to_none=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
 
     def write_samples(self, prompts: list[dict], answers: list[str], scores: Tensor) -> None:
         """A W&B table of the rollout's first ``eval.table_rows`` responses and their scores."""

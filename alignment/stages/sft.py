@@ -1,9 +1,6 @@
-"""Supervised fine-tuning: next-token loss on the assistant turns of chat examples, packed or padded.
-
-The loss reduction is configurable: ``token`` averages over every supervised token of the step, ``example``
-averages each example first (see ``alignment/shared/losses.py``). Validation reports loss overall and for short- and
-long-answer examples, and the exact-match accuracy of greedy (KV-cache) answers.
-"""
+"""Supervised fine-tuning (``SFTModule``, ``run_sft``): next-token loss on the assistant turns of chat examples,
+averaged over the step's tokens or its examples (``loss.reduction``); validation reports loss by answer length and
+the exact match of greedy answers."""
 
 from __future__ import annotations
 
@@ -22,8 +19,8 @@ from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
-from alignment.shared.plan import Models
-from alignment.shared.plan_knobs import stage_plan_line
+from alignment.shared.stage_plan import Models
+from alignment.stages.registry import stage_named
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError
@@ -77,7 +74,7 @@ class SFTModule(LanguageModelModule):
             step_tokens=batch["step_tokens"],
             step_examples=batch["step_examples"],
         )
-        return self.step_share(share)
+        return self.loss_to_backpropagate(share)
 
     # ---- validation: loss by answer length, then greedy answers ----
 
@@ -259,5 +256,5 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, 
     ]
     module = SFTModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    plan = partial(stage_plan_line, "sft", config, Models(model.config))
+    plan = partial(stage_named("sft").plan_line, config, Models(model.config))
     return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

@@ -1,15 +1,5 @@
 """
 The demo tasks' corpus: the bundled Shakespeare text parsed into speeches, split pools and passages.
-
-Owns: parsing (Speech, parse_speeches), the corpus-wide tables the tasks sample from (Corpus: speaker names
-short enough for one-or-two-token answers, probe words), the fixed train/val split of speeches (Corpus.pool,
-Pool) and passage sampling (Pool.passage, Passage.text).
-Does not own: the tasks built from passages (data/demo/examples.py), scoring (data/demo/scoring.py), the
-files on disk (data/demo/tasks.py).
-Choices: the split is by blocks of SPLIT_BLOCK consecutive speeches under a FIXED seed, so val speeches are the
-same for every sampling seed and a passage never straddles train and val. Every table is built in a
-deterministic order (no set iteration), so output does not depend on PYTHONHASHSEED. A parsed corpus is cached
-per (path, mtime).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """
-The demo tasks themselves (listed in data/demo/tasks.py's docstring): generators of (prompt, reference answer),
+The demo tasks themselves (listed in docstring): generators of (prompt, reference answer),
 wrong-answer rules, and the record builders.
-
-Owns: one small generator per task (make_*), one wrong-answer rule per task for preference pairs (reject_*),
-the task table (TASKS, SHORT_TASKS, LONG_TASKS), and building records: build_examples (chat records),
-build_pairs (chosen / rejected pairs), prompt_records (the PPO prompts) and miscount_line_counts (imperfect
-SFT demonstrations, an option).
-Does not own: the corpus, split and passages (data/demo/corpus.py), the checkers (data/demo/scoring.py's
-CHECKS: a task without one fails its first build), the files on disk and the CLI (data/demo/tasks.py).
-Choices: every reference answer must score 1.0 by its own checker, and every rejected answer strictly less
-than the chosen one (checked while building, so a reward model trains on true labels). Only the SFT
-demonstrations may be made wrong on purpose (miscount_line_counts), never a reference, pair or prompt. Task
-counts are exact (round(n * short_share) short examples, spread evenly), and each builder draws from its own
-seeded stream.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """
 Ground-truth scoring of the demo tasks: a checker per task, and score / score_example.
-
-Owns: the checkers (exact match for the short tasks, in-order line match for repeat, token F1 for
-continue_speech), the task -> checker table (CHECKS) and score / score_example, which SFT evaluation, the reward
-model's labels and PPO's reward all use.
-Does not own: the tasks and their reference answers (data/demo/examples.py), the corpus (data/demo/corpus.py).
-Choices: a checker never raises on response text and always returns a float in [0, 1]; only an unknown task or
-malformed metadata (programming errors) raise. The metadata of a record holds everything its checker needs, so
-scoring needs neither the corpus nor a tokenizer (only the standard library is imported).
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ def score(task: str, metadata: dict[str, Any], response: Any) -> float:
 
 def score_example(record: dict[str, Any], response: Any) -> float | None:
     """score() for a record from train/val/prompts/pairs.jsonl; None for a row that is not a demo task (no
-    ``task`` and ``meta``): as a checker (alignment/shared/rewards.py) it judges only the demo's prompts."""
+    ``task`` and ``meta``): as a checker it judges only the demo's prompts."""
     if "task" not in record or "meta" not in record:
         return None
     return score(record["task"], record["meta"], response)

@@ -28,13 +28,6 @@ Layout of a dataset written by write_demo_dataset(out_dir):
     demo_manifest.json   parameters; a matching manifest makes the call a no-op
 
     python -m data.demo.tasks OUT_DIR [--n-train N --n-val N --n-pairs N --seed S --line-count-miscount F]
-
-Owns: the dataset on disk (write_demo_dataset: atomic files, a manifest that makes a repeated call a no-op,
-FORMAT_VERSION), reading its files back (load_jsonl), argument checks, answer-token statistics and the CLI.
-Does not own: the corpus and split (data/demo/corpus.py), the tasks and record builders
-(data/demo/examples.py), the checkers (data/demo/scoring.py).
-Choices: the files are byte-identical for the same parameters, seed and corpus (any PYTHONHASHSEED); the
-manifest is removed first and written last, so an interrupted rewrite is rebuilt, never trusted.
 """
 
 from __future__ import annotations
@@ -57,7 +50,7 @@ from data.demo.examples import (
     miscount_line_counts,
     prompt_records,
 )
-from data.pretrain.sources import check_utf8
+from data.tokenizer.utf8 import check_utf8
 from models.atomic import write_atomically
 from models.errors import DataError
 from models.folders import claim_folder

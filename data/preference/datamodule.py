@@ -1,17 +1,13 @@
 """
-LightningDataModule for reward-model training (data/preference/pairs.py builds the pairs and their batches).
-
-Like SFTDataModule it shards the data itself: build the Trainer with `use_distributed_sampler=False`, and call
-`mark_consumed()` once per micro-batch (trainer.callbacks.DataProgress does) so checkpoints resume exactly.
-Training micro-batches follow data/sft/batches.py's SFTBatchPlan with one pair per "row": step s takes the
-pairs at stream positions [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size, and `step_pairs` = G.
+LightningDataModule for reward-model training. It shards the data itself, as SFTDataModule does; micro-batches follow
+SFTBatchPlan with one pair per "row": step s takes the pairs at stream positions [s*G, (s+1)*G),
+G = world_size * accumulate * micro_batch_size, and `step_pairs` = G.
 """
 
 from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from data.preference.config import normalize_config
 from data.preference.pairs import (
     PreferenceData,
     PreferenceEvalBatches,
@@ -20,16 +16,16 @@ from data.preference.pairs import (
     log_summary,
     stage_logger,
 )
-from data.sft.datamodule import PlanDataModule
+from data.sft.batches import SFTBatchPlan
+from data.streams.plan_datamodule import PlanDataModule
 from data.tokenizer.tokenizer import Tokenizer
 
 
 class PreferenceDataModule(PlanDataModule):
-    # Built once and trained through an SFTBatchPlan as SFTDataModule (PlanDataModule); the stream bookkeeping
-    # (rank, world size, mark_consumed / consumed_samples, checkpointed sampler state) is StreamDataModule's.
-    # ``config``: a PreferenceDataConfig or a mapping of its fields.
+    """``config``: a PreferenceDataConfig or a mapping of its fields."""
+
     row_batches = PreferenceTrainBatches
-    normalize_config = staticmethod(normalize_config)
+    batch_plan = SFTBatchPlan
     stage = "RM"  # the stage the data's log lines are named after (DPO's subclass says DPO)
 
     def build_data(self, tokenizer: Tokenizer) -> PreferenceData:

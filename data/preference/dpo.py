@@ -1,8 +1,7 @@
-"""DPO's preference data: the reward model's pairs (data/preference/pairs.py, read as is: the same formats and
+"""DPO's preference data: the reward model's pairs (read as is: the same formats and
 filtering) plus which tokens of a side are the response (``answered_masks``), and batches that carry them as
 ``targets`` (the next token where it is a response token, IGNORE_INDEX elsewhere) with each slot's
-``pair_index`` (the row of the precomputed reference table), in ``DPODataModule``. The DPO stage (its recipe, the
-loss, the reference) is alignment/stages/dpo.py and dpo_module.py.
+``pair_index`` (the row of the precomputed reference table), in ``DPODataModule``.
 
 The response of a side is what the policy would have written: the content and end-of-turn token of the reply's
 assistant turns (the chat encoding's mask, whichever tokenizer and template), not their headers, nor the prompt

@@ -1,14 +1,6 @@
 """
 Preference pairs for the reward model: chats -> filtered, encoded pairs -> batches (build_preference_data).
 
-Owns: dropping pairs that carry no preference (drop_uninformative: an empty reply on either side, or the same
-reply twice), encoding and fitting each side to seq_len (encode_pairs, fit_prompt), PreferencePairs and its
-batches, the whole pipeline with per-split statistics (build_preference_data, PreferenceData) and its log
-summary, and the datasets loaders read (PreferenceTrainBatches, PreferenceEvalBatches).
-Does not own: the settings (data/preference/config.py), reading rows into chats by schema
-(data/preference/records.py), the step plan of training micro-batches (data/sft/batches.py), the Lightning
-wiring (data/preference/datamodule.py).
-
 Encoding: each side is `Tokenizer.encode_chat(prompt + reply)` up to the reply's end-of-turn token (<|eot_id|>,
 ChatML's <|im_end|>), the token the reward is read at. A side longer than seq_len has its prompt cut from the LEFT (too_long: truncate;
 <|begin_of_text|> stays first, the reply and its <|eot_id|> stay whole; both sides keep the same prompt tokens
@@ -21,19 +13,15 @@ Batches (B pairs, T = the longest side rounded up to a multiple of 8, or seq_len
     score_index   (2B,)   long   position of each side's last real token (its <|eot_id|>)
     pair_mask     (B,)    bool   False on the empty slots that even out validation batches across ranks
     step_pairs    ()      float  pairs in the whole optimizer step (all ranks, all accumulation micro-batches)
-Training micro-batches come from data/sft/batches.py's SFTBatchPlan over pairs (one "row" = one pair), so the
+Training micro-batches come from SFTBatchPlan over pairs (one "row" = one pair), so the
 step layout, resumption and step totals are the SFT stage's.
-
-Choices: pairs whose replies are empty or identical are always dropped (counted), whatever on_bad_row says;
-without val files, val is a seeded hold-out of the usable (filtered, encoded) pairs; validation may end up
-empty, train may not (an error says why).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +216,7 @@ def stage_logger(stage: str) -> logging.Logger:
 
 
 def build_preference_data(
-    config: PreferenceDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None, stage: str = "RM"
+    config: PreferenceDataConfig, tokenizer: Tokenizer | None = None, stage: str = "RM"
 ) -> PreferenceData:
     """Load, convert, filter and encode the train and val pairs (see the module docstring); skipped rows are
     warned about under `stage`'s logger (the pairs serve the reward model and DPO)."""

@@ -13,19 +13,8 @@ Schemas (auto-detected from the columns: "pairs" when there is a prompt column, 
                      each side, ending with an assistant turn and with no user or system turn, is the reply.
                      "hh", its former name, still selects it.
 
-Message lists may use OpenAI's {"role", "content"} or ShareGPT's {"from", "value"} keys (data/records/chat.py's
-check_messages).
-
-Owns: PreferenceChat, telling the schema from the columns (detect_schema), reading a row under a schema
-(record_to_chat; whole conversations: conversation_turns, parse_hh, split_implicit_prompt) and loading every
-good row of the sources (load_chats).
-Does not own: the settings (data/preference/config.py), files, formats and the error-or-skip loop over rows
-(data/records/chat.py, shared with SFT), dropping uninformative pairs, encoding and batches
-(data/preference/pairs.py).
-Choices: loading goes through Hugging Face `datasets` one file at a time (data/records/chat.py's loaders), so
-every problem names its file and row; bad rows raise or are skipped and counted per reason (on_bad_row) with
-SFT's reasons. An empty reply is not a bad row here: it is kept, then dropped and counted with the pairs that
-carry no preference. An optional system prompt is prepended only to prompts without a system turn.
+Message lists may use OpenAI's {"role", "content"} or ShareGPT's {"from", "value"} keys
+(check_messages).
 """
 
 from __future__ import annotations
@@ -56,7 +45,7 @@ class PreferenceChat:
     prompt: Messages  # the shared conversation before the replies
     chosen: Messages  # the preferred reply: assistant turn(s), the last one scored
     rejected: Messages
-    where: str  # "<file>, line N" (data/records/chat.py's Conversation.where)
+    where: str  # "<file>, line N" (Conversation.where)
 
 
 def detect_schema(columns: Sequence[str], config: PreferenceDataConfig, where: str) -> str:
@@ -158,4 +147,4 @@ def load_chats(
     def convert(record: Mapping[str, Any], schema: str, where: str) -> PreferenceChat:
         return record_to_chat(record, schema, config, where)
 
-    return load_rows(config, sources, split, detect_schema, convert, logger)  # data/records/chat.py's loop
+    return load_rows(config, sources, split, detect_schema, convert, logger)  # loop

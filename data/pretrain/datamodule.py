@@ -1,5 +1,5 @@
 """
-LightningDataModule for pretraining on prepared token shards (data/pretrain/prepare.py).
+LightningDataModule for pretraining on prepared token shards.
 
 The datamodule shards the data itself: build the Trainer with `use_distributed_sampler=False`, or
 Lightning would replace the StreamSampler with a DistributedSampler and lose the resumable stream.
@@ -7,7 +7,7 @@ Lightning would replace the StreamSampler with a DistributedSampler and lose the
 The training loop must report what it trained on: call `datamodule.mark_consumed()` once per
 micro-batch, inside training_step (before any checkpoint of that step is written), so the
 checkpointed position is exactly the next unseen sample. That bookkeeping (rank, world size, stream
-position, checkpoint state) is data/streams/datamodule.py's, shared with the other datamodules.
+position, checkpoint state) is StreamDataModule's, shared with the other datamodules.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-from data.pretrain.manifest import read_manifest
 from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.streams.packed import PackedDataset, StreamSampler
+from data.streams.shards import read_manifest
 
 log = logging.getLogger("lantern.data")
 

@@ -1,15 +1,5 @@
-"""
-The manifest of a prepared data dir: reading it, checking it against a tokenizer, and deciding when it is stale.
-
-Owns: MANIFEST_NAME / MANIFEST_VERSION, read_manifest and check_manifest (what training code calls before it
-reads shards), the input fingerprints recorded in the manifest (describe_inputs: size, mtime, sha256), and
-stale_reason, which names why an existing dir must be rebuilt.
-Does not own: writing the shards and the manifest itself, or the dir layout (data/pretrain/prepare.py); reading tokens
-(data/streams/packed.py).
-Choices: the manifest is written last and atomically (write_json_atomic), so its presence means the data is
-complete. Staleness compares the tokenizer by fingerprint, only the settings that change the bytes written, and
-the inputs by size, then by content when just the mtime moved (a checkout or a copy does not force a rebuild).
-"""
+"""The manifest of a prepared data folder as ``lantern prepare`` writes it: checked against a tokenizer, the inputs'
+fingerprints, and why a folder is stale (only settings that change the bytes written count)."""
 
 from __future__ import annotations
 
@@ -23,28 +13,15 @@ from typing import Any
 import numpy as np
 
 from data.pretrain.config import PrepareConfig
+from data.streams.shards import MANIFEST_NAME, read_manifest
 from data.tokenizer.tokenizer import Tokenizer
 from models.atomic import write_atomically
 
 # Bump when the on-disk layout changes: older data is then rebuilt rather than misread.
 MANIFEST_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 # Settings that do not change the bytes written: changing them must not trigger a rebuild.
 # (The tokenizer is compared by fingerprint, so "default" and its file path count as the same.)
 _NON_DATA_SETTINGS = {"num_proc", "out_dir", "tokenizer", "source"}
-
-
-def read_manifest(data_dir: str | Path) -> dict:
-    """The manifest of a prepared data dir; ValueError if there is none (never prepared, or interrupted)."""
-    path = Path(data_dir) / MANIFEST_NAME
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ValueError(
-            f"no {MANIFEST_NAME} in {data_dir}: the data was never prepared there or the preparation was "
-            "interrupted; run `lantern prepare` first"
-        ) from None
 
 
 def check_manifest(data_dir: str | Path, tokenizer: Tokenizer | str) -> dict:
@@ -64,7 +41,7 @@ def check_manifest(data_dir: str | Path, tokenizer: Tokenizer | str) -> dict:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """``obj`` as indented JSON, replacing ``path`` atomically (models/atomic.py)."""
+    """``obj`` as indented JSON, replacing ``path`` atomically."""
     write_atomically(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", what="data manifest")
 
 

@@ -1,7 +1,7 @@
 """
 Pretraining data preparation: text / JSON / Parquet / hub dataset -> memory-mapped token shards.
 
-Layout of `out_dir` (read by data/streams/packed.py):
+Layout of `out_dir`:
 
     manifest.json               written last: its presence means the data is complete
     train/shard-00000.bin       raw little-endian uint16 (vocab <= 65536) or uint32 token ids
@@ -15,21 +15,6 @@ documents in input order; which documents go to val is a seeded random choice.
 `prepare()` is idempotent: the manifest records the tokenizer fingerprint, the settings and the
 inputs (size, mtime and sha256), so re-running with nothing changed returns at once, and any change
 (a new tokenizer, an edited file, another val_fraction) is named in the log and rebuilds.
-
-Owns: prepare() (the orchestration), tokenization (_tokenize_batch), the seeded val choice (choose_val, also
-SFT's hold-out), shard writing and the swap of a finished build into place. It writes only into a folder that is
-empty or Lantern's prepared data (data/pretrain/prepared_folder.py says what it may replace), one prepare at a time (a
-lock, as run folders have).
-Does not own: the config (data/pretrain/config.py), reading and validating inputs (data/pretrain/sources.py), the
-manifest and staleness checks (data/pretrain/manifest.py), reading shards (data/streams/packed.py).
-Choices: everything is built in a private `.prepare-<pid>-*` dir next to the output and moved into place
-only when complete; tokenizing runs as a batched `datasets` map (num_proc processes, one tokenizer thread each)
-that returns Arrow list columns, so no per-document Python work happens while writing shards; its workers die with
-the prepare however it dies (data/pretrain/workers.py), and an interrupted prepare keeps nothing of its build, so
-the next one starts over (and says so). `datasets` and pyarrow (most of a second to import) are imported inside
-the functions that use them, as in data/pretrain/sources.py: data that is up to date returns without them, and
-data/records/chat.py imports this module for choose_val alone, so loading any stage's config (trainer/config.py,
-through data/records/prompts.py) would pay for them.
 """
 
 from __future__ import annotations
@@ -48,7 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from data.pretrain.config import PrepareConfig, normalize_prepare_config
-from data.pretrain.manifest import MANIFEST_NAME, MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
+from data.pretrain.manifest import MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
 from data.pretrain.prepared_folder import (
     BUILD_KIND,
     PREPARED_KIND,
@@ -61,9 +46,11 @@ from data.pretrain.prepared_folder import (
     lantern_manifest,
     prepared_by_lantern,
 )
-from data.pretrain.sources import check_utf8, load_source, resolve_inputs, validate_dataset
+from data.pretrain.sources import load_source, resolve_inputs, validate_dataset
 from data.pretrain.workers import workers_die_with_this_process
+from data.streams.shards import MANIFEST_NAME
 from data.tokenizer.tokenizer import Tokenizer
+from data.tokenizer.utf8 import check_utf8
 from models.atomic import storage_error
 from models.folders import claim_folder, lock_folder, release_folder
 
@@ -208,7 +195,7 @@ def _install(build_dir: Path, out_dir: Path, manifest: dict) -> None:
     write_json_atomic(out_dir / MANIFEST_NAME, manifest)
 
 
-def prepare(config: PrepareConfig | dict) -> dict:
+def prepare(config: PrepareConfig) -> dict:
     """Tokenize `config.source` into `config.out_dir` (see module docstring). Returns the manifest.
     Does nothing if the data there is already up to date."""
     config = normalize_prepare_config(config)
@@ -249,7 +236,7 @@ def prepare(config: PrepareConfig | dict) -> dict:
 
 
 def _interruption(error: BaseException) -> BaseException | None:
-    """The Ctrl-C or SIGTERM (KeyboardInterrupt, or SystemExit: trainer/interrupts.py) that ``error`` is, or that was
+    """The Ctrl-C or SIGTERM (KeyboardInterrupt, or SystemExit) that ``error`` is, or that was
     being handled when it was raised: ``datasets`` replaces one that stops its worker pool with a TimeoutError of
     its own, empty, while it collects the unfinished jobs."""
     seen: set[int] = set()

@@ -1,11 +1,4 @@
-"""The folder ``lantern prepare`` writes: what in it Lantern wrote, and so what a rebuild may replace.
-
-Owns: the checks ``data/pretrain/prepare.py`` makes before it writes (sources never inside ``data.out_dir``; a manifest or a
-split file Lantern did not write is refused, never replaced), the clean-up of build folders a killed prepare left
-(only those it marked), and telling a full disk from a bad input.
-Choices: each split lists the files it holds (``.lantern-split.json``, written with the split), so a rebuild knows
-them even when a kill left no manifest; data prepared before listings existed is known by its manifest's shards.
-"""
+"""The folder ``lantern prepare`` writes: what in it Lantern wrote, and so what a rebuild may replace."""
 
 from __future__ import annotations
 
@@ -16,13 +9,13 @@ import os
 import shutil
 from pathlib import Path
 
-from data.pretrain.manifest import MANIFEST_NAME
+from data.streams.shards import MANIFEST_NAME
 from models.folders import LOCK_FILE, FolderNotLanterns, is_lanterns, listed_entries
 
 log = logging.getLogger("lantern.prepare")
 
 SPLITS = ("train", "val")
-PREPARED_KIND = "prepared data"  # the folder marker's kind (models/folders.py) of data.out_dir
+PREPARED_KIND = "prepared data"  # the folder marker's kind of data.out_dir
 BUILD_KIND = "prepare build"  # ... and of the private build folder, so only those are ever cleaned up
 SPLIT_LISTING = ".lantern-split.json"  # in each split: the files the prepare wrote there
 

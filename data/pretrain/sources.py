@@ -1,34 +1,20 @@
-"""
-Reading pretraining (and SFT / preference) inputs: which files, in what format, decoded how.
-
-Owns: resolving sources (globs, directories, missing files, formats by extension, hub names), loading them
-with Hugging Face `datasets` (load_source), UTF-8 checking with file / line / byte-offset errors (check_utf8),
-reading JSON / JSON lines rows for diagnosis (json_rows), and validating the text column before anything is
-tokenized (validate_dataset).
-Does not own: the settings (data/pretrain/config.py), the manifest and input fingerprints (data/pretrain/manifest.py),
-tokenizing and shard writing (data/pretrain/prepare.py).
-Choices: every problem is raised before tokenizing and names its file and row (or line and byte offset):
-`datasets` only logs which file failed, so on its error path the inputs are re-read here to find it. UTF-8 is
-checked by us because pyarrow's JSON reader passes bad bytes through. `datasets` and pyarrow are imported
-inside the functions that use them: they are heavy and only needed when there is work to do.
-"""
+"""Reading data inputs (pretraining, SFT, preference): which files, in what format, loaded through `datasets`, and
+every problem raised before tokenizing with its file and row (or line and byte offset)."""
 
 from __future__ import annotations
 
-import codecs
 import glob
 import gzip
 import json
 import os
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from data.pretrain.config import PrepareConfig
 from data.pretrain.workers import workers_die_with_this_process
-from models.errors import DataError
+from data.tokenizer.utf8 import check_utf8
 from models.resources import shipped_path
 
 _EXTENSIONS = {
@@ -159,37 +145,6 @@ def load_source(fmt: str, files: list[str], config: PrepareConfig, cache_dir: st
         located = _diagnose_json(files, config.text_field) if fmt == "json" else None
         cause = error.__cause__ or error
         raise ValueError(f"cannot read the {fmt} input: {located or f'{type(cause).__name__}: {cause}'}") from error
-
-
-def check_utf8(path: str | Path) -> None:
-    """Raise a DataError naming the file, line and byte offset of the first byte sequence that is not UTF-8
-    (a gzip file is checked after decompression; its offsets count decompressed bytes)."""
-    opener: Callable[..., Any] = open
-    if str(path).endswith(".gz"):
-        opener = gzip.open
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:  # the common, valid case at C speed: 16 MiB blocks, nothing kept
-        with opener(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                decoder.decode(block)
-        decoder.decode(b"", final=True)
-        return
-    except UnicodeDecodeError:
-        pass
-    offset = 0
-    with opener(path, "rb") as f:
-        # "\n" never occurs inside a multi-byte UTF-8 sequence, so lines can be decoded one at a time
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                bad = raw[error.start : error.start + 4]
-                raise DataError(
-                    f"{path}: line {lineno}, byte offset {offset + error.start}: not valid UTF-8 ({bad!r}: "
-                    f"{error.reason}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-                ) from None
-            offset += len(raw)
-    raise DataError(f"{path}: not valid UTF-8 (it ends inside a multi-byte character at byte offset {offset})")
 
 
 def json_rows(path: str):

@@ -1,18 +1,4 @@
-"""Worker processes that die with the process that started them, however it dies.
-
-Owns: ``workers_die_with_this_process``, the block inside which every process this one forks (``datasets``' ``map``
-and ``load_dataset`` with ``num_proc``, SFT's encoding pool, and what those fork in turn) ends when its parent
-ends, kill -9 and the OOM killer included.
-Choices: ``datasets`` forks its ``multiprocess`` pools itself and takes no pool initializer, so the hook is
-``os.register_at_fork``, active only inside the block: a forked pool worker blocks on its task queue forever once
-its parent is gone (it holds that queue's other end itself), and each one keeps what it inherited open: memory, the
-files of a half-built output. On Linux the child asks the kernel for SIGKILL when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``): immediate, and it needs no Python code to run in a worker that is busy in C. That
-signal follows the *thread* that forked, so it is used only for children forked from the main thread; elsewhere
-(another thread, or not Linux) a daemon thread in the child exits it once its parent process is gone (checked
-twice a second). A worker also dies of SIGTERM at once instead of running the handler it inherited. Children
-started by exec (``spawn``) run no fork hooks and are not covered.
-"""
+"""Worker processes that die with the process that started them, however it dies."""
 
 from __future__ import annotations
 
@@ -47,7 +33,7 @@ def _in_child() -> None:
         return
     parent, from_main_thread = _forking
     # SIGTERM ends a worker at once: it has nothing to save, the process that started it handles the signal. The
-    # Python handler it inherited could even ignore it (trainer/interrupts.py lets a second SIGTERM go by): a pool
+    # Python handler it inherited could even ignore it (Lantern's lets a second SIGTERM go by): a pool
     # replacing a worker after the first SIGTERM would fork a child that never stops, and its parent would wait for
     # it forever. Blocked from before the fork until the default is in place, so one sent right away is not lost.
     if callable(signal.getsignal(signal.SIGTERM)):

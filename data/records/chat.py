@@ -1,18 +1,6 @@
-"""
-Chat records: files -> rows -> validated conversations, for SFT (and the preference and prompt loaders).
-
-Owns: resolving SFT-style inputs (resolve_sources; each file is read by data/records/files.py), mapping a row
-to chat messages by schema (detect_schema, record_to_messages), reading message lists in either key style
-(check_messages; ShareGPT's roles: SHAREGPT_ROLES) and prompts / replies given as a string or a list
-(field_turns), the row checks and their reasons (BadRow, BAD_ROW_REASONS, required_field,
-string_field), the error-or-skip loop over rows (load_rows), and the seeded val hold-out (hold_out).
-Does not own: file formats, UTF-8 and JSON diagnosis (data/pretrain/sources.py), reading one file into rows and their
-locations ("FILE, line N") and the rows as written (data/records/files.py), tokenizing and the chat template
-(data/sft/examples.py, data/tokenizer/tokenizer.py), rows and batches (data/sft/rows.py, data/sft/batches.py).
-Choices: nothing is repaired silently: a bad row raises a DataError naming file, line, reason and schema, or
-with on_bad_row=skip is skipped and counted per reason; a bad row of a JSON file is judged again as written, so
-the message tells a null field from an absent one (`datasets` makes both null). An optional system prompt is
-prepended only to rows without a system turn; a conversation must end with a non-empty assistant turn.
+"""Chat records: files -> rows -> validated conversations, for SFT (and the preference and prompt loaders). ``config``
+is an SFT-style data section (SFTDataConfig's fields). A bad row raises a DataError naming file, line, reason and
+schema, or with on_bad_row=skip is skipped and counted per reason; nothing is repaired silently.
 
 SFT schemas, auto-detected from a file's columns, the first that fits in this order (or set with `schema`):
 
@@ -39,7 +27,6 @@ from data.pretrain.config import PrepareConfig
 from data.pretrain.prepare import choose_val
 from data.pretrain.sources import resolve_inputs
 from data.records.files import RecordFile, read_records
-from data.sft.config import SFTDataConfig
 from data.tokenizer.base import CHAT_ROLES
 from models.errors import DataError
 
@@ -71,8 +58,8 @@ class Conversation:
     where: str  # "<file>, line N" (JSON lines; "record N" in a JSON array, "row N" in Parquet / a hub dataset)
 
 
-def resolve_sources(config: SFTDataConfig, sources: Sequence[str]) -> tuple[str, list[str]]:
-    """(format, files) for `sources`, or ("hub", [name]): data/pretrain/sources.py's resolution, SFT formats only."""
+def resolve_sources(config: Any, sources: Sequence[str]) -> tuple[str, list[str]]:
+    """(format, files) for `sources`, or ("hub", [name]): the inputs' resolution, SFT formats only."""
     fmt = "json" if config.format == "jsonl" else config.format
     fmt, files = resolve_inputs(PrepareConfig(source=list(sources), format=fmt), formats=("json", "parquet"))
     if fmt not in ("json", "parquet", "hub"):
@@ -80,7 +67,7 @@ def resolve_sources(config: SFTDataConfig, sources: Sequence[str]) -> tuple[str,
     return fmt, files
 
 
-def detect_schema(columns: Sequence[str], config: SFTDataConfig, where: str) -> str:
+def detect_schema(columns: Sequence[str], config: Any, where: str) -> str:
     """The schema of a file with `columns`: config.schema, or the first in the docstring's order that fits."""
     if config.schema != "auto":
         return config.schema
@@ -194,7 +181,7 @@ def field_turns(value: Any, name: str, role: str) -> list[dict[str, str]]:
     raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {shown(value)}")
 
 
-def record_to_messages(record: Mapping[str, Any], schema: str, config: SFTDataConfig) -> list[dict[str, str]]:
+def record_to_messages(record: Mapping[str, Any], schema: str, config: Any) -> list[dict[str, str]]:
     """The conversation a row holds under `schema`; BadRow says why there is none."""
     if schema in ("messages", "sharegpt"):
         name = config.messages_field if schema == "messages" else config.conversations_field
@@ -281,7 +268,7 @@ def load_rows(
 
 
 def load_conversations(
-    config: SFTDataConfig, sources: Sequence[str], split: str = "train"
+    config: Any, sources: Sequence[str], split: str = "train"
 ) -> tuple[list[Conversation], dict[str, Any]]:
     """Every good row of `sources` as a Conversation, plus {rows_read, skipped: {reason: count}}."""
 
@@ -291,12 +278,12 @@ def load_conversations(
     return load_rows(config, sources, split, detect_schema, convert)
 
 
-def hold_out(conversations: list, config: SFTDataConfig) -> tuple[list, list]:
+def hold_out(conversations: list, config: Any) -> tuple[list, list]:
     """(train, val): a seeded choice of round(val_fraction * n) (at least 1) examples for validation."""
     if config.val_fraction == 0:
         return list(conversations), []
     try:
-        is_val = choose_val(len(conversations), config)  # data/pretrain/prepare.py's seeded choice
+        is_val = choose_val(len(conversations), config)  # the seeded choice prepare makes
     except ValueError:
         raise ValueError(
             f"cannot hold out val_fraction={config.val_fraction} of {len(conversations)} train examples and keep "

@@ -1,19 +1,5 @@
 """
 One input file of the SFT, preference and prompt loaders: its rows, where each one is, and the rows as written.
-
-Owns: reading one file (or hub dataset) into a RecordFile (read_records): the rows as Hugging Face `datasets`
-loads them, each row's location ("FILE, line N" for JSON lines, "FILE, record N" for a JSON array, "FILE, row N"
-otherwise) and, for JSON, the row as written (Python's json, exact); the "FILE has no records" check.
-Does not own: resolving the inputs, UTF-8 checks and the loading itself (data/pretrain/sources.py), what a row means
-(data/records/chat.py, data/preference/records.py, data/records/prompts.py).
-Choices: `datasets` stays the loader (formats, compression, hub datasets), but it cannot be trusted with two
-things in JSON, so those come from the file itself:
-  - a field holding different JSON types in different rows (one `"prompt": 5` among strings) is stored as JSON
-    text and decoded again, so the string "4" comes back as the int 4 ("null" as None); such columns are
-    replaced by the values as written. With a blank line in the file `datasets` fails on them instead; then
-    every row is taken as written.
-  - it fills absent fields with null, so only the row as written says whether a field is null or absent:
-    RecordFile.written gives it, read on demand (a seek to the line), only for the rows found bad.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Rows are ``{"messages": [...]}``, ShareGPT ``{"conversations": [...]}`` (a trail
 aside as the reference answer) or ``{"prompt": "..." | [...]}``, with TRL's ``"completion"`` (if there is one)
 the reference answer, so SFT's files serve as prompts too; other columns (task, meta, answer) travel with the
 prompt so ground-truth checkers can score the answers. Loading, file resolution and message validation (either
-key style, role/content or ShareGPT's from/value) are SFT's (data/records/chat.py).
+key style, role/content or ShareGPT's from/value) are SFT's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -21,7 +21,7 @@ from data.records.files import read_records
 from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.streams.packed import StreamSampler
 from data.tokenizer.tokenizer import Tokenizer
-from models.config_checks import check_choices
+from models.config_checks import bounded
 from models.errors import DataError
 
 log = logging.getLogger("lantern.prompts")
@@ -31,19 +31,19 @@ log = logging.getLogger("lantern.prompts")
 class PromptDataConfig:
     train: list[str] = field(default_factory=list)  # files / globs (json, jsonl, parquet) or a hub name
     val: list[str] = field(default_factory=list)  # empty: hold out val_fraction of train
-    val_fraction: float = 0.1
+    val_fraction: float = bounded(0.1, ge=0, lt=1)
     format: str = "auto"
     messages_field: str = "messages"
     conversations_field: str = "conversations"  # ShareGPT
     prompt_field: str = "prompt"
     completion_field: str = "completion"  # TRL prompt / completion rows: the reference answer
     tokenizer: str = "auto"
-    max_prompt_tokens: int = 192
-    too_long: str = "truncate"  # truncate (keep <|begin_of_text|> and the last tokens: the question) | drop
-    on_bad_row: str = "error"  # error | skip (counted)
-    seed: int = 1234
-    # train only on rows whose task_field is one of these (empty: every row), e.g. the tasks where the policy's
-    # samples disagree (room for RL); held-out prompts are never filtered
+    max_prompt_tokens: int = bounded(192, ge=1)
+    # truncate: keep <|begin_of_text|> and the last tokens (the question)
+    too_long: Literal["truncate", "drop"] = "truncate"
+    on_bad_row: Literal["error", "skip"] = "error"  # skip: counted
+    seed: int = bounded(1234, ge=0)
+    # train only on rows whose task_field is one of these (empty: every row); held-out prompts are never filtered
     train_tasks: list[str] = field(default_factory=list)
     task_field: str = "task"
 
@@ -126,7 +126,6 @@ class PromptDataModule(StreamDataModule):
 
     def __init__(self, config: PromptDataConfig, *, batch_size: int) -> None:
         super().__init__()
-        check_choices(config, {"too_long": ("truncate", "drop"), "on_bad_row": ("error", "skip")}, prefix="data.")
         if batch_size < 1:
             raise ValueError(f"rollout batch size must be >= 1, got {batch_size}")
         self.config = config

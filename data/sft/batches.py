@@ -1,20 +1,11 @@
 """
 SFT batches: the exact, seeded plan of which rows each rank trains on at each step, and the batch datasets.
 
-A global, seeded stream of rows (data/streams/packed.py's StreamSampler positions). Optimizer step s takes positions
+A global, seeded stream of rows (StreamSampler positions). Optimizer step s takes positions
 [s*G, (s+1)*G), G = world_size * accumulate * micro_batch_size; rank r's micro-batch j of that step takes
 s*G + (j*world_size + r)*micro_batch_size + [0, micro_batch_size). Every micro-batch carries the step's totals
 over all G rows (step_tokens, step_examples), so a loss normalised by them is the same for 1 x 8, 8 x 1 and
 2 ranks x 4.
-
-Owns: SFTBatchPlan (the plan, its resumable state and what happens when the layout changes on resume),
-SFTTrainBatches and SFTValBatches (rows -> tensors with step totals). The reward model's pairs use the same
-plan (one "row" = one pair).
-Does not own: the rows themselves (data/sft/rows.py), the DataLoader and Lightning wiring
-(data/sft/datamodule.py).
-Choices: iterating does not move the stream; trained micro-batches are reported with advance(), so a
-checkpoint resumes exactly. Only whole steps are planned. Validation pads the last batch with all-padding rows,
-so every rank runs the same number of equally shaped batches and no row is left out.
 """
 
 from __future__ import annotations
@@ -53,8 +44,6 @@ class SFTBatchPlan(Sampler[tuple]):
         seed: int = 0,
         shuffle: bool = True,
     ):
-        if micro_batch_size < 1 or accumulate < 1:
-            raise ValueError(f"micro_batch_size and accumulate must be >= 1, got {micro_batch_size}, {accumulate}")
         self.step_size = world_size * accumulate * micro_batch_size
         if len(rows) < self.step_size:
             raise ValueError(
@@ -172,8 +161,6 @@ class SFTValBatches(Dataset):
     Step totals are over all W*B slots of the batch."""
 
     def __init__(self, rows: SFTRows, micro_batch_size: int, rank: int = 0, world_size: int = 1):
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.rows, self.micro_batch_size, self.rank, self.world_size = rows, micro_batch_size, rank, world_size
         self.per_batch = micro_batch_size * world_size
         self.num_batches = math.ceil(len(rows) / self.per_batch)

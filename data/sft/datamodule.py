@@ -1,9 +1,6 @@
 """
-LightningDataModule for supervised fine-tuning (data/sft/dataset.py builds the rows, data/sft/batches.py plans the batches).
-
-Like PretrainDataModule, the datamodule shards the data itself: build the Trainer with
-`use_distributed_sampler=False` (Lightning would otherwise wrap the plan in a DistributedSampler), and call
-`mark_consumed()` once per micro-batch (trainer.callbacks.DataProgress does) so checkpoints resume exactly.
+LightningDataModule for supervised fine-tuning. It shards the data itself: build the Trainer with
+`use_distributed_sampler=False`, and call `mark_consumed()` once per micro-batch (DataProgress does).
 
 Training batches (B = micro_batch_size, T = seq_len):
     input_ids (B, T) long, targets (B, T) long (-100 = not trained on), document_ids (B, T) long,
@@ -15,112 +12,23 @@ totals cover the same batch index on every rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from data.sft.batches import SFTBatchPlan, SFTTrainBatches, SFTValBatches
-from data.sft.config import normalize_config
 from data.sft.dataset import SFTData, build_sft_data, log_summary
-from data.streams.datamodule import StreamDataModule, StreamLoader
+from data.streams.plan_datamodule import PlanDataModule
 from data.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lantern.sft")
-
-
-class PlanDataModule(StreamDataModule):
-    """What SFTDataModule and PreferenceDataModule share: the data is built once, both splits together (the val
-    hold-out needs the train rows), and trained on through an SFTBatchPlan of whole micro-batches (`row_batches`
-    turns the plan's items into batches). The stream bookkeeping (rank, world size, mark_consumed, checkpoint
-    state) is StreamDataModule's. Subclasses name their batches (`row_batches`), their config checker
-    (`normalize_config`) and how both splits are built (`build_data`)."""
-
-    row_batches: type[Dataset]  # SFTTrainBatches / PreferenceTrainBatches over data.train
-    # the data config's checker (data/sft/config.py, data/preference/config.py): a dataclass or mapping in, checked out
-    normalize_config: Callable[[Any], Any]
-
-    def __init__(
-        self,
-        config: Any,
-        *,
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        num_workers: int = 0,
-        val_micro_batch_size: int | None = None,
-    ):
-        super().__init__()
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        if val_micro_batch_size is not None and val_micro_batch_size < 1:
-            raise ValueError(f"val_micro_batch_size must be >= 1 or None, got {val_micro_batch_size}")
-        self.config = self.normalize_config(config)
-        self.seq_len = self.config.seq_len
-        self.micro_batch_size = micro_batch_size
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.num_workers = num_workers
-        self.val_micro_batch_size = val_micro_batch_size or micro_batch_size
-        self.data: Any = None
-        self.tokenizer: Tokenizer | None = None
-
-    # --- setup -----------------------------------------------------------------
-
-    def build_data(self, tokenizer: Tokenizer) -> Any:
-        """Both splits and their stats (data/sft/dataset.py's SFTData, data/preference/pairs.py's PreferenceData)."""
-        raise NotImplementedError
-
-    def setup(self, stage: str | None = None) -> None:
-        """Load and encode both splits (once; the val hold-out needs the train rows)."""
-        if self.data is not None:
-            return
-        self.tokenizer = Tokenizer.load(self.config.tokenizer)
-        self.data = self.build_data(self.tokenizer)
-
-    def _require_data(self) -> Any:
-        if self.data is None:
-            self.setup("fit")
-        return self.data
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Loading and encoding numbers per split (see data/sft/dataset.py build_sft_data, data/preference/pairs.py
-        build_preference_data)."""
-        return self._require_data().stats
-
-    # --- loaders ---------------------------------------------------------------
-
-    def _loader(self, dataset, loader_class: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
-        return loader_class(
-            dataset,
-            batch_size=None,  # the datasets return whole micro-batches
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-            **kwargs,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        data = self._require_data()
-        plan = SFTBatchPlan(
-            data.train,
-            micro_batch_size=self.micro_batch_size,
-            accumulate=self.accumulate_grad_batches,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=self.config.seed,
-            shuffle=True,
-        )
-        return self._loader(self.row_batches(data.train), StreamLoader, sampler=self._attach_sampler(plan))
 
 
 class SFTDataModule(PlanDataModule):
     """``config``: an SFTDataConfig or a mapping of its fields."""
 
     row_batches = SFTTrainBatches
-    normalize_config = staticmethod(normalize_config)
+    batch_plan = SFTBatchPlan
     _val_examples: list[dict[str, Any]] | None = None  # built on first use
 
     def build_data(self, tokenizer: Tokenizer) -> SFTData:

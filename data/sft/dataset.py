@@ -3,9 +3,8 @@ Supervised fine-tuning data: chat records -> encoded examples -> fixed-length ro
 
 Pipeline (build_sft_data):
 
-1. load      JSON / JSON lines / Parquet files (globs) or a hub dataset through Hugging Face `datasets`
-             (input resolution and loading are data/pretrain/sources.py's), one file at a time so every problem
-             names its file and row.
+1. load      JSON / JSON lines / Parquet files (globs) or a hub dataset through Hugging Face `datasets`,
+             one file at a time so every problem names its file and row.
 2. map       each row to chat messages by schema: "messages" (a list of {role, content}), "prompt_response"
              (prompt: a string or a message list; response: the assistant answer) or "alpaca" (instruction
              [+ "\\n\\n" + input] -> user, output -> assistant); an optional system prompt is prepended to
@@ -18,19 +17,12 @@ Pipeline (build_sft_data):
              example per row; inputs padded with pad_id, targets with -100. document_ids number the
              examples of a row 0, 1, ...; padding gets the next id, so it is a document of its own.
 6. plan      a global, seeded stream of rows cut into optimizer steps of world_size * accumulate *
-             micro_batch_size rows; every micro-batch carries its step's totals (data/sft/batches.py).
-
-Owns: the pipeline (build_sft_data: steps 1-5, with per-split statistics) and its log summary.
-Does not own the steps themselves: config data/sft/config.py; 1-2 data/records/chat.py; 3-4
-data/sft/examples.py; 5 data/sft/rows.py; 6 data/sft/batches.py; the Lightning wiring data/sft/datamodule.py.
-Choices: without val files, val is a seeded hold-out of the train conversations; only train is upsampled;
-validation may end up empty, train may not (an error says why).
+             micro_batch_size rows; every micro-batch carries its step's totals.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +57,7 @@ def _split_stats(rows: SFTRows, fit_counts: dict[str, int], encoded: int) -> dic
     }
 
 
-def build_sft_data(config: SFTDataConfig | Mapping[str, Any], tokenizer: Tokenizer | None = None) -> SFTData:
+def build_sft_data(config: SFTDataConfig, tokenizer: Tokenizer | None = None) -> SFTData:
     """Load, map, validate, encode, upsample and lay out the train and val rows (see the module docstring)."""
     config = normalize_config(config)
     tokenizer = tokenizer or Tokenizer.load(config.tokenizer)

@@ -1,17 +1,5 @@
 """
 SFT examples: conversations -> token ids with a supervised mask, fitted to seq_len, with upsampling counts.
-
-Owns: Example (ids, supervised mask, answer length, short / long kind), encoding many conversations with
-Tokenizer.encode_chat (encode_chats, in processes when the text is large; the preference data uses it too),
-truncating or dropping examples longer than seq_len + 1 tokens (fit_to_length), and the short-answer
-upsampling copies (upsample_short).
-Does not own: loading and validating rows (data/records/chat.py), the chat template (data/tokenizer/tokenizer.py),
-laying examples out in rows (data/sft/rows.py).
-Choices: `supervised` marks the assistant turns' content + <|eot_id|>, or everything with train_on_prompt. An
-example is "short" when its last assistant turn (content + <|eot_id|>, untruncated) has at most
-short_answer_max_tokens tokens. Upsampling returns copies per example instead of duplicating them, and uses
-its own seeded stream, so it does not move the val hold-out. Processes only start above ~4M characters:
-below that, starting them costs more than it saves.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
 """
 SFT rows: encoded examples laid out in rows of exactly seq_len tokens.
-
-Owns: first-fit-decreasing packing (pack_first_fit_decreasing), SFTRows (row i built on demand: inputs,
-targets, document ids, example kinds; per-row token and example totals; a layout fingerprint) and make_rows.
-Does not own: encoding and upsampling (data/sft/examples.py), which rank reads which rows when
-(data/sft/batches.py).
-Choices: with packing, whole examples are packed (never split across rows), by decreasing length into the
-first row with room; without it, one example per row. Inputs are padded with pad_id, targets with -100;
-document_ids number a row's examples 0, 1, ... and padding gets the next id, a document of its own. Rows are
-built on demand from one flat array of inputs and targets, so upsampled copies cost no memory.
 """
 
 from __future__ import annotations

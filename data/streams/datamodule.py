@@ -2,7 +2,7 @@
 The stream bookkeeping every Lantern datamodule shares (pretraining, SFT, preference pairs, PPO prompts).
 
 Each datamodule shards its data itself: the training sampler is ONE global, seeded stream that every rank reads
-its share of (data/streams/packed.py's StreamSampler, or data/sft/batches.py's SFTBatchPlan over it). Build the Trainer with
+its share of (StreamSampler, or SFTBatchPlan over it). Build the Trainer with
 `use_distributed_sampler=False` (Lightning would otherwise wrap the sampler in a DistributedSampler and lose the
 resumable stream), and call `mark_consumed()` once per micro-batch, inside training_step (trainer.callbacks.
 DataProgress does), before any checkpoint of that step is written, so the checkpointed position is exactly the

@@ -1,12 +1,6 @@
 """
-What every Lantern tokenizer is, whichever library encodes: the tiktoken rank files (data/tokenizer/tokenizer.py) and
-Hugging Face ``tokenizer.json`` (data/tokenizer/hf.py).
-
-Owns: the interface the data pipeline, the stages and generation use (encode / decode, the chat encoding with its
-mask of assistant tokens, the special ids, the files a checkpoint carries, the fingerprint), what is computed the
-same way for both (token healing, bytes of ids, id checks, message checks), and ``Tokenizer.load``'s dispatch
-(``load_tokenizer``: a spec to the backend that reads it).
-Does not own: either backend's encoding or chat layout.
+What every Lantern tokenizer is, whichever library encodes: the tiktoken rank files and
+Hugging Face ``tokenizer.json``.
 """
 
 from __future__ import annotations

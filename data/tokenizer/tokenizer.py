@@ -1,18 +1,6 @@
 """
 Lantern tokenizer: a thin wrapper around tiktoken.Encoding with the Llama 3.1 special-token layout and the
 Llama 3 chat template.
-
-Owns: the Tokenizer class (construction from ranks, load / from_file / cl100k_base, the fingerprint), the
-special-token layout (SPECIAL_TOKENS, NUM_SPECIAL_TOKENS, LAYOUT_VERSION), Llama 3's pre-tokenizer regex
-(LLAMA3_PAT), encode / encode_batch / decode, the chat template (encode_chat, encode_chat_prompt, CHAT_ROLES)
-and token healing (heal_prompt), plus the splitting of long inputs under Meta's limits.
-Does not own: finding and reading rank files, the bundled default and cl100k_base's file, sha256 and regex
-(data/tokenizer/files.py), training new ranks (data/tokenizer/bpe.py).
-Choices: the 256 special tokens always get ids N..N+255 in Meta's order after the N ranks, so the real Llama 3
-file gives <|begin_of_text|> = 128000 and <|eot_id|> = 128009, and every tokenizer we load (the shipped
-Shakespeare one, cl100k_base, a Llama 3 checkpoint) shares the same chat template. Special-token strings in
-text are plain text (user data cannot inject <|eot_id|>). Long inputs are cut where the ids cannot change
-wherever possible, unlike Meta's blind 400k-character cuts. tiktoken is the only heavy import (no torch).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from data.sft.config import SFTDataConfig
 from data.sft.dataset import build_sft_data
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
-from models.config_checks import numeric_fields, range_rule
+from models.config_checks import numeric_fields, range_of
 from models.errors import ConfigError
 from models.model import ModelConfig, Transformer
 from tests.helpers import run_cli
@@ -179,7 +179,7 @@ def test_bad_config_is_one_line_before_compute(setup, tmp_path, monkeypatch, ove
 
 
 def test_every_numeric_key_has_a_range_rule_and_the_preset_loads():
-    missing = [key for key in numeric_fields(RejectionSamplingConfig) if range_rule(key) is None]
+    missing = [key for key in numeric_fields(RejectionSamplingConfig) if range_of(RejectionSamplingConfig, key) is None]
     assert [key for key in missing if not key.startswith("sft.model.")] == []
     config = load_config(RejectionSamplingConfig, CONFIG)
     assert config.sampling.samples_per_prompt == 4 and config.sft.trainer.max_steps == 6

@@ -21,7 +21,7 @@ import torch
 from alignment.stages.pretrain import run_pretrain
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
-from trainer.storage import latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SIX_STEPS = (

@@ -15,11 +15,11 @@ from data.preference.config import PreferenceDataConfig
 from data.preference.pairs import build_preference_data
 from data.pretrain.config import PrepareConfig
 from data.pretrain.prepare import prepare
-from data.pretrain.sources import check_utf8
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.sft.config import SFTDataConfig
 from data.sft.dataset import build_sft_data
 from data.tokenizer.bpe import train_bpe
+from data.tokenizer.utf8 import check_utf8
 from models.errors import DataError
 
 SFT_ROW = {"prompt": "Who speaks first?", "response": "ROMEO"}

@@ -45,7 +45,7 @@ from tests.trainer.test_distributed import (
     final_weights,
     train_losses,
 )
-from trainer.storage import LATEST, checkpoint_problem
+from trainer.checkpoints import LATEST, checkpoint_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 8, 2  # checkpoints at 2, 4, 6, 8: kill points in 4 saves and 8 steps

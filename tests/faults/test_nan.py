@@ -11,7 +11,7 @@ import torch
 from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError, NonFiniteLossError
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
-from trainer.storage import latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
 
 
 class PoisonOneBatch(L.Callback):

@@ -19,7 +19,7 @@ from tests.alignment.conftest import setup  # noqa: F401 - the tiny policy, rewa
 from tests.alignment.test_grpo import grpo_config
 from tests.alignment.test_ppo import ppo_config
 from tests.alignment.test_sft import demo, sft_config  # noqa: F401 - demo is a fixture
-from trainer.storage import LATEST, checkpoint_step, latest_checkpoint
+from trainer.checkpoints import LATEST, checkpoint_step, latest_checkpoint
 
 NAN_CHECKER = "reward.terms=[{kind: checker, path: 'tests.faults.test_nonfinite_checkpoints:nan_reward'}]"
 

@@ -26,7 +26,7 @@ from models.errors import CheckpointError, ConfigError
 from models.folders import FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.alignment.test_sft import sft_config
-from trainer.storage import write_manifest
+from trainer.checkpoints import write_manifest
 
 QUICK = ("trainer.max_steps=4", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2", "logger.kind=none")
 

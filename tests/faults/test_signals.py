@@ -26,15 +26,16 @@ from pathlib import Path
 import pytest
 
 from alignment.commands.cli import main as lantern
-from alignment.commands.pipeline import MODEL_STAGES, PipelineConfig, run_pipeline
+from alignment.commands.pipeline import PipelineConfig, run_pipeline
+from alignment.stages import registry
 from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, read_metrics, tiny_config, wandb_history
 from tests.faults.test_kill import TWO_STEPS, lantern_warnings
 from tests.trainer.test_distributed import command, environment, wait_for_checkpoint
 from trainer import interrupts
+from trainer.checkpoints import LATEST, checkpoint_problem, checkpoint_step
 from trainer.config import load_config
-from trainer.storage import LATEST, checkpoint_problem, checkpoint_step
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40  # the signal comes at the first checkpoint (step 2): ~40 steps' time for it to land before the end
@@ -219,7 +220,7 @@ def test_an_empty_config_file_is_refused_naming_it(tmp_path, monkeypatch, capsys
     empty = tmp_path / "empty.yaml"
     empty.write_text(text)
     monkeypatch.chdir(tmp_path)  # anything a run would create lands here
-    for schema in [PipelineConfig, *(schema for schema, _ in MODEL_STAGES.values())]:
+    for schema in [PipelineConfig, *(stage.schema for stage in registry.STAGES)]:
         with pytest.raises(ConfigError, match=f"config file {re.escape(str(empty))} is empty"):
             load_config(schema, empty, [])
     for name in COMMANDS:

@@ -27,7 +27,8 @@ from models.errors import LanternError
 from models.model import ModelConfig, Transformer
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
-from trainer.storage import RunFolderInUse, claim_run_directory, latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
+from trainer.storage import RunFolderInUse, claim_run_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ("trainer.max_steps=4", "trainer.val_every_n_steps=100", "checkpoint.every_n_steps=2")

@@ -10,8 +10,8 @@ import torch
 
 from alignment.stages.pretrain import run_pretrain
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
+from trainer.checkpoints import latest_checkpoint
 from trainer.plots import read_metrics_csv
-from trainer.storage import latest_checkpoint
 
 OVERRIDES = ("trainer.max_steps=6", "trainer.val_every_n_steps=3", "checkpoint.every_n_steps=2")
 

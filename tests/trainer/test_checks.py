@@ -1,10 +1,6 @@
-"""Unit tests of the checks made before any compute: trainer/checks.py (the RANGES table and the functions that
-apply it, the tokenizer/model fit checks) and the trainer checks of trainer/build.py (check_trainer_config,
-the callback order of fit_stage, the resume choice). No training runs here; every test takes well under a second.
-
-tests/faults/test_config_errors.py checks, through load_config, that every numeric field of every schema has a
-rule and that a value just below its low end is refused; these tests pin down the rules themselves: the exact
-boundaries (inclusive or exclusive as declared), the key paths in the messages, and the lookup order."""
+"""Unit tests of the checks made before any compute: the tokenizer/model fit checks, the trainer section's rules
+(check_trainer_config) and what a run readies once (prepare_trainer), the callback order of fit_stage and the resume
+choice. No training runs here; every test takes well under a second."""
 
 from __future__ import annotations
 
@@ -18,9 +14,7 @@ import pytest
 import torch
 
 from data.tokenizer.tokenizer import Tokenizer
-from models.config_checks import (
-    check_ranges,
-)
+from models.config_checks import check_config
 from models.errors import ConfigError
 from models.model import ModelConfig
 from trainer.build import (
@@ -28,6 +22,7 @@ from trainer.build import (
     in_save_order,
     lightning_precision,
     make_strategy,
+    prepare_trainer,
     resolve_resume,
 )
 from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot
@@ -155,9 +150,18 @@ def test_trainer_config_errors_name_the_keys(changes, message, restore_matmul_pr
         check_trainer_config(TrainerConfig(**changes))
 
 
-def test_trainer_config_check_resolves_precision_on_cpu(restore_matmul_precision):
+def test_cpu_offload_without_gpus_is_refused_when_the_run_is_readied(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = TrainerConfig(cpu_offload=True, strategy="fsdp", devices=2)
+    check_trainer_config(config)  # the section itself is valid: the machine has no GPUs
+    with pytest.raises(ConfigError, match=r"trainer\.cpu_offload .* needs GPUs"):
+        prepare_trainer(config)
+
+
+def test_a_run_resolves_precision_on_cpu(restore_matmul_precision):
     config = TrainerConfig(accelerator="cpu", strategy="fsdp", init_device="meta", devices=2)  # valid on CPU
     check_trainer_config(config)
+    prepare_trainer(config)
     assert config.precision == "32-true"  # auto on CPU, recorded in the config
     assert torch.get_float32_matmul_precision() == "highest"
 
@@ -206,6 +210,6 @@ def test_resume_choice(tmp_path):
 
 
 def test_a_section_checked_on_its_own_gets_its_prefix():
-    check_ranges(OptimConfig(), "<test>", prefix="optim.")
+    check_config(OptimConfig(), "<test>", prefix="optim.")
     with pytest.raises(ConfigError, match=r"^<test>: critic_optim\.min_lr \(1\.0\) must be <= critic_optim\.lr"):
-        check_ranges(OptimConfig(lr=0.5, min_lr=1.0), "<test>", prefix="critic_optim.")
+        check_config(OptimConfig(lr=0.5, min_lr=1.0), "<test>", prefix="critic_optim.")

@@ -16,8 +16,8 @@ import torch
 from alignment.stages.pretrain import run_pretrain
 from models.errors import NonFiniteLossError
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
+from trainer.checkpoints import latest_checkpoint
 from trainer.plots import read_metrics_csv
-from trainer.storage import latest_checkpoint
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 # CPU tensors on every device, read at no device sync: AdamW's step counters (not capturable) and the DataLoader's

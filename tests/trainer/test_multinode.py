@@ -31,7 +31,7 @@ from tests.trainer.test_distributed import (
     train_losses,
     wait_for_checkpoint,
 )
-from trainer.storage import latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
 
 GLOBAL_BATCH = 4
 HANG_TIMEOUT_S = 15  # trainer.collective_timeout_s of the hung-node tests (the default is 1800)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from alignment.commands import cli
-from alignment.commands.cli import STAGE_SCHEMAS, main
+from alignment.commands.cli import main
+from alignment.stages import registry
 from data.tokenizer.tokenizer import Tokenizer
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
@@ -154,12 +155,16 @@ def test_help_does_not_import_torch() -> None:
 
 
 def test_every_training_command_names_a_schema_that_imports():
-    """An interrupted run reads its config again through STAGE_SCHEMAS: a name left behind by a move would turn the
-    line that says how to resume into a bare "interrupted" without any test noticing."""
-    for command, (module, name) in STAGE_SCHEMAS.items():
+    """An interrupted run reads its config again through its stage record's schema location: a name left behind by
+    a move would turn the line that says how to resume into a bare "interrupted" without any test noticing. Every
+    record's run function and module import too, and every stage is a command."""
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for stage in registry.STAGES:
+        module, name = stage.schema_location
         schema = getattr(importlib.import_module(module), name)
-        assert dataclasses.is_dataclass(schema), command
-        assert f"_{command.replace('-', '_')}" in dir(cli), f"no handler for {command}"
+        assert dataclasses.is_dataclass(schema) and schema is stage.schema, stage.command
+        assert callable(stage.run) and isinstance(stage.module, type), stage.name
+        assert stage.command in commands, f"no command for {stage.name}"
 
 
 def test_log_lines_go_to_the_stderr_of_each_call(capsys, monkeypatch):

@@ -7,15 +7,16 @@ No stage trains here: the stage runners are stubbed, and the W&B runs are made w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-import alignment.commands.pipeline as pipeline_module
-from alignment.commands.pipeline import Pipeline, load_pipeline_config, training_section
+from alignment.commands.pipeline import Pipeline, load_pipeline_config
 from alignment.commands.pipeline_tracking import TRACKING, stage_summary, track_report, wandb_run_lines
+from alignment.stages import registry
 from tests.alignment.test_pretrain_run import isolate_wandb
 from tests.trainer.test_loggers import offline_runs
 from trainer.config import LoggerConfig
@@ -51,11 +52,17 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+def stub_runner(monkeypatch, stage: str, run) -> None:
+    """The stage's record with ``run`` as its run function, for the rest of the test."""
+    record = dataclasses.replace(registry.stage_named(stage), run_at=run)
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(record))
+
+
 def fake_runner(trained: list, *, stop: bool = False):
     """A stage runner that trains nothing: it notes the W&B group it was given and leaves a final/ (or stops)."""
 
     def run(config):
-        section = training_section(config)
+        section = registry.stage_named(config.run.name).training_section(config)
         trained.append(section.logger.group)
         if stop:
             raise KeyboardInterrupt
@@ -78,15 +85,15 @@ def test_a_pipeline_run_is_one_group_kept_across_resumes_and_new_when_it_starts_
     other = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path / 'b'}"]))
     assert other.load_stage_config("pretrain")[0].logger.group != group
 
-    monkeypatch.setitem(pipeline_module.RUNNERS, "pretrain", fake_runner(trained, stop=True))
+    stub_runner(monkeypatch, "pretrain", fake_runner(trained, stop=True))
     with pytest.raises(KeyboardInterrupt):
         first.model_stage("pretrain")  # interrupted: its pending record stays, with the group it trained in
-    monkeypatch.setitem(pipeline_module.RUNNERS, "pretrain", fake_runner(trained))
+    stub_runner(monkeypatch, "pretrain", fake_runner(trained))
     resumed = Pipeline(load_pipeline_config(TINY, overrides))
     resumed.model_stage("pretrain")
     assert resumed.status["pretrain"] == "resumed" and trained == [group, group]
 
-    monkeypatch.setitem(pipeline_module.RUNNERS, "sft", fake_runner(trained))
+    stub_runner(monkeypatch, "sft", fake_runner(trained))
     rerun = Pipeline(load_pipeline_config(TINY, overrides))
     rerun.write_demo()  # the stages after pretraining read the demo data
     rerun.model_stage("pretrain")

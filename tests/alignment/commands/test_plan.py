@@ -4,6 +4,7 @@ again and fitting; and the plan line a stage prints before it trains, which neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from alignment.commands.cli import main
 from alignment.schemas.pretrain import PretrainConfig
 from alignment.stages import pretrain as pretrain_stage
+from alignment.stages import registry
 from models.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
 from trainer.config import load_config
@@ -184,7 +186,8 @@ def test_a_stage_prints_its_plan_before_training_and_an_estimate_error_never_fai
     def broken(*args, **kwargs) -> str:
         raise ZeroDivisionError("an estimator bug")
 
-    monkeypatch.setattr(pretrain_stage, "stage_plan_line", broken)
+    record = dataclasses.replace(registry.stage_named("pretrain"), plan_at=broken)  # the plan pretraining prints
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(record))
     config.run.name = "second"
     assert pretrain_stage.run_pretrain(config) is not None
     assert "an estimator bug" in caplog.text

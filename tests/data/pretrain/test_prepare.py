@@ -12,7 +12,8 @@ import pytest
 from data.pretrain.config import PrepareConfig
 from data.pretrain.manifest import check_manifest
 from data.pretrain.prepare import prepare
-from data.streams.packed import PackedDataset, TokenStream
+from data.streams.packed import PackedDataset
+from data.streams.shards import TokenStream
 from data.tokenizer.tokenizer import Tokenizer
 from models.folders import FOLDER_MARKER, LOCK_FILE
 

@@ -196,10 +196,10 @@ def test_schema_detection_order(columns, schema):
 
 def test_the_new_schemas_can_be_chosen_and_unknown_ones_are_refused():
     for schema in ("sharegpt", "prompt_completion"):
-        config = normalize_config({"train": ["x.jsonl"], "schema": schema})
+        config = normalize_config(SFTDataConfig(train=["x.jsonl"], schema=schema))
         assert detect_schema(["messages"], config, "f.jsonl") == schema
     with pytest.raises(ValueError, match="SFT data config: schema"):
-        normalize_config({"train": ["x.jsonl"], "schema": "openai"})
+        normalize_config(SFTDataConfig(train=["x.jsonl"], schema="openai"))  # type: ignore[arg-type]
 
 
 def test_a_file_that_fits_no_schema_names_the_file_and_every_schema(tmp_path):

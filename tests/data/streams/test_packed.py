@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from data.pretrain.datamodule import PretrainDataModule
-from data.streams.packed import PackedDataset, StreamSampler, TokenStream
+from data.streams.packed import PackedDataset, StreamSampler
+from data.streams.shards import TokenStream
 from models.loss import IGNORE_INDEX
 
 

@@ -1,12 +1,10 @@
 """``lantern plan CONFIG [key=value ...] [--gpu NAME] [--json]``: will a stage (or each stage of a pipeline) fit, how
 fast will it run and what will it cost, before a GPU is rented.
 
-Owns reading what to plan: the stage a config is for (``--stage``, else a pipeline config by its ``stages`` key, else
-the stage folder it sits in under configs/, else the one stage schema it loads under), the models it names (their
-folders' configs; ``--model`` for a folder that does not exist yet, or instead of every folder; a pipeline's later
-stages take the model of the stage before them), the target (``--gpu``, ``--mfu``, ``--fabric``, ``--bandwidth``,
-``--price-per-gpu-hour``), and printing: a table a person reads in ten seconds, or ``--json`` for tools. The plan
-itself is alignment/shared/plan*.py's.
+Reads what to plan: the stage (``--stage``, else a pipeline's ``stages``, else the configs/ folder the file sits in,
+else the one schema it loads under), its models (their folders' configs, or ``--model``; a pipeline's later stages
+take the model of the stage before them) and the target (``--gpu``, ``--mfu``, ``--fabric``, ``--bandwidth``,
+``--price-per-gpu-hour``); prints a table, or ``--json``. The plan itself is the stage record's.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from alignment.commands.cli import STAGE_SCHEMAS
-from alignment.shared.plan import Models, StagePlan, Target
-from alignment.shared.plan_knobs import plan_stage
+from alignment.shared.stage_plan import Models, StagePlan, Target
+from alignment.stages import registry
+from alignment.stages.registry import Stage
 from models.checkpoint import load_model_config
 from models.config_checks import check_model_size
 from models.errors import ConfigError
@@ -32,46 +30,36 @@ from trainer.config import load_config, load_preset, read_yaml
 from trainer.hardware import fabric_named, gpu_named
 from trainer.plan import duration, gib
 
-STAGE_NAMES = {"rejection-sampling": "rejection_sampling", "rejection_sampling": "rejection_sampling"}
 
-
-def stage_key(name: str) -> str:
-    return STAGE_NAMES.get(name, name)
-
-
-def detect_stage(path: str, overrides: list[str], stage: str | None) -> str:
-    """The stage ``path`` configures: ``--stage``; a pipeline config (a ``stages`` list); the stage folder it sits in
-    (configs/ppo/tiny.yaml); else the one stage schema it loads under."""
-    known = [*(stage_key(name) for name in STAGE_SCHEMAS), "pipeline"]
+def detect_stage(path: str, overrides: list[str], stage: str | None) -> Stage | None:
+    """The stage ``path`` configures (None: a pipeline): ``--stage``; a pipeline config (a ``stages`` list); the
+    stage folder it sits in (configs/ppo/tiny.yaml); else the one stage schema it loads under."""
+    names = f"{', '.join(s.command for s in registry.STAGES)}, pipeline"
     if stage:
-        if stage_key(stage) not in known:
-            raise ConfigError(f"--stage {stage!r} is not a stage: one of {', '.join(STAGE_SCHEMAS)}, pipeline")
-        return stage_key(stage)
+        if stage == "pipeline":
+            return None
+        if registry.find_stage(stage) is None:
+            raise ConfigError(f"--stage {stage!r} is not a stage: one of {names}")
+        return registry.stage_named(stage)
     file = shipped_path(path)
     if not file.is_file():
         raise ConfigError(f"config file {file} does not exist")
     raw = read_yaml(file)  # the loader every command reads a config with: a duplicate key is named, not guessed past
-    if isinstance(raw, DictConfig) and "stages" in raw:
-        return "pipeline"
-    if stage_key(file.resolve().parent.name) in known:  # configs/ppo/tiny.yaml
-        return stage_key(file.resolve().parent.name)
-    loads = [name for name in STAGE_SCHEMAS if _loads(name, path, overrides)]
+    if (isinstance(raw, DictConfig) and "stages" in raw) or file.resolve().parent.name == "pipeline":
+        return None
+    folder = registry.find_stage(file.resolve().parent.name)  # configs/ppo/tiny.yaml
+    if folder is not None:
+        return folder
+    loads = [s for s in registry.STAGES if _loads(s, path, overrides)]
     if len(loads) == 1:
-        return stage_key(loads[0])
-    named = " or ".join(loads) if loads else "no stage's config"
-    raise ConfigError(f"{path} reads as {named}: name the stage with --stage ({', '.join(STAGE_SCHEMAS)}, pipeline)")
+        return loads[0]
+    named = " or ".join(s.command for s in loads) if loads else "no stage's config"
+    raise ConfigError(f"{path} reads as {named}: name the stage with --stage ({names})")
 
 
-def _schema(stage: str) -> type:
-    import importlib
-
-    module, name = STAGE_SCHEMAS[stage.replace("_", "-") if stage == "rejection_sampling" else stage]
-    return getattr(importlib.import_module(module), name)
-
-
-def _loads(stage: str, path: str, overrides: list[str]) -> bool:
+def _loads(stage: Stage, path: str, overrides: list[str]) -> bool:
     try:
-        load_config(_schema(stage), path, overrides)
+        load_config(stage.schema, path, overrides)
     except ConfigError:
         return False
     return True
@@ -137,22 +125,25 @@ def reward_paths(config: Any) -> list[tuple[str, str]]:
     return terms
 
 
-def stage_models(stage: str, config: Any, resolve: ModelResolver) -> Models:
-    """The models ``config`` names, by role."""
-    if stage == "pretrain":
+def stage_models(config: Any, resolve: ModelResolver) -> Models:
+    """The models ``config`` names, by role, read from its ``init`` section: a checkpoint to fine-tune (SFT, the
+    reward model), a policy with a reference (DPO), or a policy with the reward models that score its samples and,
+    where the config has one, a critic (PPO); no init section: a model built from ``model`` (pretraining)."""
+    init = getattr(config, "init", None)
+    if init is None:
         return Models(resolve(None, "model", config.model))
-    if stage in ("sft", "rm"):
-        return Models(resolve(config.init.checkpoint, "init.checkpoint", config.model))
-    if stage == "dpo":
-        reference = resolve(config.init.reference, "init.reference") if config.init.reference else None
-        return Models(resolve(config.init.policy, "init.policy", config.model), reference=reference)
-    policy = resolve(config.init.policy, "init.policy")
+    if hasattr(init, "checkpoint"):
+        return Models(resolve(init.checkpoint, "init.checkpoint", config.model))
+    if hasattr(init, "reference"):
+        reference = resolve(init.reference, "init.reference") if init.reference else None
+        return Models(resolve(init.policy, "init.policy", config.model), reference=reference)
+    policy = resolve(init.policy, "init.policy")
     rewards = [resolve(path, key) for path, key in reward_paths(config)]
     critic = None
-    if stage == "ppo" and config.init.critic == "reward_model":
-        critic = rewards[0] if rewards else None
-        if critic is None and config.init.reward_model:
-            critic = resolve(config.init.reward_model, "init.reward_model")
+    if hasattr(init, "critic"):  # a copy of the reward model, else a fresh head on the policy's backbone
+        critic = policy
+        if init.critic == "reward_model" and (rewards or init.reward_model):
+            critic = rewards[0] if rewards else resolve(init.reward_model, "init.reward_model")
     return Models(policy, rewards=rewards, critic=critic)
 
 
@@ -169,46 +160,36 @@ def target_from(args: argparse.Namespace, accelerator: str = "auto") -> Target:
     return Target(gpu, args.mfu, args.fabric, args.bandwidth, args.price_per_gpu_hour)
 
 
-def check_strategy(trainer: Any, prefix: str = "") -> None:
-    """What a run refuses before it starts (trainer/build.py's ``check_trainer_config``), refused here too: the rest of
-    that check resolves settings for this machine's device, which the plan is not for."""
-    if trainer.strategy == "single" and (trainer.devices != 1 or trainer.num_nodes != 1):
-        raise ConfigError(
-            f"{prefix}trainer.strategy 'single' runs one process, but {prefix}trainer.devices={trainer.devices} and "
-            f"{prefix}trainer.num_nodes={trainer.num_nodes}: use 'ddp' or 'fsdp' for more"
-        )
-
-
 def plan_config(args: argparse.Namespace) -> tuple[list[StagePlan], bool]:
     """The plan of a stage config, or one per model stage of a pipeline config; and whether it was a pipeline."""
     stage = detect_stage(args.config, args.overrides, args.stage)
-    if stage == "pipeline":
+    if stage is None:
         return plan_pipeline(args), True
-    config = load_config(_schema(stage), args.config, args.overrides)
-    trainer = config.sft.trainer if stage == "rejection_sampling" else config.trainer
-    check_strategy(trainer, "sft." if stage == "rejection_sampling" else "")
-    models = stage_models(stage, config, ModelResolver(args.model))
-    return [plan_stage(stage, config, models, target_from(args, trainer.accelerator))], False
+    config = load_config(stage.schema, args.config, args.overrides)
+    trainer = stage.training_section(config).trainer
+    models = stage_models(config, ModelResolver(args.model))
+    return [stage.plan(config, models, target_from(args, trainer.accelerator))], False
 
 
 def plan_pipeline(args: argparse.Namespace) -> list[StagePlan]:
     """Each model stage of a pipeline from its resolved config (``Pipeline.load_stage_config``: the preset, its
     overrides and the wiring), each stage's model the one its upstream stage trains."""
-    from alignment.commands.pipeline import MODEL_STAGES, Pipeline, load_pipeline_config
+    from alignment.commands.pipeline import Pipeline, load_pipeline_config
 
     pipeline = Pipeline(load_pipeline_config(args.config, args.overrides))
     pipeline.demo_hash = "plan"  # the demo data is not written to plan: its hash only keys re-runs
     known: dict[str, ModelConfig] = {}
     plans = []
-    for stage in pipeline.config.stages:
-        if stage not in MODEL_STAGES:
+    for name in pipeline.config.stages:
+        stage = registry.find_stage(name)
+        if stage is None:  # prepare: the data step
             continue
-        config, _ = pipeline.load_stage_config(stage)
-        final = pipeline.stage_dir(stage) / "final"
-        pipeline.outputs[stage] = (final, "plan")  # the next stages are wired to it
-        models = stage_models(stage, config, ModelResolver(args.model, known))
-        trainer = config.sft.trainer if stage == "rejection_sampling" else config.trainer
-        plans.append(plan_stage(stage, config, models, target_from(args, trainer.accelerator)))
+        config, _ = pipeline.load_stage_config(name)
+        final = pipeline.stage_dir(name) / "final"
+        pipeline.outputs[name] = (final, "plan")  # the next stages are wired to it
+        models = stage_models(config, ModelResolver(args.model, known))
+        trainer = stage.training_section(config).trainer
+        plans.append(stage.plan(config, models, target_from(args, trainer.accelerator)))
         known[str(final)] = models.policy
     return plans
 

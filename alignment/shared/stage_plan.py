@@ -1,16 +1,7 @@
 """What a stage will need before it runs: memory per GPU, item by item and phase by phase, the verdict against the
-GPU's memory with the knob that makes it fit, and the step time, tokens/s and cost. ``lantern plan``
-(alignment/commands/plan.py) prints it; every stage prints its one line (``plan_line``) before it trains.
-
-Owns what each stage holds, from its schema: pretraining, SFT and DPO train a ``Transformer`` on micro-batches of
-rows (DPO: chosen and rejected, two rows a pair, beside a frozen reference unless LoRA's adapters-off base is the
-reference or it was precomputed and freed), the reward model a ``ScalarModel`` (no logits); the RL stages, rejection
-sampling's sampling too, are alignment/shared/plan_rl.py's. The model-level bytes are models/memory.py's, the training
-state, collectives and verdict trainer/plan.py's, the GPU and MFU tables trainer/hardware.py's.
-
-Choices: memory is what one GPU holds at its peak, the largest phase; CPU runs are judged against host memory; a
-stage whose model folder does not exist yet is planned with the model it is given (the CLI's ``--model``, the
-pipeline's upstream stage), never guessed.
+GPU's memory (host memory on CPU), and the step time, tokens/s and cost; and the plans of the stages that train one
+model on rows (``plan_pretrain``, ``plan_sft``, ``plan_rm``, ``plan_dpo``). A model folder that does not exist yet is
+planned with the model given, never guessed.
 """
 
 from __future__ import annotations
@@ -146,13 +137,9 @@ class StagePlan:
         return text + (f"; {self.knob}" if self.knob else "")
 
 
-def training_sections(config: Any) -> Any:
-    """The section holding a stage's trainer, optim and loader: rejection sampling's is its embedded SFT config."""
-    return config.sft if hasattr(config, "sft") and hasattr(config, "sampling") else config
-
-
-def peft_of(config: Any) -> PeftConfig | None:
-    peft = getattr(training_sections(config), "peft", None)
+def peft_of(sections: Any) -> PeftConfig | None:
+    """The training section's LoRA settings when adapters train, else None (pretraining has no peft section)."""
+    peft = getattr(sections, "peft", None)
     return peft if peft is not None and peft.enabled else None
 
 
@@ -299,17 +286,50 @@ def finish(plan: StagePlan, target: Target, setup: Setup) -> StagePlan:
     return plan
 
 
-def plan_lm_stage(stage: str, config: Any, models: Models, target: Target) -> StagePlan:
-    """Pretraining, SFT, the reward model and DPO: one trained model on micro-batches of rows."""
-    trainer, sections = training_sections(config).trainer, training_sections(config)
+def plan_pretrain(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
+    loader = config.loader
+    return plan_lm(
+        stage, config, models, target, seq=loader.seq_len, rows=loader.micro_batch_size, masked=loader.document_masking
+    )
+
+
+def plan_sft(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
+    micro = config.loader.micro_batch_size
+    return plan_lm(
+        stage, config, models, target, seq=config.data.seq_len, rows=micro, masked=True, peft=peft_of(config)
+    )
+
+
+def plan_rm(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
+    """The reward model: chosen and rejected rows through a ``ScalarModel`` (no logits)."""
+    rows = 2 * config.loader.micro_batch_size
+    return plan_lm(
+        stage, config, models, target, seq=config.data.seq_len, rows=rows, masked=True, peft=peft_of(config),
+        scalar=True,
+    )  # fmt: skip
+
+
+def plan_dpo(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
+    """DPO: chosen and rejected rows beside a frozen reference, unless LoRA's adapters-off base is the reference
+    (or SimPO needs none)."""
+    peft = peft_of(config)
+    rows = 2 * config.loader.micro_batch_size
+    reference = config.loss.kind != "simpo" and bool(config.init.reference or peft is None)
+    return plan_lm(
+        stage, config, models, target, seq=config.data.seq_len, rows=rows, masked=False, peft=peft,
+        reference=config.loss.reference_logprobs if reference else None,
+    )  # fmt: skip
+
+
+def plan_lm(
+    stage: Any, config: Any, models: Models, target: Target, *, seq: int, rows: int, masked: bool,
+    peft: PeftConfig | None = None, scalar: bool = False, reference: str | None = None,
+) -> StagePlan:  # fmt: skip
+    """One trained model on micro-batches of ``rows`` rows of ``seq`` tokens; ``reference``: a frozen reference's
+    log-probs, ``precompute``d before the first step or ``on_the_fly``."""
+    trainer = config.trainer
     setup = Setup.of(trainer, target)
-    peft = peft_of(config) if stage != "pretrain" else None
-    scalar = stage == "rm"
     params = meta_parameters(models.policy, scalar_head=scalar, peft=peft, trainable=("head.",) if scalar else ())
-    micro = sections.loader.micro_batch_size
-    seq = sections.loader.seq_len if stage == "pretrain" else sections.data.seq_len
-    rows = 2 * micro if stage in ("rm", "dpo") else micro  # chosen and rejected sides
-    masked = stage in ("sft", "rm") or (stage == "pretrain" and sections.loader.document_masking)
     estimate = lm_activations(
         models.policy, setup, trainer, rows, seq, masked=masked, head="scalar" if scalar else "lm", peft=peft,
         params=params,
@@ -317,21 +337,21 @@ def plan_lm_stage(stage: str, config: Any, models: Models, target: Target) -> St
     items = trained_items("model", params, setup, trainer, peft)
     phases, notes = [], []
     on_the_fly = False
-    if stage == "dpo" and config.loss.kind != "simpo" and (config.init.reference or peft is None):
+    if reference is not None:
         ref_params = meta_parameters(models.reference or models.policy)
         ref_bytes = 2 if setup.numerics == "bf16" else 4  # dpo_module.reference_dtype
-        reference = frozen_items("reference (frozen)", ref_params, ref_bytes, on_host=False)
-        if config.loss.reference_logprobs == "precompute":
+        frozen = frozen_items("reference (frozen)", ref_params, ref_bytes, on_host=False)
+        if reference == "precompute":
             notes.append("the reference scores every pair once before the first step, then is freed")
             ref_forward = lm_activations(
                 models.reference or models.policy, setup, trainer, rows, seq, masked=False, peft=peft
             ).moments["loss forward"]
             phases.append(
-                Phase("reference pass", [items[0], *reference, Item("reference forward", ref_forward, "no grad")])
+                Phase("reference pass", [items[0], *frozen, Item("reference forward", ref_forward, "no grad")])
             )
         else:
             on_the_fly = True
-            items += reference
+            items += frozen
             estimate.moments["reference forward"] = estimate.saved_total + estimate.moments["loss forward"]
     act, moment = activation_items(estimate, f"({rows} x {seq} tokens)")
     phases.insert(0, Phase("training", items + act, moment))
@@ -352,7 +372,7 @@ def plan_lm_stage(stage: str, config: Any, models: Models, target: Target) -> St
     )  # fmt: skip
     accumulation = f" x {trainer.accumulate_grad_batches} accumulation" if trainer.accumulate_grad_batches > 1 else ""
     plan = StagePlan(
-        stage, describe_model(models.policy, params), describe_run(setup, trainer, target),
+        stage.name, describe_model(models.policy, params), describe_run(setup, trainer, target),
         f"{rows} x {seq} tokens per GPU{accumulation} = {world_tokens:,} tokens per step", phases, None, "", 0,
         timing, notes=notes, by_checkpointing=by_checkpointing,
     )  # fmt: skip

@@ -1,0 +1,207 @@
+"""Every training stage as one record, listed once (``STAGES``, in pipeline order): the CLI, the pipeline, its report,
+``lantern plan`` and the interrupt message read this list and nothing else.
+
+Light on purpose (``lantern --help`` imports it): the heavy parts are named ``"module:attr"`` and imported when first
+used. Readers go through this module's ``STAGES`` at call time, so a test may add a stage with
+``monkeypatch.setattr(registry, "STAGES", with_stage(record))``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@functools.cache
+def _imported(location: str) -> Any:
+    module, _, attr = location.partition(":")
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
+
+
+def resolve(reference: Any) -> Any:
+    """``"module:attr"`` imported (once), anything else as given (a test's own function or class)."""
+    return _imported(reference) if isinstance(reference, str) else reference
+
+
+@dataclass(frozen=True, eq=False)  # one record a stage: compared and hashed by identity
+class Stage:
+    name: str  # the pipeline's section and run folder, the plan's and the report's label
+    command: str  # `lantern COMMAND CONFIG [key=value ...]`
+    help: str
+    schema_at: str | type  # its config dataclass
+    run_at: str | Callable[[Any], Any]  # run(config) -> the run folder on rank 0, else None
+    module_at: str | type  # the LightningModule it trains
+    plan_at: str | Callable[..., Any]  # plan(stage, config, models, target) -> StagePlan
+    preset: str  # the pipeline's default preset
+    # config key -> the stage whose final/ the pipeline wires into it
+    starts_from: Mapping[str, str] = field(default_factory=dict)
+    demo_files: Mapping[str, str] = field(default_factory=dict)  # config key -> the demo file (no .jsonl) it reads
+    corpus_key: str | None = None  # the config key the pipeline's prepared corpus goes to (pretraining's data)
+    # where the trainer, checkpoint, logger and peft sections are: rejection sampling's are in its ``sft`` section
+    training_prefix: str = ""
+    algorithm_at: str | None = None  # the RL algorithm (its hyperparameter section and rollout shape), if any
+    language_model: bool = True  # whether final/ is a language model the report scores (the reward model's is not)
+    # the report's line for the stage: (metric, note, "first_last" | "final") over its run's CSVs; {stage} is its name
+    headline: tuple[tuple[str, str, str], ...] = (("val/loss", "", "first_last"),)
+    # the report's overview panel: (title, (left metrics, label), (right metrics, label)); None: no panel
+    panel: tuple[str, tuple[tuple[str, ...], str], tuple[tuple[str, ...], str]] | None = None
+
+    @property
+    def schema(self) -> type:
+        return resolve(self.schema_at)
+
+    @property
+    def run(self) -> Callable[[Any], Any]:
+        return resolve(self.run_at)
+
+    @property
+    def module(self) -> type:
+        return resolve(self.module_at)
+
+    @property
+    def algorithm(self) -> Any:
+        return None if self.algorithm_at is None else resolve(self.algorithm_at)
+
+    @property
+    def schema_location(self) -> tuple[str, str]:
+        """(module, class) of the schema, read without importing it (what ``interrupted_message`` takes)."""
+        if isinstance(self.schema_at, str):
+            module, _, name = self.schema_at.partition(":")
+            return module, name
+        return self.schema_at.__module__, self.schema_at.__qualname__
+
+    @property
+    def rollout_section(self) -> str | None:
+        """The config section of an RL stage's rollout hyperparameters (its algorithm's), else None."""
+        return None if self.algorithm_at is None else self.algorithm.stage
+
+    @property
+    def x_axis(self) -> str:
+        """What a step of its curves is: an RL stage's is a rollout."""
+        return "optimizer step" if self.algorithm_at is None else "rollout"
+
+    def training_section(self, config: Any) -> Any:
+        """The part of ``config`` that holds its trainer, checkpoint, logger and peft sections."""
+        return functools.reduce(getattr, self.training_prefix.split(".")[:-1], config)
+
+    def trains_adapters(self) -> bool:
+        """Whether the stage takes a ``peft`` section (pretraining trains every weight)."""
+        return any(f.name == "peft" for f in fields(self.training_section(self.schema())))
+
+    def plan(self, config: Any, models: Any, target: Any) -> Any:
+        """The stage's ``StagePlan`` with the knob that makes it fit."""
+        from alignment.shared.plan_knobs import plan_stage
+
+        return plan_stage(self, config, models, target)
+
+    def plan_without_knob(self, config: Any, models: Any, target: Any) -> Any:
+        return resolve(self.plan_at)(self, config, models, target)
+
+    def plan_line(self, config: Any, models: Any) -> str:
+        """The plan's one line for the stage about to train on this machine's device."""
+        from alignment.shared.plan_knobs import device_target
+
+        return self.plan(config, models, device_target(self.training_section(config).trainer)).line()
+
+
+_PLANS = "alignment.shared.stage_plan"
+_RL_HEADLINE = (
+    ("eval/gt_score", "(ground truth)", "first_last"),
+    ("eval/reward", "(its reward)", "first_last"),
+    ("{stage}/kl", "", "final"),
+)
+
+
+def _rl_panel(title: str) -> tuple[str, tuple[tuple[str, ...], str], tuple[tuple[str, ...], str]]:
+    return (
+        f"{title}: greedy answers to held-out prompts",
+        (("eval/gt_score", "eval/reward"), "score"),
+        (("{stage}/kl",), "KL to the SFT model (nats)"),
+    )
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "pretrain", "pretrain", "pretrain a model on prepared token shards",
+        "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
+        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
+        corpus_key="data.out_dir", panel=("pretraining", (("train/loss", "val/loss"), "loss"), ((), "")),
+    ),
+    Stage(
+        "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",
+        "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
+        f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml",
+        starts_from={"init.checkpoint": "pretrain"}, demo_files={"data.train": "train", "data.val": "val"},
+        headline=(("val/loss", "", "first_last"), ("val/accuracy", "(exact match)", "first_last")),
+        panel=("SFT", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
+    ),
+    Stage(
+        "rm", "rm", "train a reward model on preference pairs",
+        "alignment.schemas.reward:RMConfig", "alignment.stages.reward:run_rm", "alignment.stages.reward:RewardModule",
+        f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml",
+        # its policy_samples (when its preset names a checker) sample the SFT model
+        starts_from={"init.checkpoint": "sft", "policy_samples.policy": "sft"},
+        demo_files={"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
+        language_model=False, headline=(("val/accuracy", "(pairwise, held-out pairs)", "first_last"),),
+        panel=("reward model", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
+    ),
+    # the RL stages train on the training pool's prompts and evaluate on the val split's (never trained on)
+    Stage(
+        "ppo", "ppo", "optimise the SFT policy against the reward model with PPO",
+        "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo_module:PPOModule",
+        "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
+        starts_from={"init.policy": "sft", "init.reward_model": "rm"},
+        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.ppo:PPO",
+        headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
+    ),
+    Stage(
+        "grpo", "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward",
+        "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo_module:GRPOModule",
+        "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
+        starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "data.val": "prompts"},
+        algorithm_at="alignment.stages.grpo:GRPO", headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
+    ),
+    Stage(
+        "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",
+        "alignment.schemas.dpo:DPOConfig", "alignment.stages.dpo:run_dpo", "alignment.stages.dpo_module:DPOModule",
+        f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml",
+        starts_from={"init.policy": "sft"}, demo_files={"data.train": "pairs"},
+        headline=(
+            ("val/loss", "", "first_last"), ("val/reward_accuracy", "(implicit reward, held-out pairs)", "first_last")
+        ),
+    ),
+    Stage(
+        "rejection_sampling", "rejection-sampling",
+        "sample K answers per prompt, keep the best by the reward, then SFT on them",
+        "alignment.schemas.rejection_sampling:RejectionSamplingConfig",
+        "alignment.stages.rejection_sampling:run_rejection_sampling", "alignment.stages.sft:SFTModule",
+        "alignment.shared.plan_rl:plan_rejection_sampling", "configs/rejection_sampling/tiny.yaml",
+        starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
+        training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
+    ),
+)  # fmt: skip
+
+
+def stage_named(name: str) -> Stage:
+    """The stage of a name (``rejection_sampling``) or command (``rejection-sampling``); KeyError if none."""
+    for stage in STAGES:
+        if name in (stage.name, stage.command):
+            return stage
+    raise KeyError(name)
+
+
+def find_stage(name: str) -> Stage | None:
+    try:
+        return stage_named(name)
+    except KeyError:
+        return None
+
+
+def with_stage(stage: Stage) -> tuple[Stage, ...]:
+    """The list with ``stage`` in place of the one of its name, else added last (a test's or a plugin's)."""
+    if any(s.name == stage.name for s in STAGES):
+        return tuple(stage if s.name == stage.name else s for s in STAGES)
+    return (*STAGES, stage)

@@ -1,0 +1,111 @@
+"""A stage is one record (alignment/stages/registry.py): a minimal SFT variant, defined here as a record and added to
+the list, is a ``lantern`` command that trains, a pipeline stage and a plan, and says where it stopped when
+interrupted; every reader (CLI, pipeline, report, plan) lists exactly the registry's stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from alignment.commands import cli
+from alignment.commands.pipeline import load_pipeline_config, pipeline_steps
+from alignment.commands.pipeline_eval import policy_stages
+from alignment.commands.plan_command import detect_stage
+from alignment.schemas.sft import SFTConfig
+from alignment.stages import registry
+from alignment.stages.registry import Stage
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_STAGES = {"tokenizer", "generate", "convert", "prepare", "pipeline", "plan", "demo-data", "export"}
+
+
+def run_sft_variant(config: SFTConfig) -> Path | None:
+    """The variant's run: SFT, its run folder recorded as the variant's."""
+    from alignment.stages.sft import run_sft
+
+    return run_sft(config, stage="sft_variant")
+
+
+VARIANT = Stage(
+    "sft_variant", "sft-variant", "SFT once more, on the SFT model (a test's stage)",
+    "alignment.schemas.sft:SFTConfig", run_sft_variant, "alignment.stages.sft:SFTModule",
+    "alignment.shared.stage_plan:plan_sft", "configs/sft/tiny.yaml",
+    starts_from={"init.checkpoint": "sft"}, demo_files={"data.train": "train", "data.val": "val"},
+)  # fmt: skip
+
+
+@pytest.fixture
+def variant(monkeypatch) -> Stage:
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(VARIANT))
+    return VARIANT
+
+
+def stage_commands() -> list[str]:
+    return [name for name in cli.build_parser()._subparsers._group_actions[0].choices if name not in NOT_STAGES]
+
+
+def test_the_variant_is_a_command_that_trains(variant, setup, tmp_path, capsys):
+    """`lantern sft-variant CONFIG`: parsed, loaded with its record's schema and run by its record's run (2 steps)."""
+    demo = setup["root"] / "demo"
+    overrides = [
+        f"init.checkpoint={setup['policy']}", f"data.train=[{demo / 'train.jsonl'}]",
+        f"data.val=[{demo / 'val.jsonl'}]", f"run.out_dir={tmp_path}", "run.name=variant", "logger.kind=none",
+        "trainer.max_steps=2", "trainer.val_every_n_steps=1000", "trainer.accelerator=cpu",
+        "checkpoint.every_n_steps=1000", "eval.generations=0",
+    ]  # fmt: skip
+    assert cli.main(["sft-variant", "configs/sft/tiny.yaml", *overrides]) == 0, capsys.readouterr().err
+    run_dir = tmp_path / "variant"
+    assert (run_dir / "final").is_dir() and f"final model: {run_dir / 'final'}" in capsys.readouterr().out
+    assert json.loads((run_dir / ".lantern-folder.json").read_text())["stage"] == "sft_variant"  # its run
+
+
+def test_an_interrupted_variant_says_where_it_stopped(variant, monkeypatch, tmp_path, capsys):
+    """The interrupt message reads the config again through the record's schema."""
+
+    def interrupted(config: SFTConfig) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(dataclasses.replace(variant, run_at=interrupted)))
+    code = cli.main(["sft-variant", "configs/sft/tiny.yaml", f"run.out_dir={tmp_path}", "logger.kind=none"])
+    assert code == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert (
+        "lantern sft-variant: interrupted by SIGINT" in err and "running the same command again starts it over" in err
+    )
+
+
+def test_the_pipeline_takes_the_variant_and_lantern_plan_plans_it(variant, tmp_path, capsys):
+    """In a pipeline's ``stages`` after SFT (its section and STAGE.KEY overrides included), planned on the model the
+    SFT stage trains; and a stage config planned as the variant with ``--stage``."""
+    stages = "stages=[prepare,pretrain,sft,sft_variant]"
+    config = load_pipeline_config(
+        str(ROOT / "configs/pipeline/tiny.yaml"), [stages, f"out_dir={tmp_path}", "sft_variant.trainer.max_steps=3"]
+    )
+    assert config.sft_variant.config == "configs/sft/tiny.yaml" and config.sft_variant.overrides == [
+        "trainer.max_steps=3"
+    ]
+    assert cli.main(["plan", "configs/pipeline/tiny.yaml", stages, f"out_dir={tmp_path}", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["stages"]
+    assert [plan["stage"] for plan in plans] == ["pretrain", "sft", "sft_variant"]
+    assert plans[2]["model"] == plans[1]["model"]  # the variant starts from the SFT model
+    assert cli.main(["plan", "configs/sft/tiny.yaml", "--stage", "sft-variant", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stage"] == "sft_variant"
+
+
+@pytest.mark.parametrize("added", [False, True], ids=["as-shipped", "with-the-variant"])
+def test_every_reader_lists_exactly_the_registrys_stages(added, monkeypatch):
+    if added:
+        monkeypatch.setattr(registry, "STAGES", registry.with_stage(VARIANT))
+    names = [stage.name for stage in registry.STAGES]
+    assert stage_commands() == [stage.command for stage in registry.STAGES]
+    assert pipeline_steps() == ("prepare", *names)
+    config = load_pipeline_config(str(ROOT / "configs/pipeline/tiny.yaml"), [])
+    assert [f.name for f in dataclasses.fields(config) if f.name in names] == names  # a section per stage
+    assert load_pipeline_config(None, []).stages == ["prepare", *names]
+    assert policy_stages() == [name for name in names if name != "rm"]
+    assert [detect_stage("unused.yaml", [], stage.command) for stage in registry.STAGES] == list(registry.STAGES)
+    assert ("sft_variant" in names) == added
