@@ -29,7 +29,7 @@ from alignment.commands.pipeline_report import comparison_lines
 from alignment.shared.evaluation import json_safe
 from alignment.stages.registry import stage_named
 from benchmarks.score_models import open_pipeline
-from models.atomic import write_atomically
+from models.files.atomic import write_atomically
 
 # method -> (the pipeline stage that runs it, overrides that make it this method)
 METHODS: dict[str, tuple[str, list[str]]] = {

@@ -52,7 +52,7 @@ from alignment.stages.ppo import run_ppo
 from data.demo.tasks import write_demo_dataset
 from data.records.prompts import PromptDataModule
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.generation import generate
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer

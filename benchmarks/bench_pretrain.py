@@ -56,7 +56,7 @@ from alignment.shared.stage_plan import Models
 from alignment.stages.pretrain import PretrainModule, pretrain_datamodule
 from alignment.stages.registry import stage_named
 from data.pretrain.prepare import prepare
-from models.hf_format import config_to_hf
+from models.formats.hf_format import config_to_hf
 from models.model import Transformer
 from trainer.build import make_trainer, prepare_trainer, run_directory
 from trainer.callbacks import DataProgress, Throughput, measure_matmul_flops

@@ -6,7 +6,7 @@ peak memory, and greedy decode throughput, Lantern against transformers (+ peft,
     python -m benchmarks.bench_real_model decode [--batches 1 16] [--new-tokens 64] [--repeats 3] [--threads 2]
 
 Setup (once, reused from --work): the GGUF converted to a native folder with
-``models.gguf_format.convert_gguf(gguf, DIR/native, "native")`` and to a Hugging Face folder with
+``models.formats.gguf_format.convert_gguf(gguf, DIR/native, "native")`` and to a Hugging Face folder with
 ``convert_gguf(gguf, DIR/hf, "hf")`` (both float32, same weights), so both sides start from identical fp32 weights.
 
 ``sft``: each contender in a fresh subprocess (peak RSS = that process's ``ru_maxrss``), same data (prompt/response
@@ -47,7 +47,7 @@ RESULTS = REPO / "benchmarks/results/real_model.json"
 
 
 def checkpoints(work: Path) -> tuple[Path, Path]:
-    from models.gguf_format import convert_gguf
+    from models.formats.gguf_format import convert_gguf
 
     native, hf = work / "native", work / "hf"
     for path, fmt in ((native, "native"), (hf, "hf")):
@@ -218,7 +218,7 @@ def run_decode_bench(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
     from models.generation import generate
 
     torch.set_num_threads(args.threads)

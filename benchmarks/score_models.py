@@ -25,8 +25,8 @@ from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, s
 from alignment.commands.pipeline_report import comparison_lines
 from alignment.shared.evaluation import json_safe
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import write_atomically
 from models.errors import ConfigError, DataError
+from models.files.atomic import write_atomically
 
 
 def open_pipeline(

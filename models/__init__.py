@@ -1,7 +1,7 @@
 """The Llama 3-style decoder, its heads, generation and checkpoint interop.
 
 The names below load on first use (PEP 562), so importing a light module of this package (``models.errors``,
-``models.atomic``) does not import torch: ``lantern --help`` answers without it.
+``models.files.atomic``) does not import torch: ``lantern --help`` answers without it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ _EXPORTS = {
     "ModelConfig": "models.model",
     "RopeScaling": "models.model",
     "Transformer": "models.model",
-    "load_checkpoint": "models.checkpoint",
-    "save_checkpoint": "models.checkpoint",
+    "load_checkpoint": "models.formats.checkpoint",
+    "save_checkpoint": "models.formats.checkpoint",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.checkpoint_io import read_safetensors
 from models.errors import CheckpointError
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.checkpoint_io import read_safetensors
 from models.model import ModelConfig, Transformer
 
 

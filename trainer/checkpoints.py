@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from models.atomic import remove_path, write_atomically
-from models.checksums import manifest_mismatch, sha256_manifest
 from models.errors import CheckpointError
+from models.files.atomic import remove_path, write_atomically
+from models.files.checksums import manifest_mismatch, sha256_manifest
 
 MANIFEST_SUFFIX = ".sha256"
 CHECKPOINT_PATTERN = re.compile(r"step-(\d+)\.ckpt")
@@ -53,7 +53,7 @@ def read_checkpoint_header(path: Path) -> dict[str, Any]:
     refused, never loaded; a model's weights are not a training checkpoint)."""
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    from models.checkpoint_io import read_torch_file
+    from models.formats.checkpoint_io import read_torch_file
 
     if path.is_dir():
         if not (path / ".metadata").is_file():

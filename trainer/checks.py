@@ -8,8 +8,8 @@ from typing import Any, Protocol
 
 from data.tokenizer.base import TokenizerBase, load_tokenizer, resolve_tokenizer_spec
 from data.tokenizer.files import find_tokenizer
-from models.checkpoint import load_model_config
 from models.errors import ConfigError
+from models.formats.checkpoint import load_model_config
 from models.model import ModelConfig
 
 log = logging.getLogger(__name__)

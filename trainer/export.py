@@ -22,12 +22,12 @@ from data.tokenizer.convert import hf_export_files, hf_tokenizer_folder
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
-from models.atomic import IfExists, atomic_directory, check_destination
-from models.checkpoint import export_hf, load_checkpoint, save_checkpoint, write_hf_folder
-from models.checkpoint_io import read_torch_file
 from models.errors import CheckpointError, one_line
-from models.gguf_format import check_gguf_destination, write_gguf
-from models.hf_format import native_to_hf_adapter_state, write_hf_adapter
+from models.files.atomic import IfExists, atomic_directory, check_destination
+from models.formats.checkpoint import export_hf, load_checkpoint, save_checkpoint, write_hf_folder
+from models.formats.checkpoint_io import read_torch_file
+from models.formats.gguf_format import check_gguf_destination, write_gguf
+from models.formats.hf_format import native_to_hf_adapter_state, write_hf_adapter
 from models.model import ModelConfig, Transformer
 from trainer.parallel import plain_name
 

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
 from models.errors import one_line
-from models.folders import folder_record
+from models.files.folders import folder_record
 from trainer.checkpoints import checkpoint_step
 from trainer.config import LoggerConfig
 from trainer.plots import read_csv_rows

@@ -6,7 +6,7 @@ import csv
 import io
 from pathlib import Path
 
-from models.atomic import write_atomically, write_file_atomically
+from models.files.atomic import write_atomically, write_file_atomically
 
 Series = dict[str, list[tuple[int, float]]]
 CSV_HEADER = ("metric", "step", "value")

@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.tensor import DTensor
 
-from models.atomic import remove_path, rename_into_place, storage_error, write_atomically
 from models.errors import NonFiniteLossError
-from models.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
+from models.files.atomic import remove_path, rename_into_place, storage_error, write_atomically
+from models.files.folders import LOCK_FILE, FolderInUse, FolderNotLanterns, claim_folder, lock_folder, release_folder
 from trainer.checkpoints import (
     LATEST,
     MANIFEST_SUFFIX,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from models.atomic import write_atomically
+from models.files.atomic import write_atomically
 
 RUN_RECORD = "wandb-run.json"
 LOG_MODEL = ("off", "final", "all")

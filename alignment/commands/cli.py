@@ -35,7 +35,7 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
 def _load_model_for_generation(args: argparse.Namespace):
     import torch
 
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
     from models.model import ModelConfig, Transformer
 
     if args.checkpoint:
@@ -48,7 +48,7 @@ def _load_model_for_generation(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
-    from models.checkpoint import load_model_config
+    from models.formats.checkpoint import load_model_config
     from models.generation import complete
     from models.model import ModelConfig
     from trainer.checks import check_model_tokenizer

@@ -45,7 +45,7 @@ def add_convert_command(commands: Any) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from models.atomic import StorageError
+    from models.files.atomic import StorageError
 
     src_format = "gguf" if args.src_format == "auto" and str(args.src).endswith(".gguf") else args.src_format
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -53,7 +53,7 @@ def _convert(args: argparse.Namespace) -> None:
         raise LanternError(f"{args.src} is already a GGUF file")
     try:
         if src_format == "gguf":
-            from models.gguf_format import convert_gguf
+            from models.formats.gguf_format import convert_gguf
 
             out = convert_gguf(args.src, args.dst, args.dst_format, dtype=dtype, overwrite=args.overwrite)
         elif args.dst_format == "gguf":
@@ -67,7 +67,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _between_folders(src: str, src_format: str, dst: str, dst_format: str, dtype: Any, overwrite: bool) -> Any:
     from data.tokenizer.convert import hf_export_files
-    from models.checkpoint import convert
+    from models.formats.checkpoint import convert
 
     with tempfile.TemporaryDirectory() as scratch:
         # a Hugging Face folder carries tokenizer.json even when the model was trained with a tiktoken file, so
@@ -86,8 +86,8 @@ def _between_folders(src: str, src_format: str, dst: str, dst_format: str, dtype
 
 def _to_gguf(src: str, src_format: str, dst: str, dtype: str, overwrite: bool) -> Any:
     from data.tokenizer.convert import hf_tokenizer_folder
-    from models.checkpoint import load_checkpoint
-    from models.gguf_format import check_gguf_destination, write_gguf
+    from models.formats.checkpoint import load_checkpoint
+    from models.formats.gguf_format import check_gguf_destination, write_gguf
 
     check_gguf_destination(dst, overwrite=overwrite, sources=(src,))
     with tempfile.TemporaryDirectory() as scratch:

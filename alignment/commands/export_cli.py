@@ -52,7 +52,7 @@ def add_export_command(commands: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from models.atomic import StorageError
+    from models.files.atomic import StorageError
     from trainer.export import export_training_checkpoint
 
     if args.adapter and args.format == "native":

@@ -37,9 +37,9 @@ from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import PeftConfig
 from models.config_checks import bounded
-from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError
-from models.folders import claim_folder
+from models.files.digests import content_key, folder_fingerprint
+from models.files.folders import claim_folder
 from trainer.config import load_config, to_yaml
 from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
 from trainer.storage import claim_run_directory

@@ -28,10 +28,10 @@ from alignment.shared.rewards import load_checker
 from alignment.stages import registry
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import write_atomically
-from models.checkpoint import load_checkpoint
-from models.digests import content_key
 from models.errors import ConfigError
+from models.files.atomic import write_atomically
+from models.files.digests import content_key
+from models.formats.checkpoint import load_checkpoint
 
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports the report, which imports this module
     from alignment.commands.pipeline import Pipeline, ReportSection

@@ -4,7 +4,7 @@ A stage that starts writes ``pipeline_stage.pending.json`` (``PENDING``) with th
 one writes ``pipeline_stage.json`` (``RECORD``): the hash of its fully resolved config and of its inputs' hashes.
 ``stage_state`` reads them back for a stage about to run: up to date (skip it), interrupted with the same hash
 (resume it), or neither (train it from scratch). Inputs are identified cheaply: prepared data by its manifest, a
-checkpoint folder from outside the pipeline by its files' names, sizes and mtimes (``models.digests.folder_fingerprint``).
+checkpoint folder from outside the pipeline by its files' names, sizes and mtimes (``models.files.digests.folder_fingerprint``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from models.digests import content_key
+from models.files.digests import content_key
 
 RECORD, PENDING = "pipeline_stage.json", "pipeline_stage.pending.json"
 StageState = Literal["up to date", "interrupted", "new"]

@@ -16,7 +16,7 @@ from alignment.commands.pipeline_eval import evaluate_models
 from alignment.commands.pipeline_records import RECORD, read_json
 from alignment.shared.evaluation import json_safe
 from alignment.stages import registry
-from models.atomic import write_atomically
+from models.files.atomic import write_atomically
 from trainer.plots import read_metrics_csv
 
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports this module to write the report

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignment.commands.pipeline_records import read_json, write_record
-from models.digests import content_key
+from models.files.digests import content_key
 from trainer.loggers import recorded_run
 from trainer.wandb_run import new_run_id, read_run_record
 

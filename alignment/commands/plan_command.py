@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from alignment.shared.stage_plan import Models, StagePlan, Target
 from alignment.stages import registry
 from alignment.stages.registry import Stage
-from models.checkpoint import load_model_config
 from models.config_checks import check_model_size
 from models.errors import ConfigError
+from models.formats.checkpoint import load_model_config
 from models.memory import GiB
 from models.model import ModelConfig
 from models.resources import model_preset_path, shipped_path

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.adapters import add_adapters, base_fingerprint
-from models.checkpoint import load_checkpoint
+from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from alignment.shared.rewards import Reward, RewardTerm, build_reward, checker_o
 from alignment.shared.sampling import sample_and_score
 from data.records.prompts import PromptDataConfig, load_prompts, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import write_atomically
-from models.checkpoint import load_checkpoint
 from models.errors import ConfigError, DataError
+from models.files.atomic import write_atomically
+from models.formats.checkpoint import load_checkpoint
 from models.generation import left_pad
 
 

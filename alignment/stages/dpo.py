@@ -21,8 +21,8 @@ from alignment.stages.reward import preference_data, preference_stage_callbacks
 from data.preference.dpo import DPODataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import adapter_config
-from models.digests import content_key, state_dict_digest
 from models.errors import ConfigError
+from models.files.digests import content_key, state_dict_digest
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot

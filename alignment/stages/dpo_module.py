@@ -16,7 +16,7 @@ from alignment.schemas.dpo import DPOConfig
 from alignment.shared.losses import preference_loss
 from models.adapter_config import adapter_config
 from models.adapters import adapters_disabled
-from models.atomic import write_atomically
+from models.files.atomic import write_atomically
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.config import TrainerConfig, to_dict

@@ -17,7 +17,7 @@ from alignment.stages.registry import stage_named
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint
+from models.formats.checkpoint import load_checkpoint
 from models.generation import complete
 from models.loss import IGNORE_INDEX
 from models.model import Transformer

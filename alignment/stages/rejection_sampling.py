@@ -24,11 +24,11 @@ from alignment.shared.sampling import sample_and_score
 from alignment.stages.sft import run_sft
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import write_atomically
-from models.checkpoint import load_checkpoint, load_model_config
-from models.checksums import sha256_file
-from models.digests import content_key, folder_fingerprint
 from models.errors import ConfigError, DataError, LanternError
+from models.files.atomic import write_atomically
+from models.files.checksums import sha256_file
+from models.files.digests import content_key, folder_fingerprint
+from models.formats.checkpoint import load_checkpoint, load_model_config
 from models.model import ModelConfig
 from trainer.build import check_stage_config, run_directory
 from trainer.checkpoints import latest_checkpoint

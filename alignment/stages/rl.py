@@ -26,8 +26,8 @@ from alignment.stages.registry import stage_named
 from alignment.stages.rl_module import RLModule
 from data.records.prompts import PromptDataModule
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint
 from models.errors import ConfigError
+from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.checks import check_context_length

@@ -19,8 +19,8 @@ from alignment.shared.responses import response_logprobs
 from alignment.shared.rewards import Checker, Reward
 from models.adapter_config import adapter_config
 from models.adapters import adapters_disabled
-from models.atomic import write_atomically
 from models.errors import CheckpointError
+from models.files.atomic import write_atomically
 from models.generation import generate, left_pad
 from models.model import Transformer
 from trainer.callbacks import write_curves

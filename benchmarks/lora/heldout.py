@@ -114,7 +114,7 @@ def score_beside_sft(config_path: str, pipeline: Path, models: dict[str, Path]) 
     from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, scoring_inputs, without_per_prompt
     from alignment.shared.evaluation import json_safe
     from benchmarks.score_models import pipeline_at
-    from models.digests import content_key, folder_fingerprint
+    from models.files.digests import content_key, folder_fingerprint
 
     runner = pipeline_at(config_path, pipeline, [])
     config = runner.config
@@ -145,7 +145,7 @@ def answer_losses(val: Path, tokenizer_spec: str, finals: dict[str, Path], limit
     import torch
 
     from data.tokenizer.tokenizer import Tokenizer
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
 
     tokenizer = Tokenizer.load(tokenizer_spec)
     rows = [json.loads(line) for line in val.read_text().splitlines()[:limit]]

@@ -51,9 +51,9 @@ from data.demo.examples import (
     prompt_records,
 )
 from data.tokenizer.utf8 import check_utf8
-from models.atomic import write_atomically
 from models.errors import DataError
-from models.folders import claim_folder
+from models.files.atomic import write_atomically
+from models.files.folders import claim_folder
 
 # Bump when task formats, sampling or file layout change: it is part of the manifest, so
 # an old dataset directory is rebuilt instead of silently reused.

@@ -15,7 +15,7 @@ import numpy as np
 from data.pretrain.config import PrepareConfig
 from data.streams.shards import MANIFEST_NAME, read_manifest
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import write_atomically
+from models.files.atomic import write_atomically
 
 # Bump when the on-disk layout changes: older data is then rebuilt rather than misread.
 MANIFEST_VERSION = 1

@@ -51,8 +51,8 @@ from data.pretrain.workers import workers_die_with_this_process
 from data.streams.shards import MANIFEST_NAME
 from data.tokenizer.tokenizer import Tokenizer
 from data.tokenizer.utf8 import check_utf8
-from models.atomic import storage_error
-from models.folders import claim_folder, lock_folder, release_folder
+from models.files.atomic import storage_error
+from models.files.folders import claim_folder, lock_folder, release_folder
 
 log = logging.getLogger("lantern.prepare")
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from data.streams.shards import MANIFEST_NAME
-from models.folders import LOCK_FILE, FolderNotLanterns, is_lanterns, listed_entries
+from models.files.folders import LOCK_FILE, FolderNotLanterns, is_lanterns, listed_entries
 
 log = logging.getLogger("lantern.prepare")
 

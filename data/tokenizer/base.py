@@ -141,7 +141,7 @@ def load_tokenizer(spec: str | Path = "default") -> TokenizerBase:
     or a checkpoint folder holding either (see ``data.tokenizer.files.tokenizer_file`` for which wins)."""
     from data.tokenizer.files import tokenizer_file
     from data.tokenizer.tokenizer import Tokenizer
-    from models.tokenizer_files import is_tokenizer_json
+    from models.formats.tokenizer_files import is_tokenizer_json
 
     if isinstance(spec, str) and spec == "cl100k_base":
         return Tokenizer.cl100k_base()

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from data.tokenizer.tokenizer import LLAMA3_PAT, NUM_SPECIAL_TOKENS, Tokenizer
 from data.tokenizer.utf8 import check_utf8
-from models.atomic import write_atomically
 from models.errors import DataError
+from models.files.atomic import write_atomically
 
 log = logging.getLogger(__name__)
 rust_log = logging.getLogger("rustbpe")

@@ -1,7 +1,7 @@
 """
 Tiktoken tokenizers as Hugging Face files: a Lantern rank file (or cl100k_base) with its 256 Llama 3 special tokens
 as ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``generation_config.json``), so transformers' ``AutoTokenizer``
-(and, through ``models.gguf_format.write_gguf``, a GGUF file) encodes the ids Lantern's ``Tokenizer`` does.
+(and, through ``models.formats.gguf_format.write_gguf``, a GGUF file) encodes the ids Lantern's ``Tokenizer`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from data.tokenizer.base import load_tokenizer
 from data.tokenizer.files import read_rank_file, tokenizer_file
 from data.tokenizer.tokenizer import LLAMA3_PAT, Tokenizer
 from models.errors import LanternError
-from models.gguf_tokenizer import (
+from models.formats.gguf_tokenizer import (
     GENERATION_CONFIG,
     write_tokenizer_files,
 )

@@ -10,7 +10,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from models.tokenizer_files import is_tokenizer_json
+from models.formats.tokenizer_files import is_tokenizer_json
 
 # cl100k_base's own regex (tiktoken_ext.openai_public); its ranks were trained with it.
 CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""

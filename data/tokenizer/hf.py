@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from data.tokenizer.base import TokenizerBase, _as_ints, check_message
 from data.tokenizer.chat_template import ChatTemplate
-from models.tokenizer_files import HF_TOKENIZER_FILES, read_json_if_present, special_token_string
+from models.formats.tokenizer_files import HF_TOKENIZER_FILES, read_json_if_present, special_token_string
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 

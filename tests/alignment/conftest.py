@@ -8,7 +8,7 @@ from torch import nn
 
 from data.demo.tasks import write_demo_dataset
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import save_checkpoint
+from models.formats.checkpoint import save_checkpoint
 from models.heads import ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
 

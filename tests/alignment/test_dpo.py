@@ -20,8 +20,8 @@ from alignment.stages.dpo_module import DPOModule, response_logprob_sums
 from data.demo.tasks import write_demo_dataset
 from data.preference.dpo import DPODataModule, answered_masks
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import ConfigError
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.generation import sequence_logprobs
 from models.loss import IGNORE_INDEX
 from models.model import ModelConfig, Transformer

@@ -177,7 +177,7 @@ def test_sampler_state_is_restored_whichever_comes_first_the_sampler_or_the_chec
     from alignment.shared.rewards import build_reward
     from alignment.stages.grpo_module import GRPOModule
     from data.tokenizer.tokenizer import Tokenizer
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
 
     config = grpo_config(setup, tmp_path)
     policy = load_checkpoint(setup["policy"])

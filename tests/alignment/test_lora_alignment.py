@@ -21,7 +21,7 @@ from alignment.stages.grpo import run_grpo
 from alignment.stages.grpo_module import GRPOModule
 from alignment.stages.ppo import run_ppo
 from models.adapters import base_fingerprint
-from models.checkpoint import load_checkpoint
+from models.formats.checkpoint import load_checkpoint
 from models.heads import load_scalar_model
 from tests.alignment.test_dpo import dpo_config, eval_batch, run_metrics
 from tests.alignment.test_dpo import setup as dpo_setup  # noqa: F401 (a module fixture, used by name)

@@ -20,8 +20,8 @@ from alignment.schemas.reward import RMConfig
 from alignment.stages.reward import run_rm
 from alignment.stages.sft import run_sft
 from data.demo.tasks import write_demo_dataset
-from models.checkpoint import load_checkpoint
 from models.errors import CheckpointError
+from models.formats.checkpoint import load_checkpoint
 from models.heads import load_scalar_model
 from models.model import Transformer
 from tests.alignment.test_sft import sft_config

@@ -250,7 +250,7 @@ def likeliest_token(setup) -> int:
     """The token with the highest mean probability over the policy's next-token distributions on the prompts
     (a few percent): sampled often enough for PPO to see its reward."""
     from data.demo.tasks import load_jsonl
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
     from models.generation import ids_and_positions
 
     policy = load_checkpoint(setup["policy"])

@@ -148,7 +148,7 @@ def isolate_wandb(monkeypatch, tmp_path: Path) -> None:
 
 
 def test_tiny_run_learns_and_writes_its_artifacts(data_dir, tmp_path):
-    from models.checkpoint import load_checkpoint
+    from models.formats.checkpoint import load_checkpoint
 
     config = tiny_config(data_dir, tmp_path / "runs")  # 20 steps, validation at 10 and 20, checkpoints at 10, 20
     run_dir = run_pretrain(config)

@@ -26,9 +26,9 @@ from data.demo.tasks import write_demo_dataset
 from data.sft.config import SFTDataConfig
 from data.sft.dataset import build_sft_data
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint, save_checkpoint
 from models.config_checks import numeric_fields, range_of
 from models.errors import ConfigError
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
 from tests.helpers import run_cli
 from trainer.config import load_config

@@ -210,7 +210,7 @@ def test_a_tokenizer_larger_than_the_model_is_an_error_before_compute(toy_pairs,
 
 
 def test_initial_model_is_the_sft_checkpoint_and_its_tokenizer_is_enforced(toy_pairs, tmp_path):
-    from models.checkpoint import save_checkpoint
+    from models.formats.checkpoint import save_checkpoint
     from models.model import ModelConfig, Transformer
 
     torch.manual_seed(1)

@@ -10,7 +10,7 @@ import torch
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
 from data.demo.tasks import write_demo_dataset
-from models.checkpoint import load_checkpoint
+from models.formats.checkpoint import load_checkpoint
 from tests.helpers import CaptureGradients, run_cli, subprocess_env
 from trainer.config import load_config
 

@@ -24,9 +24,9 @@ from alignment.schemas.rl import GRPOConfig, PPOConfig
 from alignment.schemas.sft import SFTConfig
 from alignment.stages.sft import check_generation_budgets, plan_generations
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import save_checkpoint
 from models.config_checks import Range, numeric_fields, range_of
 from models.errors import ConfigError
+from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
 from trainer.checks import check_initial_model
 from trainer.config import load_config

@@ -31,9 +31,9 @@ from data.pretrain.config import PrepareConfig
 from data.pretrain.manifest import read_manifest
 from data.pretrain.prepare import prepare
 from data.tokenizer.bpe import check_output_file
-from models.atomic import StorageError
 from models.errors import ConfigError, DataError
-from models.folders import FOLDER_MARKER, LOCK_FILE, FolderInUse, FolderNotLanterns
+from models.files.atomic import StorageError
+from models.files.folders import FOLDER_MARKER, LOCK_FILE, FolderInUse, FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.helpers import subprocess_env
 
@@ -137,7 +137,7 @@ def test_only_build_folders_a_prepare_made_are_cleaned_up(tmp_path):
 HOLDER = """
 import sys, time
 from pathlib import Path
-from models.folders import lock_folder
+from models.files.folders import lock_folder
 lock_folder(Path(sys.argv[1]), what="data folder", hint="wait")
 print("locked", flush=True)
 time.sleep(300)

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from alignment.commands.cli import main
-from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import CheckpointError
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.hf_format import read_hf_weights
 from models.heads import HEAD_WEIGHTS, ScalarModel, load_scalar_model, save_scalar_model
-from models.hf_format import read_hf_weights
 from models.model import ModelConfig, Transformer
 from tests.helpers import subprocess_env
 from trainer.export import read_training_checkpoint

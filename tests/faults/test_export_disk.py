@@ -19,8 +19,8 @@ from safetensors import SafetensorError
 from alignment.commands.cli import main
 from models.adapter_config import PeftConfig
 from models.adapters import add_adapters, base_fingerprint, trained_names
-from models.atomic import StorageError
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.files.atomic import StorageError
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.heads import HEAD_WEIGHTS, ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
 

@@ -22,7 +22,7 @@ import pytest
 from alignment.commands.cli import main as lantern
 from data.records.chat import resolve_sources
 from data.sft.config import SFTDataConfig
-from models.folders import lock_folder, release_folder
+from models.files.folders import lock_folder, release_folder
 from tests.faults.test_orphans import DEATH_TIMEOUT, TINY, driven, wait_for_markers, write_corpus
 from tests.helpers import write_jsonl
 
@@ -90,7 +90,7 @@ def policy_and_prompts(tmp_path_factory) -> dict[str, Path]:
 
     from data.demo.tasks import write_demo_dataset
     from data.tokenizer.tokenizer import Tokenizer
-    from models.checkpoint import save_checkpoint
+    from models.formats.checkpoint import save_checkpoint
     from models.model import ModelConfig, Transformer
 
     root = tmp_path_factory.mktemp("grpo")

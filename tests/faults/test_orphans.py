@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from alignment.commands.cli import main as lantern
-from models.folders import LOCK_FILE, FolderInUse, lock_folder, release_folder
+from models.files.folders import LOCK_FILE, FolderInUse, lock_folder, release_folder
 from tests.helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +41,10 @@ DEATH_TIMEOUT = 20  # for the processes a kill leaves to end (a death signal: im
 DRIVER = """
 import sys
 import data.pretrain.prepare
-import models.checkpoint_io
+import models.formats.checkpoint_io
 from tests.faults.test_orphans import mark_and_wait
 data.pretrain.prepare._tokenize_batch = mark_and_wait
-models.checkpoint_io.save_file = mark_and_wait
+models.formats.checkpoint_io.save_file = mark_and_wait
 from alignment.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -146,7 +146,7 @@ def test_kill_9_of_prepare_ends_its_workers_and_frees_the_data_folder(tmp_path):
 LOCK_THEN_FORK = """
 import os, sys, time
 from pathlib import Path
-from models.folders import lock_folder
+from models.files.folders import lock_folder
 lock_folder(Path(sys.argv[1]), what="run folder", hint="")
 child = os.fork()
 if child == 0:
@@ -225,7 +225,7 @@ def native(tmp_path) -> Path:
     import torch
 
     from data.tokenizer.tokenizer import Tokenizer
-    from models.checkpoint import save_checkpoint
+    from models.formats.checkpoint import save_checkpoint
     from models.model import ModelConfig, Transformer
 
     torch.manual_seed(0)
@@ -278,7 +278,7 @@ def test_a_gguf_write_removes_only_dead_writers_temporaries(native, tmp_path):
 
 
 def test_leftovers_need_a_dead_writer_and_a_free_lock(tmp_path):
-    from models.atomic import remove_leftovers
+    from models.files.atomic import remove_leftovers
 
     target = tmp_path / "final"
     dead = dead_pid()

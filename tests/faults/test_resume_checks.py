@@ -23,7 +23,7 @@ from alignment.stages.pretrain import PretrainModule, run_pretrain
 from alignment.stages.sft import run_sft
 from data.demo.tasks import write_demo_dataset
 from models.errors import CheckpointError, ConfigError
-from models.folders import FolderNotLanterns
+from models.files.folders import FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.alignment.test_sft import sft_config
 from trainer.checkpoints import write_manifest

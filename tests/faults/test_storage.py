@@ -17,13 +17,13 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-import models.atomic
+import models.files.atomic
 from alignment.commands.cli import main
 from alignment.stages.pretrain import run_pretrain
 from data.tokenizer.tokenizer import Tokenizer
-from models.atomic import StorageError, write_atomically
-from models.checkpoint import load_checkpoint, save_checkpoint
 from models.errors import LanternError
+from models.files.atomic import StorageError, write_atomically
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
 from tests.alignment.test_pretrain_run import RUN_NAME, read_metrics, tiny_config
 from tests.helpers import subprocess_env
@@ -87,13 +87,13 @@ def test_convert_overwrite_replaces_a_non_empty_destination(native, tmp_path):
 
 
 def test_convert_disk_full_is_one_line_and_leaves_nothing(native, tmp_path, capsys, monkeypatch):
-    import models.checkpoint_io
+    import models.formats.checkpoint_io
 
     def full_disk(state, path, metadata=None):
         Path(path).write_bytes(b"half a file")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(models.checkpoint_io, "save_file", full_disk)
+    monkeypatch.setattr(models.formats.checkpoint_io, "save_file", full_disk)
     assert main(["convert", str(native), "--to", "hf", str(tmp_path / "hf")]) == 2
     line = one_error_line(capsys)
     assert "no space left on device" in line and str(tmp_path / "hf") in line
@@ -228,7 +228,7 @@ def full_disk_open(monkeypatch) -> None:
         handle = real_open(path, mode, *args, **kwargs)
         return HalfWrite(handle) if "w" in mode or "a" in mode else handle
 
-    monkeypatch.setattr(models.atomic, "open", fake_open, raising=False)
+    monkeypatch.setattr(models.files.atomic, "open", fake_open, raising=False)
 
 
 def test_atomic_write_on_a_full_disk_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
@@ -264,7 +264,7 @@ def test_read_only_run_folder_is_one_line_before_any_compute(data_dir, tmp_path,
     def read_only(path, mode="r", *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(models.atomic, "open", read_only, raising=False)
+    monkeypatch.setattr(models.files.atomic, "open", read_only, raising=False)
     with pytest.raises(
         LanternError, match=r"^cannot write (run config|folder marker) .*: read-only file system"
     ) as raised:

@@ -23,8 +23,8 @@ from data.demo.tasks import write_demo_dataset
 from data.tokenizer.base import load_tokenizer
 from data.tokenizer.hf import HFTokenizer
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import save_checkpoint
 from models.errors import ConfigError
+from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
 from trainer.build import check_stage_config
 from trainer.config import load_config
@@ -78,7 +78,7 @@ def refuse_weights(monkeypatch) -> None:
     def read(*args, **kwargs):
         raise AssertionError("weights were read before the tokenizer was checked")
 
-    monkeypatch.setattr("models.checkpoint.load_checkpoint", read)
+    monkeypatch.setattr("models.formats.checkpoint.load_checkpoint", read)
 
 
 # ---- a folder without a tokenizer: no silent fallback to the bundled default

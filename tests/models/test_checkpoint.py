@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 transformers = pytest.importorskip("transformers")
 
-import models.checkpoint as ckpt  # noqa: E402
-import models.checkpoint_io as checkpoint_io  # noqa: E402
-import models.hf_format as hf_format  # noqa: E402
-import models.meta_format as meta_format  # noqa: E402
-from models.checkpoint import (  # noqa: E402
+import models.formats.checkpoint as ckpt  # noqa: E402
+import models.formats.checkpoint_io as checkpoint_io  # noqa: E402
+import models.formats.hf_format as hf_format  # noqa: E402
+import models.formats.meta_format as meta_format  # noqa: E402
+from models.formats.checkpoint import (  # noqa: E402
     convert,
     detect_format,
     export_hf,

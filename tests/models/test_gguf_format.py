@@ -1,4 +1,4 @@
-"""GGUF files (models/gguf_format.py): a Lantern model written as GGUF loads in transformers with the same logits and
+"""GGUF files (models/formats/gguf_format.py): a Lantern model written as GGUF loads in transformers with the same logits and
 tokenizer ids, reads back into Lantern, converts to native and Hugging Face folders; what cannot be read or written
 is refused in one line."""
 
@@ -17,14 +17,14 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers loads GGUF files through it
 
-import models.gguf_format as gguf_format  # noqa: E402
+import models.formats.gguf_format as gguf_format  # noqa: E402
 from data.tokenizer.convert import write_hf_tokenizer  # noqa: E402
 from data.tokenizer.files import DEFAULT_TOKENIZER_PATH  # noqa: E402
 from data.tokenizer.tokenizer import Tokenizer  # noqa: E402
-from models.checkpoint import load_checkpoint  # noqa: E402
 from models.errors import LanternError, one_line  # noqa: E402
-from models.gguf_format import convert_gguf, load_gguf, read_gguf, write_gguf  # noqa: E402
-from models.hf_config import config_to_hf  # noqa: E402
+from models.formats.checkpoint import load_checkpoint  # noqa: E402
+from models.formats.gguf_format import convert_gguf, load_gguf, read_gguf, write_gguf  # noqa: E402
+from models.formats.hf_config import config_to_hf  # noqa: E402
 from models.model import ModelConfig, RopeScaling, Transformer  # noqa: E402
 
 TEXT = "ROMEO:\nWhat, ho! 12345 héllo 日本語 😀  \n\n  x"

@@ -14,9 +14,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 transformers = pytest.importorskip("transformers")
 
-from models.checkpoint import export_hf, load_checkpoint, load_model_config, save_checkpoint  # noqa: E402
 from models.errors import CheckpointError  # noqa: E402
-from models.hf_config import HF_FAMILIES  # noqa: E402
+from models.formats.checkpoint import export_hf, load_checkpoint, load_model_config, save_checkpoint  # noqa: E402
+from models.formats.hf_config import HF_FAMILIES  # noqa: E402
 from models.model import HF_ARCHITECTURES, ModelConfig, RopeScaling, Transformer  # noqa: E402
 
 VOCAB = 128

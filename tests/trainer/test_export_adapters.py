@@ -17,7 +17,7 @@ from peft import AutoPeftModelForCausalLM, PeftModel
 from alignment.commands.cli import main
 from models.adapter_config import PeftConfig
 from models.adapters import add_adapters, base_fingerprint, merge_adapters, trained_names
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
 
 TOL = 1e-4

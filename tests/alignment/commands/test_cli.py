@@ -16,7 +16,7 @@ from alignment.commands import cli
 from alignment.commands.cli import main
 from alignment.stages import registry
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[3]

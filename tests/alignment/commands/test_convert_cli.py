@@ -10,7 +10,7 @@ import torch
 from alignment.commands.cli import main
 from data.tokenizer.hf import HFTokenizer
 from data.tokenizer.tokenizer import Tokenizer
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from alignment.commands.cli import main
 from alignment.schemas.pretrain import PretrainConfig
 from alignment.stages import pretrain as pretrain_stage
 from alignment.stages import registry
-from models.checkpoint import save_checkpoint
+from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
 from trainer.config import load_config
 

@@ -15,7 +15,7 @@ from data.pretrain.prepare import prepare
 from data.streams.packed import PackedDataset
 from data.streams.shards import TokenStream
 from data.tokenizer.tokenizer import Tokenizer
-from models.folders import FOLDER_MARKER, LOCK_FILE
+from models.files.folders import FOLDER_MARKER, LOCK_FILE
 
 NUM_DOCS = 40
 

@@ -21,7 +21,7 @@ from data.tokenizer.convert import (  # noqa: E402
 from data.tokenizer.files import DEFAULT_TOKENIZER_PATH, read_rank_file  # noqa: E402
 from data.tokenizer.tokenizer import LLAMA3_PAT, Tokenizer  # noqa: E402
 from models.errors import LanternError  # noqa: E402
-from models.gguf_tokenizer import LLAMA3_SPLIT  # noqa: E402
+from models.formats.gguf_tokenizer import LLAMA3_SPLIT  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "corpus" / "tinyshakespeare.txt"
 CONVERSATIONS = [

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.checkpoint_io import read_json, read_torch_weights
+from models.formats.checkpoint_io import read_json, read_torch_weights
 from models.model import ModelConfig, RopeScaling
 
 __all__ = ["load_meta", "load_meta_config"]

@@ -25,9 +25,9 @@ TokenizerFiles = Mapping[str, PathLike]
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """``models.checkpoint_io.read_json``, imported when called: this module stays free of torch, so telling file
+    """``models.formats.checkpoint_io.read_json``, imported when called: this module stays free of torch, so telling file
     kinds apart stays cheap."""
-    from models.checkpoint_io import read_json
+    from models.formats.checkpoint_io import read_json
 
     return read_json(path)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import LanternError
-from models.tokenizer_files import read_json_if_present, special_token_string
+from models.formats.tokenizer_files import read_json_if_present, special_token_string
 
 __all__ = ["LLAMA3_SPLIT", "gguf_tokenizer_fields", "write_gguf_tokenizer_files", "write_tokenizer_files"]
 

@@ -18,19 +18,26 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.atomic import EXPORT_MARKER, IfExists, atomic_directory, check_destination
-from models.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, save_safetensors
 from models.errors import CheckpointError
-from models.hf_format import config_to_hf, hf_special_ids, load_hf, load_hf_config, native_to_hf_state, write_hf_weights
-from models.meta_format import load_meta, load_meta_config
-from models.model import ModelConfig, Transformer
-from models.tokenizer_files import (
+from models.files.atomic import EXPORT_MARKER, IfExists, atomic_directory, check_destination
+from models.formats.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, save_safetensors
+from models.formats.hf_format import (
+    config_to_hf,
+    hf_special_ids,
+    load_hf,
+    load_hf_config,
+    native_to_hf_state,
+    write_hf_weights,
+)
+from models.formats.meta_format import load_meta, load_meta_config
+from models.formats.tokenizer_files import (
     TokenizerFiles,
     as_tokenizer_files,
     copy_tokenizer_files,
     special_ids,
     tokenizer_files_in,
 )
+from models.model import ModelConfig, Transformer
 
 __all__ = [
     "FORMATS",
@@ -207,7 +214,7 @@ def save_checkpoint(
     Face's tokenizer.json and companions) is copied in. ``extra_weights`` (file name -> tensors: a reward model's
     head) are written into the same folder, so that it appears whole or not at all. An existing non-empty folder is
     replaced only when Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never
-    with "refuse"; never one that contains ``sources`` (see ``models.atomic.check_destination``). A full or
+    with "refuse"; never one that contains ``sources`` (see ``models.files.atomic.check_destination``). A full or
     read-only disk is a one-line ``StorageError`` naming ``directory``, with nothing half-written left.
     """
     model = _unwrap(model)
@@ -352,7 +359,7 @@ def convert(
 ) -> Path:
     """Convert a checkpoint folder (hf / meta / native / auto) to a native or Hugging Face folder.
 
-    The tokenizer files in ``src`` (``models.tokenizer_files``), or ``tokenizer_path``, travel along; Hugging Face bos/eos ids are kept in the
+    The tokenizer files in ``src`` (``models.formats.tokenizer_files``), or ``tokenizer_path``, travel along; Hugging Face bos/eos ids are kept in the
     native metadata (and written back on export). ``dtype`` None keeps the source dtype. A non-empty ``dst``
     is refused unless ``overwrite``, and a ``dst`` that is or contains ``src`` always (checked before reading
     any weights).

@@ -16,8 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, read_torch_weights, save_safetensors
-from models.hf_config import HF_FAMILIES, config_to_hf, hf_to_config
+from models.formats.checkpoint_io import (
+    WEIGHTS,
+    check_state,
+    read_json,
+    read_safetensors,
+    read_torch_weights,
+    save_safetensors,
+)
+from models.formats.hf_config import HF_FAMILIES, config_to_hf, hf_to_config
 from models.model import ModelConfig
 
 __all__ = [

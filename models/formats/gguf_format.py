@@ -16,16 +16,16 @@ import numpy
 import torch
 from torch import Tensor, nn
 
-from models.atomic import IfExists, check_destination, write_file_atomically
 from models.errors import LanternError
-from models.gguf_tokenizer import (
+from models.files.atomic import IfExists, check_destination, write_file_atomically
+from models.formats.gguf_tokenizer import (
     GENERATION_CONFIG,
     add_tokenizer_fields,
     gguf_tokenizer_fields,
     write_gguf_tokenizer_files,
 )
-from models.hf_config import config_to_hf, hf_to_config
-from models.hf_format import _hf_to_native_state, native_to_hf_state
+from models.formats.hf_config import config_to_hf, hf_to_config
+from models.formats.hf_format import _hf_to_native_state, native_to_hf_state
 from models.model import ModelConfig, Transformer, rope_frequencies
 
 __all__ = ["GGUF_DTYPES", "check_gguf_destination", "convert_gguf", "load_gguf", "read_gguf", "write_gguf"]
@@ -147,7 +147,7 @@ def load_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[Transformer, dict[str, Any]]:
     """(model, info): ``read_gguf``'s config and state built into a Transformer."""
-    from models.checkpoint import _build_model
+    from models.formats.checkpoint import _build_model
 
     config, state, info = read_gguf(path, dtype)
     return _build_model(config, state, f"GGUF file {path}", device, dtype), info
@@ -165,7 +165,7 @@ def convert_gguf(
     (tokenizer.json, tokenizer_config.json with the chat template; generation_config.json). ``dtype`` None: float32.
     A non-empty ``dst`` is refused unless ``overwrite``; the GGUF's bos/eos ids go to the native metadata (an export
     writes those its tokenizer files name into config.json)."""
-    from models.checkpoint import export_hf, save_checkpoint
+    from models.formats.checkpoint import export_hf, save_checkpoint
 
     if dst_format not in ("native", "hf"):
         raise ValueError(f"unknown destination format {dst_format!r}; expected 'native' or 'hf'")
@@ -244,7 +244,7 @@ def write_gguf(
     (e.g. ``{"general.description": ...}``). An existing file is replaced only with ``overwrite``."""
     from gguf import MODEL_ARCH, GGUFWriter, LlamaFileType, RopeScalingType, get_tensor_name_map
 
-    from models.checkpoint import _native_state, _unwrap
+    from models.formats.checkpoint import _native_state, _unwrap
 
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"unknown GGUF dtype {dtype!r}; expected one of {GGUF_DTYPES}")

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from models.atomic import close_lock, lock_exclusively, process_running, write_atomically
 from models.errors import LanternError
+from models.files.atomic import close_lock, lock_exclusively, process_running, write_atomically
 
 FOLDER_MARKER = ".lantern-folder.json"
 LOCK_FILE = ".lantern.lock"

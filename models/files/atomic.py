@@ -23,7 +23,7 @@ NATIVE_MARKER = "lantern.json"  # every native folder Lantern writes holds it
 EXPORT_MARKER = ".lantern-export"  # written into the other folders Lantern writes (Hugging Face exports)
 IfExists = Literal["refuse", "replace-lantern", "replace"]
 
-log = logging.getLogger("models.atomic")
+log = logging.getLogger("models.files.atomic")
 
 # errno -> what a person reads; anything else keeps the OS's own words
 _STORAGE_ERRNOS = {
