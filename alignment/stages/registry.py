@@ -15,14 +15,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-@functools.cache
 def _imported(location: str) -> Any:
+    # looked up on every use, not cached: the module is cached by Python already, and the attribute is the one the
+    # module holds now (a test's monkeypatch of ``alignment.stages.pretrain.run_pretrain`` included)
     module, _, attr = location.partition(":")
     return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
 
 
 def resolve(reference: Any) -> Any:
-    """``"module:attr"`` imported (once), anything else as given (a test's own function or class)."""
+    """``"module:attr"`` imported, anything else as given (a test's own function or class)."""
     return _imported(reference) if isinstance(reference, str) else reference
 
 

@@ -16,6 +16,7 @@ from alignment.commands.pipeline import load_pipeline_config, pipeline_steps
 from alignment.commands.pipeline_eval import policy_stages
 from alignment.commands.plan_command import detect_stage
 from alignment.schemas.sft import SFTConfig
+from alignment.stages import pretrain as pretrain_stage
 from alignment.stages import registry
 from alignment.stages.registry import Stage
 
@@ -109,3 +110,15 @@ def test_every_reader_lists_exactly_the_registrys_stages(added, monkeypatch):
     assert policy_stages() == [name for name in names if name != "rm"]
     assert [detect_stage("unused.yaml", [], stage.command) for stage in registry.STAGES] == list(registry.STAGES)
     assert ("sft_variant" in names) == added
+
+
+def test_a_record_reads_its_run_function_as_the_module_holds_it_now(monkeypatch):
+    """The record names its run function; resolving it once must not pin it (a test's monkeypatch, a reload)."""
+    stage = registry.stage_named("pretrain")
+    assert stage.run is pretrain_stage.run_pretrain
+
+    def replaced(config):
+        return None
+
+    monkeypatch.setattr("alignment.stages.pretrain.run_pretrain", replaced)
+    assert stage.run is replaced

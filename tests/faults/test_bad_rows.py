@@ -166,7 +166,7 @@ def test_an_absent_field_is_still_called_missing(tmp_path):
 
 def test_dpo_logs_its_data_statistics_as_dpo_not_the_reward_model(tmp_path, caplog):
     path = write_lines(tmp_path / "pairs.jsonl", [PAIR_ROW] * 8 + [{**PAIR_ROW, "rejected": None}])
-    config = {"train": [str(path)], "seq_len": 64, "val_fraction": 0.0, "on_bad_row": "skip"}
+    config = PreferenceDataConfig(train=[str(path)], seq_len=64, val_fraction=0.0, on_bad_row="skip")
     with caplog.at_level(logging.INFO, logger="lantern"):
         DPODataModule(config, micro_batch_size=2).setup("fit")
     dpo = [r for r in caplog.records if r.name.startswith("lantern.") and "train" in r.getMessage()]
