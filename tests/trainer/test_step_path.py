@@ -82,7 +82,9 @@ def test_an_rl_step_is_counted_in_one_base_class_method():
     assert inspect.getsource(lm_module).count("fit_loop") == 1  # count_global_step's one internal access
 
 
-def test_pretraining_and_sft_steps_go_through_the_one_normalisation(data_dir, demo, tmp_path, monkeypatch):  # noqa: F811
+@pytest.fixture
+def normalised_by(monkeypatch) -> list[str]:
+    """The module class of every call of the one normalisation, in order."""
     called: list[str] = []
     original = LanguageModelModule.loss_to_backpropagate
 
@@ -91,6 +93,11 @@ def test_pretraining_and_sft_steps_go_through_the_one_normalisation(data_dir, de
         return original(self, share, metrics)
 
     monkeypatch.setattr(LanguageModelModule, "loss_to_backpropagate", recorded)
+    return called
+
+
+def test_pretraining_and_sft_steps_go_through_the_one_normalisation(data_dir, demo, tmp_path, normalised_by):  # noqa: F811
+    called = normalised_by
     run_pretrain(
         tiny_config(
             data_dir, tmp_path / "pretrain", "trainer.max_steps=1", "loader.micro_batch_size=2", "sample.prompt="
@@ -104,6 +111,7 @@ def test_a_grpo_run_clips_its_updates_through_the_shared_path_and_counts_rollout
     setup,  # noqa: F811
     tmp_path,
     monkeypatch,
+    normalised_by,
 ):
     """2 rollouts of 2 updates each: global_step 2 and a checkpoint named step 2; every update's gradients are
     clipped to optim.grad_clip, the norm before clipping is logged, and the losses went through the one path."""
@@ -119,15 +127,8 @@ def test_a_grpo_run_clips_its_updates_through_the_shared_path_and_counts_rollout
         assert max_norm == clip
         return norm
 
-    shares: list[str] = []
-    original_share = LanguageModelModule.loss_to_backpropagate
-
-    def recorded(self, share, metrics=None):
-        shares.append(type(self).__name__)
-        return original_share(self, share, metrics)
-
+    shares = normalised_by
     monkeypatch.setattr(lm_module, "grad_norm_and_clip", measured)
-    monkeypatch.setattr(LanguageModelModule, "loss_to_backpropagate", recorded)
     config = grpo_config(
         setup, tmp_path, TOY, "trainer.max_steps=2", "checkpoint.every_n_steps=1", f"optim.grad_clip={clip}",
         "eval.every_n_rollouts=100", "eval.pass_k=0", "logger.kind=csv",
