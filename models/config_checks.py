@@ -1,8 +1,8 @@
 """The one way a config value is refused: a ``ConfigError`` naming the full key path, before any compute.
 
 A field declares what it accepts where it is defined: a range (``bounded``) or a ``Literal`` type. ``check_config``
-walks a config's whole tree once, where the config enters (a file through ``load_config``, a data section handed
-to ``data/``, a model from a checkpoint or ``--model``), then runs each section's cross-field rule (its
+walks a config's whole tree once, where the config enters (a file through ``load_config``, a model from a
+checkpoint or ``--model``), then runs each section's cross-field rule (its
 ``check_fields(prefix)`` method). ``read_yaml`` is the one reader of a YAML config.
 """
 

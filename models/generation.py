@@ -1,28 +1,5 @@
-"""Batched text generation with a KV cache: greedy, temperature, top-k and top-p sampling.
-
-Prompts of different lengths are LEFT-padded into one batch so every row's next token sits in the last
-column. Padding is expressed with the model's own document mechanism instead of a separate attention mask:
-pad positions get document id 0 and real tokens document id 1, so pads never attend real tokens (and vice
-versa) and no softmax row is ever fully masked. Explicit position ids restart at 0 at each row's first real
-token, so a padded row computes what the prompt alone would.
-
-Flow: one prefill forward over the padded prompts fills the cache, then one-token decode steps append to
-it. ``use_cache=False`` recomputes the whole sequence every step with the same ids, positions and masking:
-the slow reference path that tests and the benchmark compare against.
-
-Decoding (``decode``): ``eager`` samples each token outside any graph over the growing KV cache; ``static`` and
-``compiled`` run one step over a fixed-size cache (``models.fast_decode``) that decodes the token AND samples the
-next one, its log-prob and the stop tracking included (compiled: torch.compile "reduce-overhead", CUDA graphs on
-CUDA), and ask whether every row has stopped only every ``fast_decode.STOP_CHECK_EVERY`` tokens (a host sync), trimming what was
-decoded after the last row stopped, so the output is the eager path's. ``auto`` (the default) is ``compiled`` on
-CUDA and ``eager`` elsewhere (``AUTO_DECODE``): on CPU the eager path is the fast one.
-
-Log-prob semantics (PPO relies on these): the log-prob returned for a sampled token is
-``log_softmax(logits / temperature)`` at that token, taken BEFORE top-k/top-p filtering; the filtered
-distribution is only used to draw the sample. Greedy decoding (temperature 0) reports
-``log_softmax(logits)``, i.e. temperature 1. This is exactly what ``sequence_logprobs`` recomputes in a
-training pass with the same temperature, so the PPO ratio starts at 1.
-"""
+"""Batched generation with a KV cache (greedy, temperature, top-k, top-p) over left-padded prompts, and the
+log-probs a training pass recomputes. Why it pads, decodes and scores as it does: docs/generation.md."""
 
 from __future__ import annotations
 
@@ -69,12 +46,8 @@ def ids_and_positions(real: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def flex_bucketed(config: ModelConfig | None, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows of varying width (prompt + response, B x T) right-padded to a multiple of ``FLEX_LENGTH_BUCKET``
-    (capped at ``max_seq_len``) when a full-sequence pass over them runs FlexAttention (``use_flex_attention``: on
-    CUDA, or ``attention: flex``), else returned as they are. The compiled flex kernel is specialised to T
-    (``dynamic=False``): a new T per rollout would recompile it each time and, at dynamo's recompile limit, fall
-    back to the unfused path that materialises the whole score matrix. The padding is not real (``real`` False:
-    padding's own document), so the first T positions compute what the unpadded rows do; callers cut them back."""
+    """Rows (B, T) right-padded to a multiple of ``FLEX_LENGTH_BUCKET`` (at most ``max_seq_len``) when a pass over
+    them runs FlexAttention, so its compiled kernel sees few lengths; the padding is not real, callers cut it back."""
     width = input_ids.shape[1]
     if config is None or not use_flex_attention(config, real, None):
         return input_ids, real
@@ -290,11 +263,8 @@ def complete(
     """The decoded continuation of one encoded prompt, stopped at and without the tokenizer's stop token
     (``lantern generate``, the end-of-pretraining sample). ``tokenizer`` gives stop_ids, pad_id and decode.
 
-    heal=True applies token healing: ``tokenizer.heal_prompt`` backs off the prompt's last token and names the
-    tokens whose bytes start with the removed bytes; the first new token is drawn from those only, and the
-    removed bytes are cut from the front of the result, so it still continues the ORIGINAL prompt text. (A
-    prompt like "ROMEO:" ends inside the merged token ":\n"; unhealed, the model never saw ":" followed by a
-    newline token and may emit a stop token at once.)
+    heal=True applies token healing (``tokenizer.heal_prompt``): the first new token must start with the bytes
+    backed off the prompt, and those bytes are cut from the result, so it continues the ORIGINAL prompt text.
     """
     removed = b""
     first_token_mask = None

@@ -16,13 +16,11 @@ import yaml
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
 
-from models.config_checks import check_config
 from models.errors import CheckpointError, LanternError
 from models.files.atomic import StorageError, storage_error, write_atomically
 from models.formats.checkpoint_io import architecture_differences
 from models.model import ModelConfig
 from trainer.callbacks import (
-    AtomicCheckpoint,
     DataProgress,
     ExportFinal,
     ProgressBar,
@@ -37,7 +35,13 @@ from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import announce_plan, planned_precision
 from trainer.stopping import StoppingDDPStrategy
-from trainer.storage import claim_run_directory, is_global_rank_zero, lock_run_directory, release_run_directory
+from trainer.storage import (
+    AtomicCheckpoint,
+    claim_run_directory,
+    is_global_rank_zero,
+    lock_run_directory,
+    release_run_directory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +113,6 @@ def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> Non
     own unless given) for this machine."""
     prepare_trainer(config.trainer if trainer is None else trainer)
     resolve_stage_tokenizer(config)
-
-
-def check_trainer_config(config: TrainerConfig, prefix: str = "trainer.") -> None:
-    """A trainer section built in code, checked as ``load_config`` checks one from a file."""
-    check_config(config, prefix=prefix)
 
 
 def prepare_trainer(config: TrainerConfig) -> None:

@@ -1,5 +1,5 @@
 """Callbacks shared by every stage: the progress bar, throughput/MFU, data progress, loss plots and metrics history,
-the NaN-step check and skip, the final export (and ``AtomicCheckpoint``, re-exported)."""
+the NaN-step check and skip, the final export."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from trainer.checkpoints import latest_checkpoint
 from trainer.hardware import gpu_from_device_name, peak_flops
 from trainer.parallel import plain_name
 from trainer.plots import metrics_csv_rows, plot_curves, read_metrics_csv, write_metrics_csv
-from trainer.storage import AtomicCheckpoint  # noqa: F401 - every stage imports it from here
 
 log = logging.getLogger(__name__)
 

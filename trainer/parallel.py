@@ -101,7 +101,7 @@ def configure_parallelism(model: nn.Module, trainer, config) -> None:
     if config.precision == "bf16-true" and not is_meta:
         model.to(torch.bfloat16)  # before sharding: FSDP2 then shards bf16 parameters
     apply_activation_checkpointing(model, config.activation_checkpointing, config.ac_every)
-    # trainer.compile is true or false once check_trainer_config resolved it; auto (a config never checked) is on CUDA
+    # trainer.compile is true or false once prepare_trainer resolved it; auto (a config never checked) is on CUDA
     if config.compile is True or (config.compile == "auto" and trainer.strategy.root_device.type == "cuda"):
         apply_compile(model)
     strategy = trainer.strategy

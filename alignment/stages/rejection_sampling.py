@@ -1,6 +1,6 @@
 """Rejection sampling (``run_rejection_sampling``): sample K responses per training prompt from the SFT policy, score
-them, keep the best per prompt (``select_best``), then fine-tune on them with ``run_sft``, in one run folder. A rerun
-whose sampling hash (``sampling_digest``) matches skips sampling."""
+them, keep the best per prompt (``select_best``), then fine-tune on them (SFT's ``fine_tune``), in one run folder.
+A rerun whose sampling hash (``sampling_digest``) matches skips sampling."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.rewards import build_reward
 from alignment.shared.sampling import sample_and_score
-from alignment.stages.sft import run_sft
+from alignment.stages.sft import fine_tune
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError, DataError, LanternError
@@ -113,7 +113,7 @@ def sft_config(config: RejectionSamplingConfig, samples: Path, model: ModelConfi
     sft = copy.deepcopy(config.sft)
     sft.run = copy.deepcopy(config.run)
     sft.init.checkpoint = config.init.policy
-    sft.model = model  # what the checkpoint holds (run_sft would warn that a different model section is ignored)
+    sft.model = model  # what the checkpoint holds (SFT would warn that a different model section is ignored)
     sft.data.train = [str(samples)]
     sft.data.tokenizer = config.data.tokenizer
     return sft
@@ -302,7 +302,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     leader = dist.get_rank() == 0 if sharded else is_global_rank_zero()
     claim_run_directory(run_dir, "rejection_sampling")  # before anything is written into it
     if leader:
-        lock_run_directory(run_dir)  # held on through run_sft (same process), released by its fit_stage
+        lock_run_directory(run_dir)  # held on through fine_tune (same process), released by its fit_stage
     try:
         if sampling_done(run_dir, digest):
             log.info("sampling in %s is finished with this config and these inputs: not sampling again", run_dir)
@@ -319,4 +319,4 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     except BaseException:
         release_run_directory(run_dir)
         raise
-    return run_sft(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")
+    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")

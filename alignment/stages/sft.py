@@ -213,8 +213,14 @@ def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer:
 
 def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``
-    is what the run folder records (rejection sampling fine-tunes in its own folder)."""
+    is what the run folder records."""
     check_stage_config(config)  # before anything is created
+    return fine_tune(config, extra_callbacks, stage=stage)
+
+
+def fine_tune(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
+    """``run_sft`` after its stage check, for a stage that made that check on the config it derived this one from
+    (rejection sampling, which fine-tunes in its own folder)."""
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from data.pretrain.config import checked_data_config
 from models.config_checks import bounded
 
 
@@ -29,8 +28,3 @@ class PreferenceDataConfig:
     on_bad_row: Literal["error", "skip"] = "error"  # skip: counted per reason
     seed: int = bounded(1234, ge=0)
     num_proc: int = bounded(1, ge=1)  # processes for encoding
-
-
-def normalize_config(config: PreferenceDataConfig) -> PreferenceDataConfig:
-    """``config`` checked as the pair pipeline receives it."""
-    return checked_data_config(config, "preference data config", "train", ("train", "val"))

@@ -17,7 +17,7 @@ from data.preference.pairs import (
     stage_logger,
 )
 from data.sft.batches import SFTBatchPlan
-from data.streams.plan_datamodule import PlanDataModule
+from data.streams.datamodule import PlanDataModule
 from data.tokenizer.tokenizer import Tokenizer
 
 

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.preference.config import PreferenceDataConfig, normalize_config
+from data.preference.config import PreferenceDataConfig
 from data.preference.records import Messages, PreferenceChat, load_chats
+from data.pretrain.config import require_inputs
 from data.records.chat import hold_out
-from data.sft.examples import encode_chats
+from data.sft.rows import encode_chats
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import DataError
 
@@ -220,7 +221,7 @@ def build_preference_data(
 ) -> PreferenceData:
     """Load, convert, filter and encode the train and val pairs (see the module docstring); skipped rows are
     warned about under `stage`'s logger (the pairs serve the reward model and DPO)."""
-    config = normalize_config(config)
+    require_inputs(config.train, "preference data config", "train")
     tokenizer = tokenizer or Tokenizer.load(config.tokenizer)
     chats, train_load = load_chats(config, config.train, "train", stage_logger(stage))
     train, train_stats = _prepare(chats, tokenizer, config)

@@ -1,13 +1,12 @@
-"""The pretraining data config, and the check every data config makes where it enters ``data/``."""
+"""The pretraining data config, and the one check a data config gets where it enters ``data/``."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal
 
-from models.config_checks import bounded, check_config
+from models.config_checks import bounded
 from models.errors import ConfigError
 
 
@@ -27,18 +26,8 @@ class PrepareConfig:
     shard_tokens: int = bounded(2**27, ge=1)  # tokens per shard file (256 MiB of uint16)
 
 
-C = TypeVar("C")
-
-
-def checked_data_config(config: C, where: str, inputs: str, list_fields: Sequence[str]) -> C:
-    """A data config as ``data/`` receives it: a non-empty ``inputs`` list and every field as declared (one
-    ``ConfigError`` after ``where``); returned with its ``list_fields`` copied, so the caller's config never changes."""
-    if not getattr(config, inputs):
-        raise ConfigError(f"{where}: `{inputs}` is empty; give at least one file, glob or hub dataset name")
-    check_config(config, where)
-    return dataclasses.replace(config, **{name: list(getattr(config, name)) for name in list_fields})  # type: ignore[type-var]
-
-
-def normalize_prepare_config(config: PrepareConfig) -> PrepareConfig:
-    """``config`` checked for ``lantern prepare``."""
-    return checked_data_config(config, "prepare", "source", ("source",))
+def require_inputs(inputs: Sequence[str], where: str, key: str) -> None:
+    """Refuse an empty list of inputs as ``data/`` receives it: the one data rule load cannot check, since a stage
+    may fill the list after load (rejection sampling's samples, the reward model's generated pairs)."""
+    if not inputs:
+        raise ConfigError(f"{where}: `{key}` is empty; give at least one file, glob or hub dataset name")

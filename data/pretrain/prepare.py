@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.pretrain.config import PrepareConfig, normalize_prepare_config
+from data.pretrain.config import PrepareConfig, require_inputs
 from data.pretrain.manifest import MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
 from data.pretrain.prepared_folder import (
     BUILD_KIND,
@@ -198,7 +198,7 @@ def _install(build_dir: Path, out_dir: Path, manifest: dict) -> None:
 def prepare(config: PrepareConfig) -> dict:
     """Tokenize `config.source` into `config.out_dir` (see module docstring). Returns the manifest.
     Does nothing if the data there is already up to date."""
-    config = normalize_prepare_config(config)
+    require_inputs(config.source, "prepare", "source")
     tokenizer = Tokenizer.load(config.tokenizer)
     fmt, files = resolve_inputs(config)  # FileNotFoundError before anything is loaded
     out_dir = Path(config.out_dir)

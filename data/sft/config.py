@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from data.pretrain.config import checked_data_config
 from models.config_checks import bounded
 from models.errors import ConfigError
 
@@ -42,8 +41,3 @@ class SFTDataConfig:
     def check_fields(self, prefix: str) -> None:
         if self.short_answer_target_share is not None and self.short_answer_factor != 1:
             raise ConfigError(f"set {prefix}short_answer_factor or {prefix}short_answer_target_share, not both")
-
-
-def normalize_config(config: SFTDataConfig) -> SFTDataConfig:
-    """``config`` checked as the SFT data pipeline receives it."""
-    return checked_data_config(config, "SFT data config", "train", ("train", "val"))

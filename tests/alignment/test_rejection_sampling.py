@@ -24,7 +24,7 @@ from alignment.stages.rejection_sampling import (
 )
 from data.demo.tasks import write_demo_dataset
 from data.sft.config import SFTDataConfig
-from data.sft.dataset import build_sft_data
+from data.sft.datamodule import build_sft_data
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import numeric_fields, range_of
 from models.errors import ConfigError

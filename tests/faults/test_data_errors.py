@@ -17,7 +17,7 @@ from data.pretrain.config import PrepareConfig
 from data.pretrain.prepare import prepare
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.sft.config import SFTDataConfig
-from data.sft.dataset import build_sft_data
+from data.sft.datamodule import build_sft_data
 from data.tokenizer.bpe import train_bpe
 from data.tokenizer.utf8 import check_utf8
 from models.errors import DataError

@@ -1,5 +1,5 @@
 """Unit tests of the checks made before any compute: the tokenizer/model fit checks, the trainer section's rules
-(check_trainer_config) and what a run readies once (prepare_trainer), the callback order of fit_stage and the resume
+(check_config) and what a run readies once (prepare_trainer), the callback order of fit_stage and the resume
 choice. No training runs here; every test takes well under a second."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from models.config_checks import check_config
 from models.errors import ConfigError
 from models.model import ModelConfig
 from trainer.build import (
-    check_trainer_config,
     in_save_order,
     lightning_precision,
     make_strategy,
     prepare_trainer,
     resolve_resume,
 )
-from trainer.callbacks import AtomicCheckpoint, DataProgress, ExportFinal, LossPlot
+from trainer.callbacks import DataProgress, ExportFinal, LossPlot
 from trainer.checks import check_initial_model, check_same_tokenizer, check_tokenizer_fits_model
 from trainer.config import CheckpointConfig, OptimConfig, TrainerConfig
+from trainer.storage import AtomicCheckpoint
 
 # ---- tokenizer and initial model
 
@@ -147,20 +147,20 @@ def restore_matmul_precision():
 )
 def test_trainer_config_errors_name_the_keys(changes, message, restore_matmul_precision):
     with pytest.raises(ConfigError, match=message):
-        check_trainer_config(TrainerConfig(**changes))
+        check_config(TrainerConfig(**changes), prefix="trainer.")
 
 
 def test_cpu_offload_without_gpus_is_refused_when_the_run_is_readied(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = TrainerConfig(cpu_offload=True, strategy="fsdp", devices=2)
-    check_trainer_config(config)  # the section itself is valid: the machine has no GPUs
+    check_config(config, prefix="trainer.")  # the section itself is valid: the machine has no GPUs
     with pytest.raises(ConfigError, match=r"trainer\.cpu_offload .* needs GPUs"):
         prepare_trainer(config)
 
 
 def test_a_run_resolves_precision_on_cpu(restore_matmul_precision):
     config = TrainerConfig(accelerator="cpu", strategy="fsdp", init_device="meta", devices=2)  # valid on CPU
-    check_trainer_config(config)
+    check_config(config, prefix="trainer.")
     prepare_trainer(config)
     assert config.precision == "32-true"  # auto on CPU, recorded in the config
     assert torch.get_float32_matmul_precision() == "highest"

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from alignment.schemas.pretrain import PretrainConfig
-from trainer.build import check_stage_config, check_trainer_config, resolve_compile
+from models.config_checks import check_config
+from trainer.build import check_stage_config, resolve_compile
 from trainer.config import ConfigError, TrainerConfig, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,7 @@ def test_a_bad_value_is_a_one_line_error_naming_the_key(value):
 
 def test_a_bad_value_set_in_code_is_refused_before_the_run():
     with pytest.raises(ConfigError, match=r"^trainer\.compile must be auto, true or false, got 'fast'$"):
-        check_trainer_config(TrainerConfig(accelerator="cpu", compile="fast"))  # type: ignore[arg-type]
+        check_config(TrainerConfig(accelerator="cpu", compile="fast"), prefix="trainer.")  # type: ignore[arg-type]
 
 
 def test_cpu_presets_follow_auto():

@@ -191,7 +191,8 @@ def test_resume_on_another_node_count(torchrun_run, data_dir, tmp_path):
 def test_the_strategies_take_the_collective_timeout():
     """trainer.collective_timeout_s is the process group's timeout under DDP and FSDP2 (half an hour unless set,
     Lightning's and torch's own default), and must be positive."""
-    from trainer.build import check_trainer_config, make_strategy
+    from models.config_checks import check_config
+    from trainer.build import make_strategy
     from trainer.config import ConfigError, TrainerConfig
 
     for strategy in ("ddp", "fsdp"):
@@ -199,7 +200,7 @@ def test_the_strategies_take_the_collective_timeout():
         assert made._timeout.total_seconds() == 42
     assert make_strategy(TrainerConfig(strategy="ddp"))._timeout.total_seconds() == 1800
     with pytest.raises(ConfigError, match="trainer.collective_timeout_s must be > 0"):
-        check_trainer_config(TrainerConfig(strategy="ddp", collective_timeout_s=0))
+        check_config(TrainerConfig(strategy="ddp", collective_timeout_s=0), prefix="trainer.")
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from alignment.schemas.pretrain import PretrainConfig
+from models.config_checks import check_config
 from models.model import Transformer
 from trainer import build
-from trainer.build import apply_float32_matmul_precision, check_trainer_config, resolve_precision
+from trainer.build import apply_float32_matmul_precision, resolve_precision
 from trainer.config import ConfigError, TrainerConfig, load_config
 from trainer.parallel import apply_fsdp
 
@@ -45,7 +46,7 @@ def test_a_bad_value_names_the_key():
     with pytest.raises(ConfigError, match="trainer.float32_matmul_precision"):
         load_config(PretrainConfig, ROOT / "configs/pretrain/tiny.yaml", ["trainer.float32_matmul_precision=fast"])
     with pytest.raises(ConfigError, match="trainer.float32_matmul_precision"):
-        check_trainer_config(TrainerConfig(float32_matmul_precision="fast"))  # type: ignore[arg-type]
+        check_config(TrainerConfig(float32_matmul_precision="fast"), prefix="trainer.")  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from data.pretrain.prepare import prepare
 from data.streams.packed import PackedDataset
 from data.streams.shards import TokenStream
 from data.tokenizer.tokenizer import Tokenizer
+from models.config_checks import check_config
 from models.files.folders import FOLDER_MARKER, LOCK_FILE
 
 NUM_DOCS = 40
@@ -386,16 +387,17 @@ def test_json_missing_field_names_file_and_row(tmp_path, no_tokenizing):
 
 def test_unknown_format_and_bad_settings(tmp_path, text_corpus, no_tokenizing):
     path, _ = text_corpus
+    # Settings outside their declared choices and ranges are refused where the config is loaded (check_config).
     with pytest.raises(ValueError, match=r"prepare: format must be one of .*, got 'csv'"):
-        prepare(config(tmp_path, [path], format="csv"))
+        check_config(config(tmp_path, [path], format="csv"), "prepare")
     odd = tmp_path / "data.xyz"
     odd.write_text("x")
     with pytest.raises(ValueError, match="cannot tell the format"):
         prepare(config(tmp_path, [odd]))
     with pytest.raises(ValueError, match="sample_by"):
-        prepare(config(tmp_path, [path], sample_by="sentence"))
+        check_config(config(tmp_path, [path], sample_by="sentence"), "prepare")
     with pytest.raises(ValueError, match="val_fraction"):
-        prepare(config(tmp_path, [path], val_fraction=1.0))
+        check_config(config(tmp_path, [path], val_fraction=1.0), "prepare")
     # One document cannot be split into train and val.
     with pytest.raises(ValueError, match="cannot hold out"):
         prepare(config(tmp_path, [path], sample_by="document", val_fraction=0.1))

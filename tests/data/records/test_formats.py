@@ -11,8 +11,9 @@ from data.preference.pairs import build_preference_data
 from data.preference.records import load_chats, record_to_chat, split_implicit_prompt
 from data.records.chat import BadRow, detect_schema, load_conversations, record_to_messages
 from data.records.prompts import PromptDataConfig, load_prompts, record_to_prompt
-from data.sft.config import SFTDataConfig, normalize_config
-from data.sft.dataset import build_sft_data
+from data.sft.config import SFTDataConfig
+from data.sft.datamodule import build_sft_data
+from models.config_checks import check_config
 from tests.helpers import write_jsonl
 
 IGNORE = -100
@@ -196,10 +197,11 @@ def test_schema_detection_order(columns, schema):
 
 def test_the_new_schemas_can_be_chosen_and_unknown_ones_are_refused():
     for schema in ("sharegpt", "prompt_completion"):
-        config = normalize_config(SFTDataConfig(train=["x.jsonl"], schema=schema))
+        config = SFTDataConfig(train=["x.jsonl"], schema=schema)
+        check_config(config, "SFT data config")
         assert detect_schema(["messages"], config, "f.jsonl") == schema
     with pytest.raises(ValueError, match="SFT data config: schema"):
-        normalize_config(SFTDataConfig(train=["x.jsonl"], schema="openai"))  # type: ignore[arg-type]
+        check_config(SFTDataConfig(train=["x.jsonl"], schema="openai"), "SFT data config")  # type: ignore[arg-type]
 
 
 def test_a_file_that_fits_no_schema_names_the_file_and_every_schema(tmp_path):

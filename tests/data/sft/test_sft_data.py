@@ -1,4 +1,4 @@
-"""Tests for data/sft/dataset.py and data/sft/datamodule.py: small JSONL files in tmp dirs, the default tokenizer."""
+"""Tests for data/sft/datamodule.py and data/sft/datamodule.py: small JSONL files in tmp dirs, the default tokenizer."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from data.records.chat import load_conversations
 from data.sft.batches import SFTBatchPlan, SFTValBatches
 from data.sft.config import SFTDataConfig
-from data.sft.datamodule import SFTDataModule
-from data.sft.dataset import build_sft_data
+from data.sft.datamodule import SFTDataModule, build_sft_data
 from data.sft.rows import pack_first_fit_decreasing
 from data.tokenizer.tokenizer import Tokenizer
+from models.config_checks import check_config
 from tests.helpers import WORDS, words, write_jsonl
 
 IGNORE = -100
@@ -293,8 +293,8 @@ def test_short_answer_upsampling_by_factor_and_by_target_share(tmp_path, tok):
 
     none = build_sft_data(config([path], seq_len=64, short_answer_target_share=0.2), tok)  # already >= 20% short
     assert none.stats["train"]["upsampling"]["examples_after"] == 16
-    with pytest.raises(ValueError, match="not both"):
-        build_sft_data(config([path], short_answer_factor=2, short_answer_target_share=0.5), tok)
+    with pytest.raises(ValueError, match="not both"):  # refused where the config is loaded
+        check_config(config([path], short_answer_factor=2, short_answer_target_share=0.5), "SFT data config")
 
 
 # --- packing ----------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""What a reader crosses to follow one command from the CLI to its first optimizer step: Lantern's source files and
+functions that run on the way (what runs at import aside), traced with ``sys.setprofile`` (run folders, W&B, the plan line
+included).
+
+    python benchmarks/reading_path.py --out runs/bench/reading-sft sft configs/sft/tiny.yaml trainer.max_steps=1
+
+Prints the files in the order they are first entered, with how many of their functions ran, and writes the same as
+JSON (``--out``). Run it with ``PYTHONPATH`` set to another checkout to measure that one with the same interpreter.
+The count depends only on the code and the command, not on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+PACKAGES = ("models", "data", "trainer", "alignment")
+
+
+def _in_function(frame) -> bool:
+    return frame is not None and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
+
+
+def trace(command: list[str]) -> dict[str, list[str]]:
+    """Run ``lantern COMMAND`` in this process; the Lantern functions called per file until the first optimizer step."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from alignment.commands.cli import main
+
+    roots = {name: Path(__import__(name).__file__).resolve().parent for name in PACKAGES}
+    root = next(iter(roots.values())).parent
+    files: dict[str, list[str]] = {}
+    stepped: list[bool] = []
+
+    def profile(frame, event, _arg):
+        # Only calls made by functions: module and class bodies, and what they call, run at import, not on the path.
+        if event != "call" or stepped or not _in_function(frame) or not _in_function(frame.f_back):
+            return
+        path = frame.f_code.co_filename
+        if not path.startswith(str(root)) or not any(path.startswith(str(r)) for r in roots.values()):
+            return
+        functions = files.setdefault(os.path.relpath(path, root), [])
+        if frame.f_code.co_qualname not in functions:
+            functions.append(frame.f_code.co_qualname)
+
+    def first_step(_optimizer, _args, _kwargs):
+        stepped.append(True)
+        sys.setprofile(None)
+        raise SystemExit(0)  # the path is known: the step itself is torch's
+
+    register_optimizer_step_pre_hook(first_step)
+    torch.manual_seed(0)
+    sys.setprofile(profile)
+    try:
+        main(command)
+    except SystemExit:
+        pass
+    finally:
+        sys.setprofile(None)
+    if not stepped:
+        raise SystemExit(f"lantern {' '.join(command)} ended without an optimizer step")
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="a lantern command and its arguments")
+    parser.add_argument("--out", type=Path, default=None, help="folder for reading_path.json")
+    args = parser.parse_args()
+    files = trace(args.command)
+    for path, functions in files.items():
+        print(f"{len(functions):4d}  {path}")
+    print(f"{len(files)} files, {sum(map(len, files.values()))} functions")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "reading_path.json").write_text(json.dumps(files, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
