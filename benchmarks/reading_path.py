@@ -28,7 +28,7 @@ def _in_function(frame) -> bool:
 def trace(command: list[str]) -> dict[str, list[str]]:
     """Run ``lantern COMMAND`` in this process; the Lantern functions called per file until the first optimizer step."""
     import torch
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from alignment.commands.cli import main
 
@@ -48,12 +48,12 @@ def trace(command: list[str]) -> dict[str, list[str]]:
         if frame.f_code.co_qualname not in functions:
             functions.append(frame.f_code.co_qualname)
 
-    def first_step(_optimizer, _args, _kwargs):
+    def first_step(_optimizer, _args, _kwargs) -> None:
         stepped.append(True)
         sys.setprofile(None)
-        raise SystemExit(0)  # the path is known: the step itself is torch's
+        raise SystemExit(0)  # after the step, so a closure's forward and backward (Lightning's) are on the path
 
-    register_optimizer_step_pre_hook(first_step)
+    register_optimizer_step_post_hook(first_step)
     torch.manual_seed(0)
     sys.setprofile(profile)
     try:

@@ -15,6 +15,7 @@ from alignment.schemas.pretrain import PretrainConfig
 from benchmarks import alignment_compare, score_models
 from benchmarks.bench_pretrain import recomputed_flops
 from benchmarks.gpu_table import render
+from tests.conftest import CORPUS
 from tests.helpers import subprocess_env
 from trainer.config import load_config
 
@@ -194,6 +195,23 @@ def test_every_benchmark_runs_as_a_module_of_the_installed_project():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [f"{name} 0 True" for name in BENCHMARKS], done.stderr[-2000:]
+
+
+def test_reading_path_follows_a_command_from_the_cli_to_its_first_optimizer_step(data_dir, tmp_path):
+    command = ["pretrain", str(ROOT / "configs/pretrain/tiny.yaml"), f"data.source=[{CORPUS}]", f"data.out_dir={data_dir}",
+               f"run.out_dir={tmp_path / 'runs'}", "trainer.max_steps=2", "loader.micro_batch_size=2", "sample.prompt="]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "benchmarks.reading_path", "--out", str(tmp_path), *command], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    path = json.loads((tmp_path / "reading_path.json").read_text())
+    assert path["alignment/commands/cli.py"][0] == "main"
+    assert "run_pretrain" in path["alignment/stages/pretrain.py"]
+    assert "LanguageModelModule.configure_optimizers" in path["trainer/lm_module.py"]
+    assert "PretrainModule.training_step" in path["alignment/stages/pretrain.py"]
+    assert all(file.split("/")[0] in ("models", "data", "trainer", "alignment") for file in path)
+    # traced up to the first step only: nothing after it ran under the trace (the step's checkpoint, step 2)
+    assert "AtomicCheckpoint.save" not in path.get("trainer/storage.py", [])
+    assert done.stdout.strip().endswith(f"{len(path)} files, {sum(map(len, path.values()))} functions")
 
 
 @pytest.mark.slow
