@@ -27,13 +27,12 @@ def _in_function(frame) -> bool:
 
 def trace(command: list[str]) -> dict[str, list[str]]:
     """Run ``lantern COMMAND`` in this process; the Lantern functions called per file until the first optimizer step."""
-    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from alignment.commands.cli import main
 
-    roots = {name: Path(__import__(name).__file__).resolve().parent for name in PACKAGES}
-    root = next(iter(roots.values())).parent
+    packages = tuple(f"{Path(__import__(name).__file__).resolve().parent}{os.sep}" for name in PACKAGES)
+    root = Path(packages[0]).parent
     files: dict[str, list[str]] = {}
     stepped: list[bool] = []
 
@@ -41,12 +40,13 @@ def trace(command: list[str]) -> dict[str, list[str]]:
         # Only calls made by functions: module and class bodies, and what they call, run at import, not on the path.
         if event != "call" or stepped or not _in_function(frame) or not _in_function(frame.f_back):
             return
-        path = frame.f_code.co_filename
-        if not path.startswith(str(root)) or not any(path.startswith(str(r)) for r in roots.values()):
+        code = frame.f_code
+        if not code.co_filename.startswith(packages):
             return
-        functions = files.setdefault(os.path.relpath(path, root), [])
-        if frame.f_code.co_qualname not in functions:
-            functions.append(frame.f_code.co_qualname)
+        functions = files.setdefault(os.path.relpath(code.co_filename, root), [])
+        name = getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
+        if name not in functions:
+            functions.append(name)
 
     def first_step(_optimizer, _args, _kwargs) -> None:
         stepped.append(True)
@@ -54,7 +54,6 @@ def trace(command: list[str]) -> dict[str, list[str]]:
         raise SystemExit(0)  # after the step, so a closure's forward and backward (Lightning's) are on the path
 
     register_optimizer_step_post_hook(first_step)
-    torch.manual_seed(0)
     sys.setprofile(profile)
     try:
         main(command)
