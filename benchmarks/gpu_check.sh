@@ -146,6 +146,7 @@ if [[ $SMOKE == 1 ]]; then
   ACCEL=cpu
   [[ ${#PYTEST_ARGS[@]} == 0 ]] && PYTEST_ARGS=(-q -n 0 -m "not slow" tests/trainer/test_optim.py)
   PIPELINE=configs/pipeline/tiny.yaml
+  PIPELINE_STAGES=("stages=[prepare,pretrain,sft]")  # the script's plumbing; tests/ runs the whole tiny pipeline
   BENCH=(--device cpu --config configs/pretrain/tiny.yaml --seq-len 64 --micro-batch 4 --steps 2 --warmup 1
          --threads 1 --peak-size 256 --peak-seconds 0.05)
   BENCH_1B=(--precision 32-true)
@@ -156,6 +157,7 @@ else
   ACCEL=gpu
   [[ ${#PYTEST_ARGS[@]} == 0 ]] && PYTEST_ARGS=(-q)
   PIPELINE=configs/pipeline/default.yaml
+  PIPELINE_STAGES=()
   ONE_GPU=configs/pretrain/llama3.2-1b-1gpu.yaml
   if [[ -f $ONE_GPU ]]; then  # the single-GPU preset as it is (seq 2048 x 4, bf16, compile)
     BENCH=(--device cuda --config "$ONE_GPU")
@@ -174,7 +176,7 @@ for stage in pretrain sft rm ppo; do STAGE_OVERRIDES+=("$stage.trainer.accelerat
 
 # ---- 2-6 ----
 run tests 5400 "$PY" -m pytest "${PYTEST_ARGS[@]}" --junitxml="$OUT/pytest.xml"
-run pipeline 5400 "$LANTERN" pipeline "$PIPELINE" "out_dir=$OUT/pipeline" "${STAGE_OVERRIDES[@]}"
+run pipeline 5400 "$LANTERN" pipeline "$PIPELINE" "out_dir=$OUT/pipeline" "${PIPELINE_STAGES[@]}" "${STAGE_OVERRIDES[@]}"
 run pretrain 2400 "$PY" -m benchmarks.bench_pretrain "${BENCH[@]}" "${BENCH_1B[@]}" --json "$OUT/pretrain-1b.json"
 run pretrain-3b 2400 "$PY" -m benchmarks.bench_pretrain "${BENCH[@]}" "${BENCH_3B[@]}" --fsdp-ac --json "$OUT/pretrain-3b.json"
 run generation 2400 "$PY" -m benchmarks.bench_generation "${GENERATION[@]}" --json "$OUT/generation.json"
