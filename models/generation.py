@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +197,7 @@ def generate(
     static_cache: bool = False,
     compile: bool = False,
     decode: str = "auto",
+    stop_when: Callable[[Tensor], Tensor] | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -219,6 +220,8 @@ def generate(
     ``trainer.parallel.unsharded_for_generation``).
     first_token_mask: (B, V) bool, True where a row's FIRST new token is allowed (token healing); other tokens
     get logit -inf at that step, so log-probs of the first token are those of the constrained distribution.
+    stop_when: called after each eager step with the tokens so far (B, steps); rows where it returns True stop as
+    after a stop id (e.g. a stop string in the text: the harness's ``until``). Static and compiled decoding ignore it.
     Runs under ``torch.inference_mode()`` with the model in eval mode; its previous train/eval mode is restored.
     """
     prompts = _as_prompt_list(prompts)
@@ -237,7 +240,7 @@ def generate(
         with torch.inference_mode():
             out = _generate(
                 model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, mode,
-                first_token_mask, warn=explicit != "auto",
+                first_token_mask, warn=explicit != "auto", stop_when=stop_when,
             )  # fmt: skip
     finally:
         model.train(was_training)
@@ -310,6 +313,7 @@ def _generate(
     mode: str,
     first_token_mask: Tensor | None = None,
     warn: bool = False,
+    stop_when: Callable[[Tensor], Tensor] | None = None,
 ) -> GenerationOutput:
     """``mode``: recompute, eager, static or compiled (``resolve_decode``)."""
     device = model.tok_embeddings.weight.device
@@ -364,6 +368,8 @@ def _generate(
         mask[:, step] = ~done
         logprobs[:, step] = torch.where(done, 0.0, next_logprob)
         done = done | torch.isin(next_token, stop)
+        if stop_when is not None:
+            done = done | stop_when(tokens[:, : step + 1]).to(device)
         steps = step + 1
         if steps == max_new_tokens or bool(done.all()):
             break

@@ -287,8 +287,11 @@ class Transformer(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        query_key_mask: Tensor | None = None,
     ) -> Tensor:
-        """Final-norm hidden states (B, T, dim). The LM head, reward/value heads and chunked loss start here."""
+        """Final-norm hidden states (B, T, dim). The LM head, reward/value heads and chunked loss start here.
+        ``query_key_mask`` (B, 1, T, T) bool, True where a query may attend a key, replaces the mask the other
+        arguments give (positions then come from ``position_ids``): e.g. choices that share one context."""
         batch, seq_len = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0
         if start + seq_len > self.config.max_seq_len:
@@ -304,7 +307,9 @@ class Transformer(nn.Module):
                 position_ids = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
         cos, sin = rope_cos_sin(self.config, position_ids)
         mask: Tensor | BlockMask | None
-        if use_flex_attention(self.config, document_ids, kv_cache):
+        if query_key_mask is not None:
+            mask = query_key_mask
+        elif use_flex_attention(self.config, document_ids, kv_cache):
             if input_ids.device.type == "cpu" and torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad:
                 raise ValueError(
                     "ModelConfig.attention='flex' has no backward on CPU (torch FlexAttention); use 'auto' or 'sdpa'"

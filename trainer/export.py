@@ -81,6 +81,32 @@ def export_training_checkpoint(
         check_gguf_destination(out, overwrite=overwrite, sources=(path,))
     else:
         check_destination(out, if_exists=if_exists, sources=(path,))
+    model, tokenizer, metadata, record = training_checkpoint_model(path, prefix, merge=not adapter)
+    if record is None and adapter:
+        raise CheckpointError(
+            f"{path} holds a fully trained model, not LoRA adapters (peft.kind was none): --adapter applies "
+            "to an adapter checkpoint only; export it without --adapter"
+        )
+    with tempfile.TemporaryDirectory() as scratch:
+        if format == "gguf":
+            return write_gguf(
+                model, out, hf_tokenizer_folder(tokenizer, scratch), dtype=gguf_dtype, overwrite=overwrite
+            )
+        files = _tokenizer_files(tokenizer, hf=format == "hf" or adapter, scratch=scratch)
+        if adapter:
+            return _write_adapter(path, model, out, files, if_exists)
+        if format == "hf":
+            return export_hf(model, out, tokenizer_path=files, if_exists=if_exists)
+        return save_checkpoint(
+            model, out, tokenizer_path=files, metadata=metadata, if_exists=if_exists, sources=(path,)
+        )
+
+
+def training_checkpoint_model(
+    path: str | Path, prefix: str = "model.", *, merge: bool = True
+) -> tuple[Transformer, str | None, dict[str, Any], Mapping[str, Any] | None]:
+    """The ``prefix``-ed model of a training checkpoint on CPU, its tokenizer spec, metadata for an export, and its
+    LoRA record (None without adapters); with ``merge``, adapters are folded into their base."""
     checkpoint = read_training_checkpoint(path)
     try:
         config = checkpoint["hyper_parameters"]["config"]
@@ -97,31 +123,13 @@ def export_training_checkpoint(
     metadata: dict[str, Any] = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
     record = (checkpoint.get("adapters") or {}).get(prefix.removesuffix("."))
     if record is None:
-        if adapter:
-            raise CheckpointError(
-                f"{path} holds a fully trained model, not LoRA adapters (peft.kind was none): --adapter applies "
-                "to an adapter checkpoint only; export it without --adapter"
-            )
-        model = _plain_model(path, state, ModelConfig.from_dict(config["model"]))
-    else:
-        model = model_with_adapters(path, record, state)
-        if not adapter:
-            merge_adapters(model)
-            metadata["merged_adapters"] = {k: record.get(k) for k in ("checkpoint", "seed", "fingerprint", "peft")}
-            log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
-    with tempfile.TemporaryDirectory() as scratch:
-        if format == "gguf":
-            return write_gguf(
-                model, out, hf_tokenizer_folder(tokenizer, scratch), dtype=gguf_dtype, overwrite=overwrite
-            )
-        files = _tokenizer_files(tokenizer, hf=format == "hf" or adapter, scratch=scratch)
-        if adapter:
-            return _write_adapter(path, model, out, files, if_exists)
-        if format == "hf":
-            return export_hf(model, out, tokenizer_path=files, if_exists=if_exists)
-        return save_checkpoint(
-            model, out, tokenizer_path=files, metadata=metadata, if_exists=if_exists, sources=(path,)
-        )
+        return _plain_model(path, state, ModelConfig.from_dict(config["model"])), tokenizer, metadata, None
+    model = model_with_adapters(path, record, state)
+    if merge:
+        merge_adapters(model)
+        metadata["merged_adapters"] = {k: record.get(k) for k in ("checkpoint", "seed", "fingerprint", "peft")}
+        log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
+    return model, tokenizer, metadata, record
 
 
 def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config: ModelConfig) -> Transformer:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from alignment.commands.convert_cli import add_convert_command
+from alignment.commands.eval_cli import add_eval_command
 from alignment.commands.export_cli import add_export_command
 from alignment.commands.plan_cli import add_plan_command
 from alignment.stages import registry
@@ -130,6 +131,7 @@ def _print_run_summary(run_dir: Path) -> None:
 
 
 def _demo_data(args: argparse.Namespace) -> None:
+    from data.demo.harness import write_harness_tasks
     from data.demo.tasks import check_demo_arguments, write_demo_dataset
 
     check_demo_arguments(args.out, n_train=args.n_train, n_val=args.n_val, n_pairs=args.n_pairs)
@@ -138,6 +140,7 @@ def _demo_data(args: argparse.Namespace) -> None:
         short_share=args.short_share, line_count_max=args.line_count_max,
         line_count_miscount=args.line_count_miscount,
     )  # fmt: skip
+    paths["harness"] = write_harness_tasks(Path(args.out) / "harness", seed=args.seed)  # lantern eval --include-path
     print("\n".join(f"{name:>8}: {path}" for name, path in paths.items()))
 
 
@@ -191,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=_generate)
 
     add_convert_command(commands)
+    add_eval_command(commands)
 
     _add_config_command(
         commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare

@@ -39,6 +39,12 @@ class TokenizerBase:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         raise NotImplementedError
 
+    def encode_as_hf(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode ``text`` as Hugging Face's tokenizer does: special-token strings in it are those tokens, and
+        ``add_special_tokens`` adds what the tokenizer's own template adds (a BOS for Llama 3, nothing for SmolLM2).
+        For evaluation harnesses, whose prompts may be rendered chat templates; training data uses ``encode``."""
+        raise NotImplementedError
+
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8
     ) -> list[list[int]]:

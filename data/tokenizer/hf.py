@@ -167,6 +167,9 @@ class HFTokenizer(TokenizerBase):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         return self._with_ends(self._plain([text])[0], bos, eos)
 
+    def encode_as_hf(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8
     ) -> list[list[int]]:

@@ -241,6 +241,13 @@ class Tokenizer(TokenizerBase):
             ids.append(self.eos_id)
         return ids
 
+    def encode_as_hf(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Meta's Llama 3 tokenizer in transformers starts every text with <|begin_of_text|>
+        ids = [self.bos_id] if add_special_tokens else []
+        for piece in _split_for_tiktoken(text):
+            ids.extend(self.encoding.encode(piece, allowed_special="all"))
+        return ids
+
     def encode_batch(
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8
     ) -> list[list[int]]:

