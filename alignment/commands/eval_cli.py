@@ -32,6 +32,13 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
 def _limit(value: str) -> int | float:
     number = float(value)
     if not number > 0:
@@ -48,7 +55,9 @@ def add_eval_command(commands: Any) -> None:
         "folder; LoRA adapters are merged)",
     )
     run.add_argument("--tasks", required=True, type=_task_names, help="comma-separated lm-eval task or group names")
-    run.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    run.add_argument(
+        "--num-fewshot", type=_non_negative_int, default=None, help="few-shot examples (default: each task's own)"
+    )
     run.add_argument("--limit", type=_limit, default=None, help="examples per task: a count, or a fraction below 1")
     run.add_argument("--batch-size", type=_positive_int, default=8, help="rows per forward, prompts per generate")
     run.add_argument("--apply-chat-template", action="store_true", help="prompts through the checkpoint's template")
@@ -74,8 +83,6 @@ def add_eval_command(commands: Any) -> None:
 def run_eval(args: argparse.Namespace) -> None:
     from trainer.harness_tasks import load_tasks, resolve_tasks, task_manager
 
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise ConfigError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     manager = task_manager(args.include_path, args.tasks)
     tasks = resolve_tasks(args.tasks, manager)
     if any(isinstance(t, dict) and t.get("unsafe_code") for t in tasks) and not args.confirm_run_unsafe_code:

@@ -51,10 +51,12 @@ def lantern_eval(*args: str) -> int:
 
 
 @pytest.mark.parametrize("source", ["folder", "ckpt"])
-def test_eval_writes_lm_evals_results_and_a_table(setup, tmp_path, source, capsys):
+def test_eval_writes_lm_evals_results_and_a_table(setup, tmp_path, source, capsys, monkeypatch):
     out = tmp_path / "out"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb = ["--wandb-project", "lantern-eval-test"] if source == "folder" else []
     code = lantern_eval(str(setup[source]), "--tasks", DEMO_TASKS, "--include-path", str(setup["tasks"]),
-                        "--limit", "4", "--out", str(out), "--log-samples")  # fmt: skip
+                        "--limit", "4", "--out", str(out), "--log-samples", *wandb)  # fmt: skip
     assert code == 0, capsys.readouterr().err
     (results_file,) = out.glob("*/results_*.json")
     results = json.loads(results_file.read_text())["results"]
@@ -65,6 +67,7 @@ def test_eval_writes_lm_evals_results_and_a_table(setup, tmp_path, source, capsy
     assert len(list(out.glob("*/samples_lantern_demo_answers_*.jsonl"))) == 1
     table = (out / "table.md").read_text()
     assert "lantern_demo_choice" in table and table in capsys.readouterr().out
+    assert bool(list((out / "wandb").glob("offline-run-*"))) == bool(wandb)
 
 
 @pytest.mark.parametrize(
