@@ -1,7 +1,7 @@
 """EleutherAI's lm-evaluation-harness over a Lantern model. ``LanternLM`` answers lm-eval's three request types as its
 ``hf`` backend does (the same tokenization, truncation, stop strings and prefix token), through Lantern's own paths:
-log-likelihoods of many requests packed into rows with document masks, and KV-cache generation that stops a row
-once a stop string appears. ``evaluate`` runs tasks through lm-eval's registry and metrics (which tasks: ``trainer.harness_tasks``).
+log-likelihoods packed into rows, each context run once for all its choices, and KV-cache generation that stops a
+row once a stop string appears. ``evaluate`` runs tasks through lm-eval's registry and metrics.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ HEAD_CHUNK = 1024  # positions per LM-head call when scoring: bounds the (positi
 
 class LanternLM(TemplateLM):
     """lm-eval's ``LM`` over a Lantern ``model`` and its ``tokenizer``. ``batch_size``: rows per forward when scoring
-    (requests packed into rows as wide as the longest, at most ``row_tokens``) and prompts per generate call; ``max_length``: the context kept (left
-    truncation), by default the model's ``max_seq_len``; ``decode``: as ``lantern generate``'s."""
+    (rows as wide as the longest request, at most ``row_tokens``) and prompts per generate call; ``max_length``: the
+    context kept (left truncation), by default the model's ``max_seq_len``; ``decode``: as ``lantern generate``'s."""
 
     def __init__(
         self,
@@ -101,9 +101,9 @@ class LanternLM(TemplateLM):
         """(sum of the continuation's log-probs, whether greedy decoding gives it) per (key, context, continuation).
 
         A unit is a prefix (the inputs up to the one that predicts the continuation's first token) and the
-        continuations after it: the choices of a multiple-choice question share their context, so it runs once
-        (a 4-choice task scores about a third of the tokens). Units are packed first-fit-decreasing into rows as
-        wide as the longest (at most ``row_tokens``); each continuation attends to its prefix and to itself."""
+        continuations after it: the choices of a multiple-choice question share their context, so it runs once (k
+        short choices after a long context cost little more than one). Units are packed first-fit-decreasing into
+        rows as wide as the longest (at most ``row_tokens``); each continuation attends to its prefix and itself."""
         results: list[tuple[float, bool]] = [(0.0, True)] * len(requests)
         units: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
         for index, (_, context, continuation) in enumerate(requests):
@@ -269,8 +269,8 @@ def evaluate(
     log_samples: bool = False,
     seed: int = 1234,
 ) -> dict:
-    """lm-eval's ``simple_evaluate`` of ``tasks`` (``resolve_tasks``' names and configs): its results dict (per-task metrics with
-    standard errors, the config, per-request samples when ``log_samples``)."""
+    """lm-eval's ``simple_evaluate`` of ``tasks`` (``resolve_tasks``' names and configs): its results dict
+    (per-task metrics with standard errors, the config, per-request samples when ``log_samples``)."""
     from lm_eval import simple_evaluate
 
     return simple_evaluate(

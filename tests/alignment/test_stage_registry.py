@@ -21,7 +21,7 @@ from alignment.stages import registry
 from alignment.stages.registry import Stage
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_STAGES = {"tokenizer", "generate", "convert", "prepare", "pipeline", "plan", "demo-data", "export"}
+NOT_STAGES = {"tokenizer", "generate", "convert", "eval", "prepare", "pipeline", "plan", "demo-data", "export"}
 
 
 def run_sft_variant(config: SFTConfig) -> Path | None:

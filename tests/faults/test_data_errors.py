@@ -177,10 +177,10 @@ def test_demo_data_line_count_miscount_through_the_cli_and_a_bad_share_touches_n
     train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     line_count = [r for r in train if r["task"] == "line_count"]
     assert line_count and all(r.get("miscounted") for r in line_count)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     capsys.readouterr()
     for share in ("1.5", "-0.1"):
         assert main([*common, "--line-count-miscount", share]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "line_count_miscount must be in [0, 1]" in err and "Traceback" not in err
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
