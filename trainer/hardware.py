@@ -143,3 +143,16 @@ def _cite(figure: MFUFigure, gpu: GPU) -> str:
     source = figure.source.split(" at commit")[0]
     own = figure.gpus[0] == gpu.key
     return f"{source}, {figure.date}{'' if own else f', a {figure.gpus[0]} figure'}; {who}"
+
+
+def command_device(flag: str | None) -> str:
+    """A command's ``--device``: the flag as given (refused in one line where it names CUDA and none is there), else
+    cuda when available, else cpu."""
+    import torch
+
+    from models.errors import LanternError
+
+    device = flag or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    return device

@@ -53,6 +53,7 @@ def _generate(args: argparse.Namespace) -> None:
     from models.generation import complete
     from models.model import ModelConfig
     from trainer.checks import check_model_tokenizer
+    from trainer.hardware import command_device
 
     # before the weights are read: --tokenizer wins, else the folder's own tokenizer, else the bundled default
     # (refused for a folder that carries none when its vocabulary is another size)
@@ -61,9 +62,7 @@ def _generate(args: argparse.Namespace) -> None:
         args.tokenizer or "auto", config, args.checkpoint, key="--tokenizer", vocab_key=None
     )
     model = _load_model_for_generation(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    device = command_device(args.device)
     model = model.to(device)
     if args.chat:
         prompt = tokenizer.encode_chat_prompt([{"role": "user", "content": args.prompt}])

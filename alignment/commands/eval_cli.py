@@ -140,11 +140,10 @@ def load_model(checkpoint: str, tokenizer_spec: str | None, scratch: str) -> tup
 def _harness_model(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     import torch
 
+    from trainer.hardware import command_device
     from trainer.harness import LanternLM
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    device = command_device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     model = model.to(device=device, dtype=dtype)
     return LanternLM(model, tokenizer, batch_size=args.batch_size, max_length=args.max_length)
