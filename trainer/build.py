@@ -30,7 +30,15 @@ from trainer.callbacks import (
 )
 from trainer.checkpoints import has_checkpoints, latest_checkpoint, read_checkpoint_header
 from trainer.checks import resolve_stage_tokenizer
-from trainer.config import CPU_OFFLOAD_NEEDS_GPUS, CheckpointConfig, ConfigError, TrainerConfig, to_dict, to_yaml
+from trainer.config import (
+    CPU_OFFLOAD_NEEDS_GPUS,
+    CheckpointConfig,
+    ConfigError,
+    HarnessEvalConfig,
+    TrainerConfig,
+    to_dict,
+    to_yaml,
+)
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import announce_plan, planned_precision
@@ -304,7 +312,8 @@ def stage_callbacks(
 ) -> list[L.Callback]:
     """What every stage has: data progress (exact resume), atomic checkpoints every ``checkpoint.every_n_steps``,
     throughput and MFU when ``throughput`` = (tokens per micro-batch, FLOPs per token) is given, and the export
-    of ``final/`` with the tokenizer and ``metadata``. ``fit_stage`` puts them in save order."""
+    of ``final/`` with the tokenizer and ``metadata``, and the ``eval`` section's harness tasks at each validation.
+    ``fit_stage`` puts them in save order."""
     callbacks: list[L.Callback] = [
         DataProgress(),
         AtomicCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps, config.checkpoint.keep_last),
@@ -312,6 +321,12 @@ def stage_callbacks(
     ]
     if throughput is not None:
         callbacks.append(Throughput(*throughput, peak_flops(config.trainer)))
+    harness = getattr(config, "eval", None)
+    if isinstance(harness, HarnessEvalConfig) and harness.harness_tasks:
+        from trainer.harness_validation import HarnessScorer, HarnessValidation  # lm-eval: the eval extra
+
+        scorer = HarnessScorer(harness, tokenizer, key="eval.", folder=run_dir / "harness")
+        callbacks.append(HarnessValidation(scorer))
     return callbacks
 
 

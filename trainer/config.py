@@ -121,6 +121,26 @@ class LoggerConfig:
     log_model: bool | Literal["off", "final", "all"] = "off"
 
 
+@dataclass
+class HarnessEvalConfig:
+    """lm-evaluation-harness tasks scored at each validation (docs/evaluation.md); none by default. Names, folders
+    and lm-eval itself are checked at load."""
+
+    harness_tasks: list[str] = field(default_factory=list)  # lm-eval task or group names, e.g. [arc_easy]
+    harness_limit: int | None = bounded(100, ge=1)  # examples per task each time; None: all (slow in a run)
+    harness_num_fewshot: int | None = bounded(None, ge=0)  # None: each task's own
+    harness_include_path: list[str] = field(default_factory=list)  # folders of task YAMLs (demo-data's harness/)
+    harness_apply_chat_template: bool = False  # prompts through the tokenizer's chat template
+    harness_batch_size: int = bounded(8, ge=1)  # rows per forward, prompts per generate
+    harness_confirm_run_unsafe_code: bool = False  # lm-eval's opt-in to run generated code (humaneval_local)
+
+    def check_fields(self, prefix: str) -> None:
+        if self.harness_tasks:
+            from trainer.harness_tasks import check_harness_config
+
+            check_harness_config(self, prefix)
+
+
 class StageConfig:
     """What every stage config with ``optim`` and ``trainer`` sections checks across them, at load."""
 

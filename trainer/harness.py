@@ -288,3 +288,15 @@ def evaluate(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """lm-eval's per-task and per-group numbers as ``TASK/METRIC`` (``acc``, ``acc_stderr``; a filter other than
+    ``none`` after an underscore): how they are logged."""
+    return {
+        f"{task}/{name.replace(',none', '').replace(',', '_')}": float(value)
+        for table in ("results", "groups")
+        for task, values in (results.get(table) or {}).items()
+        for name, value in values.items()
+        if "," in name and isinstance(value, (int, float)) and not isinstance(value, bool)  # lm-eval's METRIC,FILTER
+    }

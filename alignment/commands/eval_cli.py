@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from models.errors import ConfigError, LanternError
+from models.errors import LanternError
 
 log = logging.getLogger("lantern")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -81,14 +81,11 @@ def add_eval_command(commands: Any) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    from trainer.harness_tasks import load_tasks, resolve_tasks, task_manager
+    from trainer.harness_tasks import load_tasks, refuse_unsafe_code, resolve_tasks, task_manager
 
     manager = task_manager(args.include_path, args.tasks)
     tasks = resolve_tasks(args.tasks, manager)
-    if any(isinstance(t, dict) and t.get("unsafe_code") for t in tasks) and not args.confirm_run_unsafe_code:
-        raise ConfigError(
-            "--tasks: humaneval_local runs the generated code; pass --confirm-run-unsafe-code to allow it"
-        )
+    refuse_unsafe_code(tasks, args.confirm_run_unsafe_code, key="--tasks", opt_in="--confirm-run-unsafe-code")
     out = Path(args.out or Path("runs") / "eval" / Path(args.checkpoint).name.removesuffix(".gguf"))
     from models.files.folders import claim_folder
 
@@ -177,14 +174,10 @@ def write_results(results: dict, out: Path, args: argparse.Namespace) -> None:
 def _log_to_wandb(results: dict, out: Path, args: argparse.Namespace) -> None:
     """The per-task metrics as one W&B run's summary (offline unless asked otherwise); never fails the command."""
     from trainer.config import LoggerConfig
+    from trainer.harness import flat_metrics
     from trainer.loggers import recorded_run
 
-    metrics = {
-        f"{task}/{name.replace(',none', '')}": value
-        for task, values in results["results"].items()
-        for name, value in values.items()
-        if isinstance(value, (int, float)) and name != "alias"
-    }
+    metrics = flat_metrics(results)
     config = LoggerConfig(kind="wandb", project=args.wandb_project)
     identity = {"project": args.wandb_project, "group": "eval", "job_type": "eval", "name": out.name}
     with recorded_run(out, config, **identity) as run:

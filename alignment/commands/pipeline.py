@@ -40,7 +40,7 @@ from models.config_checks import bounded
 from models.errors import ConfigError
 from models.files.digests import content_key, folder_fingerprint
 from models.files.folders import claim_folder
-from trainer.config import load_config, to_yaml
+from trainer.config import HarnessEvalConfig, load_config, to_yaml
 from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
 from trainer.storage import claim_run_directory
 
@@ -89,7 +89,7 @@ class PipelineLoggerSection:  # every stage's W&B runs are in one group per pipe
 
 
 @dataclass
-class ReportSection:
+class ReportSection(HarnessEvalConfig):  # harness_tasks: lm-eval tasks every model is also scored on
     prompts: int = bounded(16, ge=0)  # held-out prompts whose answers by each model are shown in report.md
     max_new_tokens: int = bounded(64, ge=1)  # one token budget for every model's answers
     # the ground truth every model's answers are scored by (a checker's import path); every held-out prompt is used

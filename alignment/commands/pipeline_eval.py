@@ -1,6 +1,6 @@
 """The pipeline's held-out evaluation: every language model it trained answers all the same held-out prompts greedily,
 with one token budget and one checker, so the numbers compare; the SFT model and each stage after it also get pass@k
-and their KL to the SFT model. Each stage's results are cached in ``report/eval-STAGE.json`` under the stage's hash
+and their KL to the SFT model, and every model the lm-eval tasks of ``report.harness_tasks``. Each stage's results are cached in ``report/eval-STAGE.json`` under the stage's hash
 and the evaluation settings, so a re-run that changed one stage re-evaluates only that one.
 """
 
@@ -81,6 +81,11 @@ def evaluate_stage(
         result["sampled"] = {
             **heldout_summary(subset, result["sampled_scores"]), "samples": report.pass_k, "temperature": 1.0
         }  # fmt: skip
+    if report.harness_tasks:  # lm-eval's tasks, as `lantern eval` scores them
+        from trainer.harness import flat_metrics
+        from trainer.harness_validation import HarnessScorer
+
+        result["harness"] = flat_metrics(HarnessScorer(report, tokenizer, key="report.").results(model))
     result["kl"] = None
     if sft is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
         reference = load_checkpoint(sft).eval()

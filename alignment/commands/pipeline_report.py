@@ -130,6 +130,26 @@ def _task_table(title: str, results: dict[str, dict[str, Any]], key: str) -> lis
     return lines
 
 
+def harness_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Every model's lm-eval numbers (``report.harness_tasks``), each with its standard error where lm-eval has one."""
+    names = list(dict.fromkeys(n for r in results.values() for n in r.get("harness", {}) if not n.endswith("_stderr")))
+    if not names:
+        return []
+    lines = [
+        "",
+        "## lm-evaluation-harness tasks",
+        "",
+        "As `lantern eval` scores them (lm-eval's metrics ± its SE).",
+        "",
+    ]
+    lines += ["| model | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for stage, result in results.items():
+        scores = result.get("harness", {})
+        cells = [_pm(scores.get(n), scores.get(f"{n}_stderr")) if n in scores else "—" for n in names]
+        lines.append(f"| {'base' if stage == 'pretrain' else stage} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int) -> list[str]:
     """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE."""
     lines = [
@@ -159,7 +179,11 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
         if result is not None:
             entry.update(heldout=result["heldout"], kl=result.get("kl"))
             entry.update(
-                {key: result[key] for key in ("sampled", "pass_at_k", "vs_sft", "vs_sft_sampled") if key in result}
+                {
+                    key: result[key]
+                    for key in ("sampled", "pass_at_k", "vs_sft", "vs_sft_sampled", "harness")
+                    if key in result
+                }
             )
         stages[stage] = entry
     report = pipeline.config.report
@@ -210,6 +234,7 @@ def write_report(pipeline: Pipeline) -> Path:
             "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
             "samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
             *comparison_lines(results, seconds, k),
+            *harness_lines(results),
         ]  # fmt: skip
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
     if results:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config_checks import bounded
+from trainer.config import HarnessEvalConfig
 
 
 @dataclass
@@ -19,7 +20,7 @@ class StageLoaderConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(HarnessEvalConfig):
     generations: int = bounded(64, ge=0)  # validation examples answered greedily each validation (exact match)
     max_new_tokens_margin: int = bounded(8, ge=0)  # each answer may run this many tokens past its reference's length
     batch_size: int = bounded(16, ge=1)

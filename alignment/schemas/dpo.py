@@ -10,7 +10,15 @@ from data.preference.config import PreferenceDataConfig
 from models.adapter_config import PeftConfig
 from models.config_checks import bounded
 from models.model import ModelConfig
-from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
+from trainer.config import (
+    CheckpointConfig,
+    HarnessEvalConfig,
+    LoggerConfig,
+    OptimConfig,
+    RunConfig,
+    StageConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -44,3 +52,4 @@ class DPOConfig(StageConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=200, val_every_n_steps=50))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: HarnessEvalConfig = field(default_factory=HarnessEvalConfig)  # harness tasks at each validation

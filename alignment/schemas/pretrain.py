@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from data.pretrain.config import PrepareConfig
 from models.config_checks import bounded
 from models.model import ModelConfig
-from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
+from trainer.config import (
+    CheckpointConfig,
+    HarnessEvalConfig,
+    LoggerConfig,
+    OptimConfig,
+    RunConfig,
+    StageConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -36,4 +44,5 @@ class PretrainConfig(StageConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: HarnessEvalConfig = field(default_factory=HarnessEvalConfig)  # harness tasks at each validation
     sample: SampleConfig = field(default_factory=SampleConfig)

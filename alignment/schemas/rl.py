@@ -9,7 +9,15 @@ from typing import Literal
 from data.records.prompts import PromptDataConfig
 from models.adapter_config import PeftConfig
 from models.config_checks import bounded
-from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
+from trainer.config import (
+    CheckpointConfig,
+    HarnessEvalConfig,
+    LoggerConfig,
+    OptimConfig,
+    RunConfig,
+    StageConfig,
+    TrainerConfig,
+)
 
 
 def rl_optim(lr: float) -> OptimConfig:
@@ -33,7 +41,7 @@ class RewardConfig:
 
 
 @dataclass
-class RLEvalConfig:
+class RLEvalConfig(HarnessEvalConfig):  # its harness tasks are scored at each held-out evaluation
     checker: str = ""  # held-out answers' ground truth, "package.module:function"; "": none measured
     generations: int = bounded(0, ge=0)  # held-out prompts answered greedily at each evaluation; 0: all of them
     every_n_rollouts: int = bounded(10, ge=1)

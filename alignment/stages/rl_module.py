@@ -244,12 +244,24 @@ class RLModule(LanguageModelModule):
         if pass_k and eval_config.pass_k and self.checker is not None:
             summary["pass_at_k"] = self._pass_at_k(prompts)
             metrics[f"eval/pass_at_{eval_config.pass_k}"] = summary["pass_at_k"]["pass_at_k"]
+        metrics.update(self._harness_metrics())
         self.heldout["before" if self.global_step == 0 else "after"] = {
             **summary, "step": self.global_step, "scores": [s for _, s in scores], "where": [w for w, _ in scores],
         }  # fmt: skip
         for name, value in metrics.items():
             self.eval_history.setdefault(name, []).append((self.global_step, value))
             self.log(name, value, on_step=True, rank_zero_only=True)
+
+    def _harness_metrics(self) -> dict[str, float]:
+        """The lm-eval tasks of ``eval.harness_tasks`` (scored by the run's ``HarnessValidation``), by logged name."""
+        if not self.config.eval.harness_tasks:
+            return {}
+        from trainer.harness_validation import harness_of  # lm-eval: the eval extra
+
+        scorer = harness_of(self.trainer)
+        if scorer is None:  # a module fitted without the stage's callbacks
+            return {}
+        return {f"eval/harness/{k}": v for k, v in scorer.score(self.model, self.trainer, self.global_step).items()}
 
     def _mean_over_ranks(self, values: list[float]) -> float:
         # every rank joins the reduction, one with no held-out prompts too (skipping it would hang the others)

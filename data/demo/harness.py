@@ -1,12 +1,15 @@
 """The demo tasks as lm-evaluation-harness tasks over local files, one of each request type lm-eval has: a multiple
 choice (``lantern_demo_choice``: a held-out prompt's right answer against a rule-made wrong one), a perplexity task
 (``lantern_demo_passages``: held-out speeches) and a generation task (``lantern_demo_answers``: the short-answer
-tasks, exact match). Every example comes from the held-out ("val") speeches; ``lantern eval --include-path`` reads
-the folder."""
+tasks, exact match). Every example comes from the held-out ("val") speeches. They are built in by name
+(``demo_task_config``: their rows written once to Lantern's cache folder); ``lantern demo-data`` writes a folder of
+them with its own seed for ``--include-path``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -68,20 +71,38 @@ def harness_rows(n: int, *, seed: int, corpus_path: str | Path = DEFAULT_CORPUS)
     return {"lantern_demo_choice": choice, "lantern_demo_passages": passages, "lantern_demo_answers": answers}
 
 
-def write_harness_tasks(out_dir: str | Path, n: int = 200, *, seed: int = 0) -> Path:
-    """``out_dir``: each task's rows (``NAME.jsonl``) and its lm-eval YAML naming them by absolute path."""
+def task_config(name: str, data: Path) -> dict:
+    """lm-eval's config of demo task ``name`` over the rows in ``data`` (a JSON-lines file)."""
+    return {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+        "test_split": "test",
+        **TASKS[name],
+        "metadata": {"version": 1.0},
+    }
+
+
+def write_harness_tasks(out_dir: str | Path, n: int = 200, *, seed: int = 0, yamls: bool = True) -> Path:
+    """``out_dir``: each task's rows (``NAME.jsonl``) and, with ``yamls``, its lm-eval YAML naming them by absolute
+    path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in harness_rows(n, seed=seed).items():
-        data = (out / f"{name}.jsonl").resolve()
+        data = out / f"{name}.jsonl"
         write_atomically(data, "".join(json.dumps(row) + "\n" for row in rows).encode())
-        config = {
-            "task": name,
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data)}},
-            "test_split": "test",
-            **TASKS[name],
-            "metadata": {"version": 1.0},
-        }
-        write_atomically(out / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+        if yamls:
+            config = yaml.safe_dump(task_config(name, data), sort_keys=False)
+            write_atomically(out / f"{name}.yaml", config.encode())
     return out
+
+
+def demo_task_config(name: str) -> dict:
+    """The built-in demo task ``name`` (200 examples, seed 0): its rows are written once, under a key of the corpus
+    and the task definitions, to ``$XDG_CACHE_HOME/lantern`` (default ``~/.cache/lantern``)."""
+    key = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + json.dumps(TASKS, sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lantern" / f"demo-tasks-{key}"
+    data = cache / f"{name}.jsonl"
+    if not data.is_file():  # the same bytes in every process: concurrent writers replace them atomically
+        write_harness_tasks(cache, yamls=False)
+    return task_config(name, data)

@@ -1,4 +1,5 @@
 import csv
+import json
 import math
 import subprocess
 import sys
@@ -131,11 +132,13 @@ def test_tiny_sft_run_lowers_validation_loss_and_exports(demo, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
-    """2-process FSDP2 SFT (bf16 + activation checkpointing) with generation in validation (weights
-    unsharded once per generation), against a single process with the same global batch."""
+    """2-process FSDP2 SFT (bf16 + activation checkpointing) with generation and lm-eval tasks in validation (weights
+    unsharded once for each; rank 0 scores the tasks while rank 1 waits), against a single process with the same
+    global batch."""
     common = [
         f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", "logger.kind=none", "trainer.max_steps=6",
         "trainer.val_every_n_steps=6", "eval.generations=8", "trainer.accelerator=cpu", "run.name=run",
+        "eval.harness_tasks=[lantern_demo_choice,lantern_demo_answers]", "eval.harness_limit=4",
     ]  # fmt: skip
     runs = {
         "single": ["loader.micro_batch_size=4"],
@@ -154,6 +157,11 @@ def test_fsdp_sft_on_two_processes_matches_single_process(demo, tmp_path):
         losses[name] = dict(read_metric(out / "run", "metrics.csv", "train/loss"))
         assert read_metric(out / "run", "accuracy.csv", "val/accuracy")
         assert (out / "run" / "final" / "model.safetensors").is_file()
+        harness = json.loads((out / "run" / "harness" / "step-0000006.json").read_text())["results"]
+        assert (
+            0.0 <= harness["lantern_demo_choice"]["acc,none"] <= 1.0
+            and "exact_match,none" in harness["lantern_demo_answers"]
+        )
     assert sorted(losses["single"]) == sorted(losses["fsdp"]) == list(range(1, 7))
     for step, loss in losses["single"].items():
         assert losses["fsdp"][step] == pytest.approx(loss, abs=3e-2), step

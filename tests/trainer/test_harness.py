@@ -4,6 +4,8 @@ per-request numbers and greedy texts as lm-eval's own ``hf`` backend over the sa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -157,3 +159,13 @@ def test_greedy_generations_equal_lm_evals_hf_backend_on_the_real_model(smol_bac
     mine, reference = ours.generate_until(requests), theirs.generate_until(requests)
     assert mine == reference
     assert any(text.strip() for text in mine)  # it said something
+
+
+def test_the_demo_tasks_are_built_in_and_a_folders_task_of_the_same_name_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    names = ["lantern_demo_choice", "lantern_demo_passages", "lantern_demo_answers"]
+    built_in = resolve_tasks(names, task_manager([], names))
+    for config in built_in:
+        data = Path(config["dataset_kwargs"]["data_files"]["test"])
+        assert data.parent.parent == tmp_path / "cache" / "lantern" and len(data.read_text().splitlines()) == 200
+    assert resolve_tasks(names, task_manager([write_harness_tasks(tmp_path / "mine", n=4)], names)) == names

@@ -75,7 +75,7 @@ def test_eval_writes_lm_evals_results_and_a_table(setup, tmp_path, source, capsy
     [
         (["--tasks", "lantern_demo_choise"], "unknown task 'lantern_demo_choise'; nearest: lantern_demo_choice"),
         (["--tasks", "lantern_demo_choice", "--include-path", "/no/such/folder"], "--include-path /no/such/folder"),
-        (["--tasks", "humaneval_local"], "pass --confirm-run-unsafe-code"),
+        (["--tasks", "humaneval_local"], "set --confirm-run-unsafe-code to allow it"),
         (["--tasks", "lantern_demo_choice", "--tokenizer", "cl100k_base"], "tokenizer"),
     ],
 )

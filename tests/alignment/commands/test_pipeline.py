@@ -28,6 +28,15 @@ TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")
 MODEL_STAGES = ("pretrain", "sft", "rm", "ppo", "grpo", "dpo", "rejection_sampling")
 POLICIES = ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling")  # every stage whose final/ is an LM
 PROMPTS = 4  # report.prompts in tiny.yaml
+# lm-eval tasks at each validation of every stage (two examples each) and in the report; reruns pass them too
+CHOICE = "[lantern_demo_choice,lantern_demo_answers]"
+HARNESS = [
+    "pretrain.eval.harness_tasks=[lantern_demo_passages]",
+    *(f"{s}.eval.harness_tasks={CHOICE}" for s in ("sft", "ppo", "grpo", "dpo", "rejection_sampling.sft")),
+    *(f"{s}.eval.harness_limit=2" for s in ("pretrain", "sft", "ppo", "grpo", "dpo", "rejection_sampling.sft")),
+    "report.harness_tasks=[lantern_demo_choice,lantern_demo_passages]",
+    "report.harness_limit=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,7 @@ def tiny_run(tmp_path_factory) -> dict:
     os.chdir(ROOT)
     try:
         start = time.perf_counter()
-        returned = run_pipeline(TINY, [f"out_dir={out}"])
+        returned = run_pipeline(TINY, [f"out_dir={out}", *HARNESS])
         seconds = time.perf_counter() - start
     finally:
         os.chdir(cwd)
@@ -206,19 +215,47 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
 
 
 @pytest.mark.slow
+def test_every_stage_scores_its_harness_tasks_and_the_report_every_model(tiny_run):
+    """In-loop lm-eval tasks at each validation (RL: each held-out evaluation, the first before any update), logged
+    with the stage's other numbers; the report scores every model on report.harness_tasks."""
+    out = tiny_run["out"]
+    steps = {"pretrain": [2, 4], "sft": [2], "ppo": [0, 2], "grpo": [0, 2], "dpo": [2], "rejection_sampling": [2]}
+    for stage, expected in steps.items():
+        assert [int(p.stem[5:]) for p in sorted((out / stage / "harness").glob("step-*.json"))] == expected, stage
+        header = (out / stage / "csv" / "metrics.csv").read_text().splitlines()[0]
+        name = "lantern_demo_passages/bits_per_byte" if stage == "pretrain" else "lantern_demo_choice/acc"
+        prefix = "eval" if stage in ("ppo", "grpo") else "val"
+        assert f"{prefix}/harness/{name}" in header.split(","), stage
+        assert (out / "report" / f"{stage}-harness.png").is_file()
+    report = (out / "report.md").read_text()
+    assert (
+        "| model | lantern_demo_choice/acc | lantern_demo_choice/acc_norm | lantern_demo_passages/word_perplexity"
+        in report
+    )
+    results = json.loads((out / "report.json").read_text())["stages"]
+    for stage in POLICIES:
+        harness = results[stage]["harness"]
+        assert 0.0 <= harness["lantern_demo_choice/acc"] <= 1.0 and harness["lantern_demo_passages/bits_per_byte"] > 0
+        assert f"| {'base' if stage == 'pretrain' else stage} | " in report.split("## lm-evaluation-harness tasks")[1]
+    assert "harness" not in results["rm"]
+
+
+@pytest.mark.slow
 def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, caplog, in_repo):
     out = tiny_run["out"]
     caplog.set_level(logging.INFO, logger="lantern.pipeline")
     before = {stage: _mtimes(out / stage) for stage in MODEL_STAGES}
 
     start = time.perf_counter()
-    run_pipeline(TINY, [f"out_dir={out}"])
+    run_pipeline(TINY, [f"out_dir={out}", *HARNESS])
     assert time.perf_counter() - start < tiny_run["seconds"] / 2
     assert _statuses(caplog) == {stage: "skipped: up to date" for stage in ("prepare", *MODEL_STAGES)}
     assert {stage: _mtimes(out / stage) for stage in MODEL_STAGES} == before
 
     caplog.clear()
-    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])  # appended to the preset's sft overrides
+    run_pipeline(
+        TINY, [f"out_dir={out}", *HARNESS, "sft.trainer.max_steps=3"]
+    )  # appended to the preset's sft overrides
     assert _statuses(caplog) == {
         "prepare": "skipped: up to date",
         "pretrain": "skipped: up to date",
@@ -232,7 +269,7 @@ def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, 
     # interrupted: no record but a pending marker with the same hash → the stage resumes from its checkpoints
     (out / "ppo" / RECORD).rename(out / "ppo" / "pipeline_stage.pending.json")
     caplog.clear()
-    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])
+    run_pipeline(TINY, [f"out_dir={out}", *HARNESS, "sft.trainer.max_steps=3"])
     assert _statuses(caplog)["ppo"] == "resumed" and _statuses(caplog)["sft"] == "skipped: up to date"
     assert (out / "ppo" / RECORD).is_file() and not (out / "ppo" / "pipeline_stage.pending.json").exists()
 
@@ -241,7 +278,7 @@ def test_rerun_skips_then_a_changed_sft_setting_reruns_sft_rm_and_ppo(tiny_run, 
     (out / "ppo" / RECORD).rename(out / "ppo" / "pipeline_stage.pending.json")
     shutil.rmtree(out / "ppo" / "final")
     caplog.clear()
-    run_pipeline(TINY, [f"out_dir={out}", "sft.trainer.max_steps=3"])
+    run_pipeline(TINY, [f"out_dir={out}", *HARNESS, "sft.trainer.max_steps=3"])
     assert _statuses(caplog)["ppo"] == "resumed" and "exported no final model" not in caplog.text
     assert load_checkpoint(out / "ppo" / "final").config.dim == 128
 
