@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, without_per_prompt
+from alignment.commands.pipeline_eval import compare_with, evaluate_stage, without_per_prompt
 from alignment.commands.pipeline_report import comparison_lines
 from alignment.shared.evaluation import json_safe
 from alignment.stages.registry import stage_named
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         stage_named(stage).run(stage_config)
         seconds[method] = round(time.perf_counter() - start, 1)
         results[method] = evaluate_stage(config.report, method, out / method / "final", prompts, tokenizer, sft)
-    compare_with_sft(results)
+    compare_with(results, "sft", "vs_sft")
 
     k = config.report.pass_k
     table = "\n".join(comparison_lines(results, seconds, k))

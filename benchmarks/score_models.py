@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from alignment.commands.pipeline import Pipeline, load_pipeline_config
-from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, score_sft, without_per_prompt
+from alignment.commands.pipeline_eval import compare_with, evaluate_stage, score_sft, without_per_prompt
 from alignment.commands.pipeline_report import comparison_lines
 from alignment.shared.evaluation import json_safe
 from data.tokenizer.tokenizer import Tokenizer
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {"sft": sft_results}
     for name, path in models.items():
         results[name] = evaluate_stage(config.report, name, path, prompts, tokenizer, sft)
-    compare_with_sft(results)
+    compare_with(results, "sft", "vs_sft")
 
     table = "\n".join(comparison_lines(results, {}, config.report.pass_k))
     print(f"\n{len(prompts)} held-out prompts\n\n{table}")

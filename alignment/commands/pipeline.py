@@ -31,6 +31,7 @@ from alignment.commands.pipeline_report import write_report
 from alignment.commands.pipeline_tracking import PipelineTracking, track_report, wandb_run_lines
 from alignment.shared.evaluation import check_disjoint
 from alignment.stages import registry
+from data.demo.arithmetic import OPERATIONS, write_arithmetic_dataset
 from data.demo.tasks import write_demo_dataset
 from data.pretrain.prepare import prepare
 from data.records.prompts import PromptDataConfig, load_prompts
@@ -68,6 +69,9 @@ class StageSection:
 
 @dataclass
 class DemoDataSection:
+    # shakespeare: the corpus tasks (data/demo/tasks.py); arithmetic: sums with an answer line (data/demo/arithmetic.py)
+    kind: Literal["shakespeare", "arithmetic"] = "shakespeare"
+    arithmetic_tasks: list[str] = field(default_factory=lambda: list(OPERATIONS))  # kind arithmetic: which ones
     n_train: int = bounded(4000, ge=1)
     n_val: int = bounded(400, ge=1)  # the held-out prompts every model is scored on
     n_pairs: int = bounded(2000, ge=1)
@@ -120,6 +124,9 @@ def pipeline_schema(stages: tuple[registry.Stage, ...]) -> type:
             ("stages", list[str], field(default_factory=lambda: [PREPARE, *(stage.name for stage in stages)])),
             # the model a stage starts from when the stage before it is not run
             ("start_checkpoint", str | None, field(default=None)),
+            # what the stages after SFT start from: sft (its final/), or start (start_checkpoint, e.g. an instruct
+            # model; SFT, if run, is then a control trained from the same start)
+            ("align_from", Literal["sft", "start"], field(default="sft")),
             ("seed", int | None, bounded(None, ge=0)),  # run.seed of every model stage; None: each preset's own
             ("demo", DemoDataSection, field(default_factory=DemoDataSection)),
             ("logger", PipelineLoggerSection, field(default_factory=PipelineLoggerSection)),
@@ -148,6 +155,8 @@ class Pipeline:
             or len(set(config.stages)) != len(config.stages)
         ):
             raise ConfigError(f"stages must be a subset of {list(steps)} in that order, got {config.stages}")
+        if config.align_from == "start" and not config.start_checkpoint:
+            raise ConfigError("align_from=start: the stages after SFT start from start_checkpoint; give one")
         self.config = config
         self.root = Path(config.out_dir or f"runs/pipeline-{config.name}")
         self.corpus, self.demo = self.root / "data" / "corpus", self.root / "data" / "demo"
@@ -178,6 +187,8 @@ class Pipeline:
             wiring["run.seed"] = self.config.seed
         inputs: dict[str, str] = {}
         for key, source in upstream.items():
+            if source == "sft" and self.config.align_from == "start":
+                source = "start"  # the model this key reads in this pipeline
             path, inputs[source] = self.upstream(source)
             if path is not None:  # else the preset's own value stays (e.g. a random init)
                 wiring[key] = str(path)
@@ -216,11 +227,11 @@ class Pipeline:
         return [f"{prefix}peft.{key}={json.dumps(value)}" for key, value in asdict(self.config.peft).items()]
 
     def upstream(self, stage: str) -> tuple[Path | None, str]:
-        """Where a stage's input comes from: this run's output, else start_checkpoint (a language model),
-        else what an earlier pipeline run left, else nothing."""
+        """Where a stage's input comes from: this run's output, else start_checkpoint (a language model; ``start``
+        names it alone), else what an earlier pipeline run left, else nothing."""
         if stage in self.outputs:
             return self.outputs[stage]
-        if self.config.start_checkpoint and stage in ("pretrain", "sft"):
+        if self.config.start_checkpoint and stage in ("pretrain", "sft", "start"):
             path = Path(self.config.start_checkpoint)
             return path, folder_fingerprint(path)
         if stage == PREPARE:
@@ -234,8 +245,15 @@ class Pipeline:
         """The demo data is cheap and idempotent, and every stage after pretraining reads it: always made, and its
         held-out prompts checked against the training prompts before any compute. only_if_current (the scoring
         tools): a folder written with other demo settings is refused, not rewritten under the pipeline's models."""
-        arguments = {f.name: getattr(self.config.demo, f.name) for f in fields(DemoDataSection)}
-        paths = write_demo_dataset(self.demo, refuse_other_settings=only_if_current, key="out_dir", **arguments)
+        demo = self.config.demo
+        where = {"refuse_other_settings": only_if_current, "key": "out_dir"}
+        if demo.kind == "arithmetic":
+            counts = {"n_train": demo.n_train, "n_val": demo.n_val, "n_pairs": demo.n_pairs, "seed": demo.seed}
+            paths = write_arithmetic_dataset(self.demo, tasks=demo.arithmetic_tasks, **counts, **where)
+        else:
+            shakespeare = {f.name: getattr(demo, f.name) for f in fields(DemoDataSection)}
+            del shakespeare["kind"], shakespeare["arithmetic_tasks"]
+            paths = write_demo_dataset(self.demo, **where, **shakespeare)
         self.demo_hash = content_key(paths["manifest"].read_text())
         self.check_heldout_disjoint()
 

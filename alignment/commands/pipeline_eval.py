@@ -32,6 +32,7 @@ from models.errors import ConfigError
 from models.files.atomic import write_atomically
 from models.files.digests import content_key
 from models.formats.checkpoint import load_checkpoint
+from trainer.checks import resolve_stage_tokenizer
 
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports the report, which imports this module
     from alignment.commands.pipeline import Pipeline, ReportSection
@@ -49,9 +50,15 @@ def heldout_prompts(demo: Path, report: ReportSection, tokenizer: Tokenizer) -> 
 
 
 def evaluate_stage(
-    report: ReportSection, stage: str, path: Path, prompts: list[dict[str, Any]], tokenizer: Tokenizer, sft: Path | None
+    report: ReportSection,
+    stage: str,
+    path: Path,
+    prompts: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    reference: Path | None,
 ) -> dict[str, Any]:
-    """Greedy answers and their scores, pass@k and the KL to the SFT model, for one stage's final model."""
+    """Greedy answers and their scores, pass@k and the KL to ``reference`` (the model the stages after SFT started
+    from), for one stage's final model."""
     checker = load_checker(report.checker, "report.checker")
     model = load_checkpoint(path).eval()
     budget = max(1, min(report.max_new_tokens, model.config.max_seq_len - max(len(p["prompt_ids"]) for p in prompts)))
@@ -87,10 +94,10 @@ def evaluate_stage(
 
         result["harness"] = flat_metrics(HarnessScorer(report, tokenizer, key="report.").results(model))
     result["kl"] = None
-    if sft is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
-        reference = load_checkpoint(sft).eval()
+    if reference is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
+        start = load_checkpoint(reference).eval()
         result["kl"] = sampled_kl(
-            model, reference, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator
+            model, start, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator
         )
     return result
 
@@ -104,8 +111,15 @@ def scoring_inputs(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, 
     sft = pipeline.upstream("sft")[0]
     if sft is None or sft != pipeline.stage_dir("sft") / "final":
         raise ConfigError(f"{pipeline.root} has no finished SFT stage of this pipeline config: run the pipeline first")
-    tokenizer = Tokenizer.load(pipeline.load_stage_config("sft")[0].data.tokenizer)
+    tokenizer = Tokenizer.load(tokenizer_spec(pipeline.load_stage_config("sft")[0]))
     return sft, tokenizer, heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
+
+
+def tokenizer_spec(config: Any) -> str:
+    """The tokenizer a stage's config names, ``auto`` resolved to its starting checkpoint's (as the stage resolves
+    it when it runs, which a skipped stage did not)."""
+    resolve_stage_tokenizer(config)
+    return str(config.data.tokenizer)
 
 
 def score_sft(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]], dict[str, Any]]:
@@ -122,23 +136,28 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     finals = {s: (path, digest) for s, (path, digest) in finals.items() if path is not None and path.is_dir()}
     if not finals:
         return [], {}
-    spec = next((pipeline.configs[s].data.tokenizer for s in ("sft", "pretrain") if s in pipeline.configs), "default")
+    loaded = [pipeline.configs[s] for s in ("sft", "pretrain", *pipeline.configs) if s in pipeline.configs]
+    spec = tokenizer_spec(loaded[0]) if loaded else "default"
     tokenizer = Tokenizer.load(spec)
     prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
-    sft = finals.get("sft", (None, ""))[0]
+    # the KL of each stage after SFT is to the model it started from
+    start = "start" if pipeline.config.align_from == "start" else "sft"
+    reference, reference_digest = pipeline.upstream("start") if start == "start" else finals.get("sft", (None, ""))
     results = {}
     for stage, (path, digest) in finals.items():
         cache = pipeline.root / "report" / f"eval-{stage}.json"
-        key = content_key(spec, pipeline.demo_hash, str(pipeline.config.report), digest, finals.get("sft", ("", ""))[1])
+        key = content_key(spec, pipeline.demo_hash, str(pipeline.config.report), digest, start, reference_digest)
         if (cached := read_json(cache)) and cached.get("key") == key:
             results[stage] = cached["result"]
             continue
-        results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, sft)
+        results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, reference)
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(
             cache, json.dumps({"key": key, "result": json_safe(results[stage])}) + "\n", what="report evaluation"
         )
-    compare_with_sft(results)
+    compare_with(results, "sft", "vs_sft")
+    if start == "start":  # every model against the one it started from, too
+        compare_with(results, "pretrain", "vs_base")
     return prompts, results
 
 
@@ -150,15 +169,15 @@ def without_per_prompt(result: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in result.items() if key not in PER_PROMPT}
 
 
-def compare_with_sft(results: dict[str, dict[str, Any]]) -> None:
-    """Each model's ``vs_sft`` (greedy) and ``vs_sft_sampled`` (mean of k samples): its paired difference from the
-    SFT model over the same prompts, with a verdict."""
-    if "sft" not in results:
+def compare_with(results: dict[str, dict[str, Any]], baseline: str, key: str) -> None:
+    """Each other model's ``KEY`` (greedy) and ``KEY_sampled`` (mean of k samples): its paired difference from the
+    ``baseline`` stage's model over the same prompts, with a verdict."""
+    if baseline not in results:
         return
     for stage, result in results.items():
-        if stage == "sft":
+        if stage == baseline:
             continue
-        for scores, key in (("scores", "vs_sft"), ("sampled_scores", "vs_sft_sampled")):
-            if scores in result and scores in results["sft"]:
-                difference, se, n = paired_difference(result[scores], results["sft"][scores])
-                result[key] = {"difference": difference, "se": se, "n": n, "verdict": verdict(difference, se)}
+        for scores, name in (("scores", key), ("sampled_scores", f"{key}_sampled")):
+            if scores in result and scores in results[baseline]:
+                difference, se, n = paired_difference(result[scores], results[baseline][scores])
+                result[name] = {"difference": difference, "se": se, "n": n, "verdict": verdict(difference, se)}

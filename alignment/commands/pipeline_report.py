@@ -150,11 +150,14 @@ def harness_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int) -> list[str]:
-    """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE."""
+def comparison_lines(
+    results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int, start: str = "SFT"
+) -> list[str]:
+    """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE. ``start``:
+    what the stages after SFT started from (their KL is to it)."""
     lines = [
         f"| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) | vs SFT, paired ± SE "
-        f"| pass@{k} ± SE | KL to SFT (nats) | training s |",
+        f"| pass@{k} ± SE | KL to {start} (nats) | training s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for stage, result in results.items():
@@ -166,6 +169,14 @@ def comparison_lines(results: dict[str, dict[str, Any]], seconds: dict[str, floa
             f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
             f"{seconds.get(stage) if seconds.get(stage) is not None else '—'} |"
         )
+    if any("vs_base" in result for result in results.values()):
+        lines += ["", f"Against {start}, paired over the same prompts (± SE):", ""]
+        lines += ["| model | greedy | sampled |", "|---|---|---|"]
+        lines += [
+            f"| {stage} | {_versus(result.get('vs_base'))} | {_versus(result.get('vs_base_sampled'))} |"
+            for stage, result in results.items()
+            if "vs_base" in result
+        ]
     lines += _task_table("Per task, greedy (accuracy ± SE):", results, "heldout")
     lines += _task_table(f"Per task, sampled (mean score of {k} samples at temperature 1 ± SE):", results, "sampled")
     return lines
@@ -181,7 +192,15 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
             entry.update(
                 {
                     key: result[key]
-                    for key in ("sampled", "pass_at_k", "vs_sft", "vs_sft_sampled", "harness")
+                    for key in (
+                        "sampled",
+                        "pass_at_k",
+                        "vs_sft",
+                        "vs_sft_sampled",
+                        "vs_base",
+                        "vs_base_sampled",
+                        "harness",
+                    )
                     if key in result
                 }
             )
@@ -233,7 +252,7 @@ def write_report(pipeline: Pipeline) -> Path:
             f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
             "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
             "samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
-            *comparison_lines(results, seconds, k),
+            *comparison_lines(results, seconds, k, "the start model" if pipeline.config.align_from == "start" else "SFT"),
             *harness_lines(results),
         ]  # fmt: skip
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]

@@ -111,7 +111,7 @@ def score_beside_sft(config_path: str, pipeline: Path, models: dict[str, Path]) 
     """benchmarks/score_models.py's scoring (the pipeline report's: greedy and sampled accuracy, pass@k, each model
     paired with the pipeline's SFT model), with each model's result cached in its folder's parent under the
     folder's fingerprint, so that an interrupted run scores only what is left."""
-    from alignment.commands.pipeline_eval import compare_with_sft, evaluate_stage, scoring_inputs, without_per_prompt
+    from alignment.commands.pipeline_eval import compare_with, evaluate_stage, scoring_inputs, without_per_prompt
     from alignment.shared.evaluation import json_safe
     from benchmarks.score_models import pipeline_at
     from models.files.digests import content_key, folder_fingerprint
@@ -131,7 +131,7 @@ def score_beside_sft(config_path: str, pipeline: Path, models: dict[str, Path]) 
             evaluate_stage(config.report, name, path, prompts, tokenizer, None if name == "sft" else sft)
         )
         cache.write_text(json.dumps({"key": key, "result": results[name]}) + "\n")
-    compare_with_sft(results)
+    compare_with(results, "sft", "vs_sft")
     return {
         "heldout_prompts": len(prompts),
         "results": {name: without_per_prompt(result) for name, result in results.items()},

@@ -4,6 +4,7 @@ Ground-truth scoring of the demo tasks: a checker per task, and score / score_ex
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +60,15 @@ def check_f1(meta: dict[str, Any], response: str) -> float:
     return token_f1(meta["answer"], response)
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def check_last_number(meta: dict[str, Any], response: str) -> float:
+    """1.0 when the last number in the reply is the right one (data/demo/arithmetic.py), else 0."""
+    found = _NUMBER.findall(response)
+    return float(bool(found) and found[-1].replace(",", "") == meta["answer"])
+
+
 # -----------------------------------------------------------------------------
 # scoring
 
@@ -68,6 +78,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], str], float]] = {
     "line_count": check_exact,
     "repeat": check_repeat,
     "continue_speech": check_f1,
+    **dict.fromkeys(("add", "add_small", "subtract", "multiply"), check_last_number),  # data/demo/arithmetic.py
 }
 
 

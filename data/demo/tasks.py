@@ -36,7 +36,7 @@ import argparse
 import hashlib
 import json
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +127,6 @@ def write_demo_dataset(
     is refused in one line naming ``key``, the setting that chose it."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     check_line_count_miscount(line_count_miscount, line_count_max)  # before any file is touched
-    out = Path(out_dir)
-    # its files are replaced on a rewrite: only in a folder Lantern made for the demo data (or an older one's)
-    claim_folder(out, "demo data", key=key, adopt=lambda folder: (folder / MANIFEST).is_file())
-    paths = {key: out / name for key, name in DATA_FILES.items()}
-    paths["manifest"] = out / MANIFEST
     corpus_file = Path(corpus_path)
     params = {
         "format": FORMAT_VERSION,
@@ -147,6 +142,37 @@ def write_demo_dataset(
     }
     if line_count_miscount:  # recorded only when used: folders written before the option stay current
         params["line_count_miscount"] = line_count_miscount
+
+    def build() -> dict[str, list[dict[str, Any]]]:
+        shape = {"short_share": short_share, "line_count_max": line_count_max}
+        train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train", **shape)
+        val = build_examples(n_val, seed=seed, corpus_path=corpus_file, split="val", **shape)
+        return {
+            "train": miscount_line_counts(train, line_count_miscount, seed=seed),  # SFT's demonstrations only
+            "val": val,
+            "prompts": prompt_records(val),
+            "train_prompts": prompt_records(train),
+            "pairs": build_pairs(n_pairs, seed=seed, corpus_path=corpus_file, split="train", **shape),
+        }
+
+    return write_task_files(out_dir, params, build, refuse_other_settings=refuse_other_settings, key=key)
+
+
+def write_task_files(
+    out_dir: str | Path,
+    params: dict[str, Any],
+    build: Callable[[], dict[str, list[dict[str, Any]]]],
+    *,
+    refuse_other_settings: bool,
+    key: str,
+) -> dict[str, Path]:
+    """The files of ``DATA_FILES`` from ``build()`` and a manifest of ``params`` under ``out_dir`` (their paths, as
+    ``write_demo_dataset`` returns them); a no-op when the manifest holds ``params`` and every file is there."""
+    out = Path(out_dir)
+    # its files are replaced on a rewrite: only in a folder Lantern made for the demo data (or an older one's)
+    claim_folder(out, "demo data", key=key, adopt=lambda folder: (folder / MANIFEST).is_file())
+    paths = {name: out / file for name, file in DATA_FILES.items()}
+    paths["manifest"] = out / MANIFEST
     try:
         written = json.loads(paths["manifest"].read_text(encoding="utf-8")) if paths["manifest"].is_file() else None
     except (OSError, ValueError):
@@ -161,23 +187,12 @@ def write_demo_dataset(
                 f"{paths['manifest']}: the demo data was written with other settings ({', '.join(changed)}); "
                 "give the ones it was written with (a pipeline's demo.* overrides)"
             )
-
-    shape = {"short_share": short_share, "line_count_max": line_count_max}
-    train = build_examples(n_train, seed=seed, corpus_path=corpus_file, split="train", **shape)
-    val = build_examples(n_val, seed=seed, corpus_path=corpus_file, split="val", **shape)
-    pairs = build_pairs(n_pairs, seed=seed, corpus_path=corpus_file, split="train", **shape)
+    files = build()
     # Manifest goes first and comes back last: an interrupted rewrite leaves no manifest,
     # so the next call rebuilds instead of trusting a mix of old and new files.
     paths["manifest"].unlink(missing_ok=True)
-    files = {
-        "train": miscount_line_counts(train, line_count_miscount, seed=seed),  # SFT's demonstrations only
-        "val": val,
-        "prompts": prompt_records(val),
-        "train_prompts": prompt_records(train),
-        "pairs": pairs,
-    }
-    for key, records in files.items():
-        write_atomically(paths[key], _jsonl(records), what="demo data file")
+    for name, records in files.items():
+        write_atomically(paths[name], _jsonl(records), what="demo data file")
     write_atomically(paths["manifest"], json.dumps(params, indent=2) + "\n", what="demo data manifest")
     return paths
 

@@ -19,9 +19,12 @@ import pytest
 
 from alignment.commands.pipeline import Pipeline, load_pipeline_config, run_pipeline
 from alignment.commands.pipeline_records import RECORD
+from data.demo.tasks import load_jsonl
 from models import load_checkpoint
 from models.errors import ConfigError, DataError
+from models.formats.checkpoint import save_checkpoint
 from models.heads import load_scalar_model
+from models.model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs" / "pipeline" / "tiny.yaml")
@@ -132,6 +135,28 @@ def test_the_pipelines_peft_section_reaches_every_fine_tuning_stage_and_a_stages
     off = Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}"]))
     off.write_demo()
     assert off.load_stage_config("sft")[0].peft.kind == "none"
+
+
+def test_align_from_start_starts_every_stage_after_sft_from_the_start_checkpoint(tmp_path, in_repo):
+    """``align_from=start`` (a real instruct model's preset): PPO and GRPO start from start_checkpoint, SFT is a
+    control from the same start, and the demo data are the arithmetic tasks; without a start_checkpoint it is one
+    line."""
+    with pytest.raises(ConfigError, match="align_from=start: the stages after SFT start from start_checkpoint"):
+        Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", "align_from=start"]))
+    start = save_checkpoint(Transformer(ModelConfig.from_preset("tiny")), tmp_path / "start")
+    overrides = [
+        f"out_dir={tmp_path / 'p'}", "stages=[sft,ppo,grpo]", f"start_checkpoint={start}", "align_from=start",
+        "demo.kind=arithmetic", "demo.arithmetic_tasks=[add,multiply]", "demo.n_train=40", "demo.n_val=20",
+        "demo.n_pairs=10",
+    ]  # fmt: skip
+    pipeline = Pipeline(load_pipeline_config(TINY, overrides))
+    pipeline.write_demo()
+    assert str(pipeline.load_stage_config("sft")[0].init.checkpoint) == str(start)
+    for stage in ("ppo", "grpo"):
+        config, inputs = pipeline.load_stage_config(stage)
+        assert str(config.init.policy) == str(start) and "start" in inputs and "sft" not in inputs
+    prompts = load_jsonl(pipeline.demo / "prompts.jsonl")
+    assert len(prompts) == 20 and {r["task"] for r in prompts} == {"add", "multiply"}
 
 
 def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
