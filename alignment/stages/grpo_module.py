@@ -49,12 +49,14 @@ class GRPOModule(RLModule):
         group = [p for p in prompts for _ in range(grpo.group_size)]  # each prompt's responses side by side
         responses = self.sample([p["prompt_ids"] for p in group])
         input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
+        on_policy = self.one_update(len(group))
         with torch.no_grad():
             old_logp, ref_logp = [], []
             for rows in self.micro_batches(torch.arange(len(group), device=self.device)):
-                old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
+                if not on_policy:
+                    old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
                 ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P))
-            old_logp, ref_logp = torch.cat(old_logp), torch.cat(ref_logp)
+            old_logp, ref_logp = (torch.cat(old_logp) if old_logp else None), torch.cat(ref_logp)
             scores, raw_scores, reward_stats = self.score(group, responses)
             grouped = scores.view(len(prompts), grpo.group_size)
             advantages = group_advantages(grouped, baseline=grpo.baseline, scale=grpo.scale_advantages).flatten()
@@ -77,17 +79,25 @@ class GRPOModule(RLModule):
             **train_stats,
         }
 
+    def one_update(self, rollout: int) -> bool:
+        """Whether a rollout of ``rollout`` sequences makes one update (one epoch, one minibatch): then the sampling
+        policy's log-probs are that update's own forward, detached (ratio 1), as TRL takes them; a separate pass
+        before it would cost a quarter of the step."""
+        return self.config.grpo.epochs == 1 and self.config.grpo.minibatch_size >= rollout
+
     def update(
         self,
         input_ids: Tensor,
         real: Tensor,
         P: int,
         mask: Tensor,
-        old_logp: Tensor,
+        old_logp: Tensor | None,
         ref_logp: Tensor,
         advantages: Tensor,
     ) -> dict[str, float]:
+        """The rollout's updates; ``old_logp`` None: one update, whose forward gives them."""
         grpo = self.config.grpo
+        sampled: list[Tensor] = []  # old_logp None: each micro-batch's own, in rollout order
         optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
         token_advantages = advantages[:, None].expand_as(mask).float()
         # what each token's loss is multiplied by before the minibatch's sum is divided by the weights' total
@@ -111,10 +121,12 @@ class GRPOModule(RLModule):
                 for micro in self.micro_batches(rows):
                     micro_mask, weights = mask[micro], token_weights[micro]
                     logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], P)
+                    if old_logp is None:
+                        sampled.append(logp.detach())
+                    old = sampled[-1] if old_logp is None else old_logp[micro]
                     policy_loss, stats = ppo_policy_loss(
-                        logp, old_logp[micro], token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total,
-                        weights,
-                    )  # fmt: skip
+                        logp, old, token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total, weights
+                    )
                     # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
                     kl_tokens = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0)
                     kl, entropy_sum = kl_tokens.sum(), (entropy * micro_mask).sum()
@@ -122,7 +134,7 @@ class GRPOModule(RLModule):
                     loss = policy_loss + penalty / weight_total
                     self.manual_backward(self.loss_to_backpropagate(loss))
                     if epoch == 0 and start == 0:
-                        deviation = ((logp - old_logp[micro]).abs() * micro_mask).max().detach()
+                        deviation = ((logp - old).abs() * micro_mask).max().detach()
                         first_log_ratio = torch.maximum(first_log_ratio, deviation)
                     totals += torch.stack([
                         policy_loss.detach() * weight_total, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
@@ -134,6 +146,7 @@ class GRPOModule(RLModule):
         names = ("kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")
         stats = {name: float(totals[i] / tokens) for i, name in enumerate(names, start=1)}
         stats["policy_loss"] = float(totals[0] / totals[7].clamp(min=1e-8))  # weighted as the loss is
+        old_logp = torch.cat(sampled) if old_logp is None else old_logp
         stats["kl"] = self.global_mean((kl_penalty(old_logp, ref_logp, "k1") * mask).sum(1))  # per sequence, k1
         stats["first_minibatch_max_log_ratio"] = float(first_log_ratio)
         stats.update({f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()})

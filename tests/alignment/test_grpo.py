@@ -101,6 +101,33 @@ def test_first_ratio_is_exactly_one(setup, tmp_path):
     assert captured == [0.0, 0.0]
 
 
+def test_one_update_a_rollout_takes_the_sampling_log_probs_from_its_own_forward(setup, tmp_path, monkeypatch):
+    """A rollout of 16 with minibatch 16 makes one update: its forward gives the old log-probs (one policy pass a
+    micro-batch fewer), and it trains the weights the separate pass trains."""
+    from alignment.stages.grpo_module import GRPOModule
+
+    calls: list[str] = []
+    forward = GRPOModule.policy_logprobs
+
+    def counted(self, model, *args):
+        if model is self.model:  # not the frozen reference's passes
+            calls.append("grad" if torch.is_grad_enabled() else "no_grad")
+        return forward(self, model, *args)
+
+    monkeypatch.setattr(GRPOModule, "policy_logprobs", counted)
+    common = ["trainer.max_steps=2", "grpo.minibatch_size=16", "grpo.micro_batch_size=8", "eval.every_n_rollouts=100",
+              "eval.pass_k=0", "optim.lr=3e-3", TOY]  # fmt: skip
+    one_pass = run_grpo(grpo_config(setup, tmp_path / "one", *common))
+    assert calls.count("no_grad") == 0 and calls.count("grad") == 4  # 2 rollouts x 2 micro-batches
+    calls.clear()
+    monkeypatch.setattr(GRPOModule, "one_update", lambda self, rollout: False)
+    two_passes = run_grpo(grpo_config(setup, tmp_path / "two", *common))
+    assert calls.count("no_grad") == 4 and calls.count("grad") == 4
+    a, b = load_file(one_pass / "final/model.safetensors"), load_file(two_passes / "final/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_resume_is_exact(setup, tmp_path):
     """4 rollouts straight vs 2, a crash, and a resume for the last 2: the same policy (sampler state resumed)."""
     common = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", "eval.every_n_rollouts=100", "eval.pass_k=0"]
