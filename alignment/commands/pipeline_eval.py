@@ -56,9 +56,10 @@ def evaluate_stage(
     prompts: list[dict[str, Any]],
     tokenizer: Tokenizer,
     reference: Path | None,
+    sampled: bool | None = None,
 ) -> dict[str, Any]:
     """Greedy answers and their scores, pass@k and the KL to ``reference`` (the model the stages after SFT started
-    from), for one stage's final model."""
+    from), for one stage's final model; ``sampled`` (default: all but the pretrained base) adds the samples."""
     checker = load_checker(report.checker, "report.checker")
     model = load_checkpoint(path).eval()
     budget = max(1, min(report.max_new_tokens, model.config.max_seq_len - max(len(p["prompt_ids"]) for p in prompts)))
@@ -74,7 +75,7 @@ def evaluate_stage(
     scores = [checker(p["record"], a) if checker else None for p, a in zip(prompts, answers)]
     result: dict[str, Any] = {"heldout": heldout_summary(prompts, scores), "answers": answers, "scores": scores}
     generator = torch.Generator().manual_seed(report.seed)
-    if report.pass_k and checker is not None and stage != "pretrain":
+    if report.pass_k and checker is not None and (stage != "pretrain" if sampled is None else sampled):
         subset = prompts[: report.pass_k_prompts] if report.pass_k_prompts else prompts
         samples = sample_answers(
             model, tokenizer, [p["prompt_ids"] for p in subset], max_new_tokens=budget, batch_size=report.batch_size,
@@ -133,6 +134,8 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     where it is current."""
     stages = [s for s in policy_stages() if s in pipeline.config.stages or pipeline.upstream(s)[0] is not None]
     finals = {s: pipeline.upstream(s) for s in stages}
+    if pipeline.config.align_from == "start" and finals.get("sft", (None,))[0] != pipeline.stage_dir("sft") / "final":
+        finals.pop("sft", None)  # no SFT control of its own: start_checkpoint is scored once, as the base
     finals = {s: (path, digest) for s, (path, digest) in finals.items() if path is not None and path.is_dir()}
     if not finals:
         return [], {}
@@ -150,7 +153,9 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
         if (cached := read_json(cache)) and cached.get("key") == key:
             results[stage] = cached["result"]
             continue
-        results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, reference)
+        # a start model the stages align from is sampled like them: their sampled gains are measured against it
+        sampled = stage != "pretrain" or start == "start"
+        results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, reference, sampled)
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(
             cache, json.dumps({"key": key, "result": json_safe(results[stage])}) + "\n", what="report evaluation"
