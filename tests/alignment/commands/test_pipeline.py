@@ -159,6 +159,24 @@ def test_align_from_start_starts_every_stage_after_sft_from_the_start_checkpoint
     assert len(prompts) == 20 and {r["task"] for r in prompts} == {"add", "multiply"}
 
 
+@pytest.mark.slow
+def test_a_start_model_without_an_sft_stage_is_scored_once_as_the_base_and_sampled(tmp_path, in_repo):
+    """``align_from=start`` with GRPO alone: the report scores the start model once (as the base, with samples, so
+    that sampled gains have a baseline), not again as an SFT model, and pairs GRPO with it."""
+    start = save_checkpoint(Transformer(ModelConfig.from_preset("tiny")), tmp_path / "start")
+    overrides = [
+        f"out_dir={tmp_path / 'p'}", "stages=[grpo]", f"start_checkpoint={start}", "align_from=start",
+        "demo.kind=arithmetic", "demo.n_train=40", "demo.n_val=8", "demo.n_pairs=4",
+    ]  # fmt: skip
+    out = run_pipeline(TINY, overrides)
+    assert sorted(p.name for p in (out / "report").glob("eval-*.json")) == ["eval-grpo.json", "eval-pretrain.json"]
+    base = json.loads((out / "report" / "eval-pretrain.json").read_text())["result"]
+    assert base["sampled"]["n"] == 4 and base["kl"] is None  # report.pass_k_prompts of tiny.yaml
+    grpo = json.loads((out / "report.json").read_text())["stages"]["grpo"]
+    assert grpo["vs_base"]["n"] == 8 and grpo["vs_base_sampled"]["n"] == 4 and "vs_sft" not in grpo
+    assert grpo["kl"] is not None and "Against the start model, paired" in (out / "report.md").read_text()
+
+
 def test_scoring_refuses_demo_data_written_with_other_settings(tmp_path, in_repo):
     """The scoring tools (score_sft) never rewrite a pipeline's demo data under its models: written with other
     demo.* settings than the config's, it is refused in one line naming the keys, and left as it was."""
