@@ -148,13 +148,14 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     reference, reference_digest = pipeline.upstream("start") if start == "start" else finals.get("sft", (None, ""))
     results = {}
     for stage, (path, digest) in finals.items():
+        # a start model the stages align from is sampled like them: their sampled gains are measured against it
+        sampled = stage != "pretrain" or start == "start"
         cache = pipeline.root / "report" / f"eval-{stage}.json"
-        key = content_key(spec, pipeline.demo_hash, str(pipeline.config.report), digest, start, reference_digest)
+        report = str(pipeline.config.report)
+        key = content_key(spec, pipeline.demo_hash, report, digest, start, reference_digest, str(sampled))
         if (cached := read_json(cache)) and cached.get("key") == key:
             results[stage] = cached["result"]
             continue
-        # a start model the stages align from is sampled like them: their sampled gains are measured against it
-        sampled = stage != "pretrain" or start == "start"
         results[stage] = evaluate_stage(pipeline.config.report, stage, path, prompts, tokenizer, reference, sampled)
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(
