@@ -1,7 +1,8 @@
 """The pipeline's held-out evaluation: every language model it trained answers all the same held-out prompts greedily,
 with one token budget and one checker, so the numbers compare; the SFT model and each stage after it also get pass@k
-and their KL to the SFT model, and every model the lm-eval tasks of ``report.harness_tasks``. Each stage's results are cached in ``report/eval-STAGE.json`` under the stage's hash
-and the evaluation settings, so a re-run that changed one stage re-evaluates only that one.
+and their KL to the model they started from, and every model the lm-eval tasks of ``report.harness_tasks``. Each
+stage's results are cached in ``report/eval-STAGE.json`` under the stage's hash and the evaluation settings, so a
+re-run that changed one stage re-evaluates only that one.
 """
 
 from __future__ import annotations
@@ -146,12 +147,11 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     # the KL of each stage after SFT is to the model it started from
     start = "start" if pipeline.config.align_from == "start" else "sft"
     reference, reference_digest = pipeline.upstream("start") if start == "start" else finals.get("sft", (None, ""))
-    results = {}
+    results, report = {}, str(pipeline.config.report)
     for stage, (path, digest) in finals.items():
         # a start model the stages align from is sampled like them: their sampled gains are measured against it
         sampled = stage != "pretrain" or start == "start"
         cache = pipeline.root / "report" / f"eval-{stage}.json"
-        report = str(pipeline.config.report)
         key = content_key(spec, pipeline.demo_hash, report, digest, start, reference_digest, str(sampled))
         if (cached := read_json(cache)) and cached.get("key") == key:
             results[stage] = cached["result"]
