@@ -120,13 +120,19 @@ def _versus(versus: dict[str, Any] | None) -> str:
     return f"{_pm(versus['difference'], versus['se'])} ({versus['verdict']})" if versus else "—"
 
 
+def label(stage: str) -> str:
+    """A model's name in the report's tables: the pretrained (or start) model is the base."""
+    return "base" if stage == "pretrain" else stage
+
+
 def _task_table(title: str, results: dict[str, dict[str, Any]], key: str) -> list[str]:
     tasks = sorted({task for result in results.values() if result.get(key) for task in result[key]["per_task"]})
     lines = ["", title, "", "| model | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for stage, result in results.items():
         if result.get(key):
             cells = [result[key]["per_task"].get(t) for t in tasks]
-            lines.append(f"| {stage} | " + " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells) + " |")
+            cells_text = " | ".join(_pm(c["accuracy"], c["se"]) if c else "—" for c in cells)
+            lines.append(f"| {label(stage)} | {cells_text} |")
     return lines
 
 
@@ -146,7 +152,7 @@ def harness_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     for stage, result in results.items():
         scores = result.get("harness", {})
         cells = [_pm(scores.get(n), scores.get(f"{n}_stderr")) if n in scores else "—" for n in names]
-        lines.append(f"| {'base' if stage == 'pretrain' else stage} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(stage)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -163,7 +169,7 @@ def comparison_lines(
     for stage, result in results.items():
         pass_k = result.get("pass_at_k")
         lines.append(
-            f"| {'base' if stage == 'pretrain' else stage} | {_summary(result['heldout'])} | "
+            f"| {label(stage)} | {_summary(result['heldout'])} | "
             f"{_versus(result.get('vs_sft'))} | {_summary(result.get('sampled'))} | "
             f"{_versus(result.get('vs_sft_sampled'))} | "
             f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
@@ -244,6 +250,7 @@ def write_report(pipeline: Pipeline) -> Path:
     )
     if results:
         k = pipeline.config.report.pass_k
+        start = "the start model" if pipeline.config.align_from == "start" else "SFT"
         lines += [
             "", f"## Every model on the same {len(prompts)} held-out prompts", "",
             f"Answers scored by `{pipeline.config.report.checker}` (0 to 1). Greedy: one answer per prompt at "
@@ -251,8 +258,8 @@ def write_report(pipeline: Pipeline) -> Path:
             "sampling policy, which RL optimises), and pass@k from the same samples, on the first "
             f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
             "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
-            "samples, log-ratio to the SFT model summed over the response. Also in `report.json`.", "",
-            *comparison_lines(results, seconds, k, "the start model" if pipeline.config.align_from == "start" else "SFT"),
+            f"samples, log-ratio to {start if start != 'SFT' else 'the SFT model'} summed over the response. Also in `report.json`.", "",
+            *comparison_lines(results, seconds, k, start),
             *harness_lines(results),
         ]  # fmt: skip
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
@@ -266,7 +273,7 @@ def answer_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str, Any
     """The first ``count`` held-out prompts with each model's greedy answer and its score."""
     columns = list(results)
     lines = ["", f"## Greedy answers to {min(count, len(prompts))} of the held-out prompts", ""]
-    lines.append("| # | task | prompt | reference | " + " | ".join(columns) + " |")
+    lines.append("| # | task | prompt | reference | " + " | ".join(label(c) for c in columns) + " |")
     lines.append("|---" * (4 + len(columns)) + "|")
     for i, prompt in enumerate(prompts[:count]):
         record = prompt["record"]
