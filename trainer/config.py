@@ -174,6 +174,8 @@ def load_preset(value: Any, source: str) -> DictConfig:
     preset = read_yaml(path)
     if not isinstance(preset, DictConfig):
         raise ConfigError(f"{path}: a model preset must be a mapping of model keys, got {type(preset).__name__}")
+    if not preset:  # an empty file would silently stand for the default model
+        raise ConfigError(f"{source}: {path} is empty: a model preset names the model's keys (dim, n_layers, ...)")
     return preset
 
 

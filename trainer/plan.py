@@ -74,11 +74,13 @@ def model_state(
 
 def fsdp_working_bytes(params: ParameterShapes, compute_bytes: int, world: int) -> int:
     """FSDP2's unsharded weights in use at once: the root's (embeddings, final norm, heads: gathered for the whole
-    step), the block that computes and the one prefetched, in the compute dtype; plus one block's unsharded gradient
-    in fp32 for the reduce-scatter, and its output shard."""
+    step), the block that computes and the one prefetched, in the compute dtype; plus the unsharded fp32 gradient of
+    one block's trained parameters for the reduce-scatter, and its output shard (a frozen block, LoRA's base, has
+    none)."""
     block = params.block_numel()
+    trained = params.block_numel(trains=True)
     root = params.numel(in_block=False)
-    return compute_bytes * (root + 2 * block) + 4 * block + 4 * -(-block // world)
+    return compute_bytes * (root + 2 * block) + 4 * trained + 4 * -(-trained // world)
 
 
 @dataclass(frozen=True)

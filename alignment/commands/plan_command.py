@@ -27,7 +27,7 @@ from models.memory import GiB
 from models.model import ModelConfig
 from models.resources import model_preset_path, shipped_path
 from trainer.config import load_config, load_preset, read_yaml
-from trainer.hardware import fabric_named, gpu_named
+from trainer.hardware import fabric_named, gpu_by_numbers, gpu_named
 from trainer.plan import duration, gib
 
 
@@ -148,15 +148,30 @@ def stage_models(config: Any, resolve: ModelResolver) -> Models:
 
 
 def target_from(args: argparse.Namespace, accelerator: str = "auto") -> Target:
-    """``--gpu`` (default h100; ``cpu``: this machine's CPU against its memory) and the figures given instead of the
-    tables'."""
-    name = args.gpu or ("cpu" if accelerator == "cpu" else "h100")
+    """``--gpu`` (default h100; ``cpu``: this machine's CPU against its memory), or a GPU by its numbers, and the
+    figures given instead of the tables'."""
+    numbers = (args.gpu_memory_gib, args.gpu_bf16_tflops, args.gpu_bandwidth)
+    for flag, value in zip(("--gpu-memory-gib", "--gpu-bf16-tflops", "--gpu-bandwidth"), numbers):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    given = any(value is not None for value in numbers)
+    name = args.gpu or ("" if given else "cpu" if accelerator == "cpu" else "h100")
     if args.fabric:
         fabric_named(args.fabric)  # an unknown name is one line, before any planning
-    gpu = None if name.strip().lower() == "cpu" else gpu_named(name)
+    if name.strip().lower() == "cpu":
+        if given:
+            raise ConfigError(
+                "--gpu cpu plans against this machine's memory: --gpu-memory-gib and the like are for GPUs"
+            )
+        gpu = None
+    else:
+        gpu = gpu_named(name) if name else None
+        gpu = gpu_by_numbers(gpu, *numbers) if given else gpu
     for flag, value in (("--mfu", args.mfu), ("--bandwidth", args.bandwidth)):
         if value is not None and (value <= 0 or (flag == "--mfu" and value > 1)):
             raise ConfigError(f"{flag} must be {'in (0, 1]' if flag == '--mfu' else '> 0'}, got {value}")
+    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+        raise ConfigError(f"--price-per-gpu-hour must be >= 0, got {args.price_per_gpu_hour}")
     return Target(gpu, args.mfu, args.fabric, args.bandwidth, args.price_per_gpu_hour)
 
 
@@ -211,8 +226,9 @@ def plan_dict(plan: StagePlan) -> dict[str, Any]:
         for phase in plan.phases
     ]  # fmt: skip
     return {
-        "stage": plan.stage, "model": plan.model, "run": plan.run, "batch": plan.batch, "device": plan.device,
-        "gpus": plan.gpus, "capacity_bytes": plan.capacity, "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
+        "stage": plan.stage, "model": plan.model, "parameters": plan.parameters,
+        "trainable_parameters": plan.trainable_parameters, "tokens_per_step": plan.tokens_per_step, "run": plan.run,
+        "batch": plan.batch, "device": plan.device, "gpus": plan.gpus, "capacity_bytes": plan.capacity, "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
         "peak_phase": plan.peak_phase.name, "verdict": plan.verdict, "knob": plan.knob, "line": plan.line(),
         "phases": phases, "time": timing, "notes": plan.notes,
         "activations_by_checkpointing": {mode: value / GiB for mode, value in plan.by_checkpointing.items()},
@@ -244,7 +260,9 @@ def render(plan: StagePlan) -> str:
             f", ${hours * plan.price_per_gpu_hour:,.0f}" if plan.price_per_gpu_hour else " (cost: --price-per-gpu-hour)"
         )
         recompute = (
-            f" = {t.mfu_figure:.1%} x {t.mfu / t.mfu_figure:.3g} for recomputation" if t.mfu != t.mfu_figure else ""
+            f" = {t.mfu_figure:.1%} x {t.mfu / t.mfu_figure:.3g} for this run's recomputation against the figure's"
+            if abs(t.mfu / t.mfu_figure - 1) > 1e-9
+            else ""
         )
         lines += [
             "", "time",

@@ -26,7 +26,6 @@ from models.files.digests import content_key, state_dict_digest
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def check_dpo_config(config: DPOConfig) -> None:
 def _check_model(config: DPOConfig, model: Transformer, key: str) -> None:
     path = getattr(config.init, key)
     source = path or "the model (model.vocab_size)"  # its tokenizer was checked by check_stage_config
-    check_context_length({"data.seq_len": config.data.seq_len}, model.config.max_seq_len, f"{source}'s max_seq_len")
+    stage_named("dpo").check_row_tokens(config, model.config.max_seq_len, f"{source}'s max_seq_len")
 
 
 def load_dpo_models(

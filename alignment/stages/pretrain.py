@@ -23,7 +23,6 @@ from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 
@@ -90,7 +89,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     """
     check_stage_config(config)  # before anything is created
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    check_context_length({"loader.seq_len": config.loader.seq_len}, config.model.max_seq_len, "model.max_seq_len")
+    stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
     check_manifest(config.data.out_dir, tokenizer)
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch

@@ -21,6 +21,7 @@ from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.rewards import build_reward
 from alignment.shared.sampling import sample_and_score
+from alignment.stages.registry import stage_named
 from alignment.stages.sft import fine_tune
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
@@ -32,7 +33,6 @@ from models.formats.checkpoint import load_checkpoint, load_model_config
 from models.model import ModelConfig
 from trainer.build import check_stage_config, run_directory
 from trainer.checkpoints import latest_checkpoint
-from trainer.checks import check_context_length
 from trainer.config import RunConfig, to_dict
 from trainer.storage import claim_run_directory, is_global_rank_zero, lock_run_directory, release_run_directory
 
@@ -90,14 +90,7 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
         model = load_model_config(config.init.policy)
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
-    check_context_length(
-        {
-            "data.max_prompt_tokens": config.data.max_prompt_tokens,
-            "sampling.response_max_tokens": sampling.response_max_tokens,
-        },
-        model.max_seq_len,
-        "the policy's max_seq_len",
-    )
+    stage_named("rejection_sampling").check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
     if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
         log.warning(
             "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",

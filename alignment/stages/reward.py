@@ -170,6 +170,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
+    stage_named("rm").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     # peft.kind=lora: the backbone's adapters and the whole score head train
     adapter_bases = add_stage_adapters(config, model, base=model.backbone, trainable=("head.",))
     samples = config.policy_samples

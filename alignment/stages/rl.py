@@ -30,7 +30,6 @@ from models.errors import ConfigError
 from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
-from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +94,7 @@ def load_policy(config: Any, algorithm: RLAlgorithm) -> Transformer:
     """The SFT model, checked before any compute: a prompt plus a response fit its context (its tokenizer and the
     reward models' were checked by ``check_stage_config``)."""
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
-    response_max_tokens = algorithm.hyperparameters(config).response_max_tokens
-    check_context_length(
-        {
-            "data.max_prompt_tokens": config.data.max_prompt_tokens,
-            f"{algorithm.stage}.response_max_tokens": response_max_tokens,
-        },
-        policy.config.max_seq_len,
-        "the policy's max_seq_len",
-    )
+    stage_named(algorithm.stage).check_row_tokens(config, policy.config.max_seq_len, "the policy's max_seq_len")
     return policy
 
 

@@ -224,6 +224,7 @@ def fine_tune(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)
+    stage_named("sft").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     datamodule = SFTDataModule(
         config.data,
