@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.memory import GiB, Numerics, ParameterShapes
@@ -16,7 +15,6 @@ from trainer.hardware import (
     fabric_named,
     peak_flops,  # noqa: F401 - the stages' plans import it from here
 )
-from trainer.storage import is_global_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +173,3 @@ def duration(seconds: float) -> str:
     if seconds < 3 * 86400:
         return f"{seconds / 3600:.3g} h"
     return f"{seconds / 86400:.3g} days"
-
-
-def announce_plan(line: Callable[[], str] | None) -> None:
-    """Log the plan's one line before a stage trains. An estimator that fails
-    says so as a warning: the plan is advice and never stops a run."""
-    if line is None or not is_global_rank_zero():
-        return
-    try:
-        text = line()
-    except Exception as error:  # anything an estimate raises is only worth a warning
-        log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
-        return
-    print(f"plan: {text}", flush=True)

@@ -133,8 +133,9 @@ class StagePlan:
         """The one line a stage prints before it trains."""
         where = f"of {gib(self.capacity)} GiB {self.device}" if self.capacity else f"({self.device})"
         text = f"{self.verdict}: peak {gib(self.peak)} GiB {where}"
-        if self.gpus == 0:
+        if self.gpus == 0:  # the host's memory: an estimate, which says so, unless it cannot fit
             text = f"CPU run: peak {gib(self.peak)} GiB estimated {where}"
+            text = f"does not fit: {text}" if self.verdict == "does not fit" else text
         if self.timing is not None:
             text += f"; step ~{duration(self.timing.step_s)}, {self.timing.tokens_per_s:,.0f} tokens/s"
         return text + (f"; {self.knob}" if self.knob else "")

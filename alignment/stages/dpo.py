@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ from torch import Tensor, nn
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
-from alignment.shared.stage_plan import Models
 from alignment.stages.dpo_module import DPOModule, reference_dtype
 from alignment.stages.registry import stage_named
 from alignment.stages.reward import preference_data, preference_stage_callbacks
@@ -118,6 +116,7 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     """Check everything that can be checked, then train the policy; returns the run folder on rank 0."""
     check_stage_config(config)
     check_dpo_config(config)
+    plan = stage_named("dpo").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     policy, reference, adapter_bases = load_dpo_models(config, tokenizer)
     datamodule = preference_data(config, DPODataModule)
@@ -150,9 +149,5 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     ]
     module = DPOModule(config, policy, reference, tokenizer, cache_key=cache_key)
     module.adapter_bases = adapter_bases
-    models = Models(
-        policy.config, reference=reference.config if config.init.reference and reference is not None else None
-    )
     del policy, reference  # the module holds them now; a precomputed reference is freed once it is scored
-    plan = partial(stage_named("dpo").plan_line, config, models)
     return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

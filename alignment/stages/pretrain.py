@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -12,7 +11,6 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
@@ -88,6 +86,7 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     repeated per rank and must be idempotent.
     """
     check_stage_config(config)  # before anything is created
+    plan = stage_named("pretrain").preflight(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
     stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
     check_manifest(config.data.out_dir, tokenizer)
@@ -109,7 +108,6 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
         *(extra_callbacks or []),
     ]
-    plan = partial(stage_named("pretrain").plan_line, config, Models(config.model))
     if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks, plan=plan) is None:
         return None  # not rank 0
     if config.sample.prompt:

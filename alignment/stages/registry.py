@@ -113,11 +113,12 @@ class Stage:
     def plan_without_knob(self, config: Any, models: Any, target: Any) -> Any:
         return resolve(self.plan_at)(self, config, models, target)
 
-    def plan_line(self, config: Any, models: Any) -> str:
-        """The plan's one line for the stage about to train on this machine's device."""
-        from alignment.shared.plan_knobs import device_target
+    def preflight(self, config: Any) -> Any:
+        """The stage's plan on this machine's device before any weights load (``plan_knobs.preflight``): printed,
+        and refused in one line when it does not fit; the ``PlannedRun`` its run is held against, or None."""
+        from alignment.shared.plan_knobs import preflight
 
-        return self.plan(config, models, device_target(self.training_section(config).trainer)).line()
+        return preflight(self, config)
 
 
 _PLANS = "alignment.shared.stage_plan"

@@ -286,6 +286,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
     returns the run folder on rank 0, else None."""
     check_stage_config(config, config.sft.trainer)  # before anything is created
+    plan = stage_named("rejection_sampling").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = check_config(config, tokenizer)
     prompts = load_training_prompts(config)
@@ -312,4 +313,4 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     except BaseException:
         release_run_directory(run_dir)
         raise
-    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")
+    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling", plan=plan)

@@ -9,7 +9,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, load_checker
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from alignment.stages.rl_module import RLModule
 from data.records.prompts import PromptDataModule
@@ -109,6 +107,7 @@ def run_rl(
     ``reward_fn`` replaces the configured reward (tests, or a programmatic reward over token rows)."""
     check_stage_config(config)  # before anything is created
     check_rl_config(config, algorithm)
+    plan = stage_named(algorithm.stage).preflight(config)  # before any weights load
     checker = load_checker(config.eval.checker, "eval.checker")
     tokenizer = Tokenizer.load(config.data.tokenizer)
     if reward_fn is not None:
@@ -138,9 +137,4 @@ def run_rl(
     ]
     module = algorithm.module(config, **models, reward=reward, tokenizer=tokenizer, checker=checker)
     module.adapter_bases = adapter_bases
-    critic = extra.get("critic")
-    planned = Models(
-        policy.config, rewards=[scorer.model.config for scorer in reward.models], critic=getattr(critic, "config", None)
-    )
-    plan = partial(stage_named(algorithm.stage).plan_line, config, planned)
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False, plan=plan)
