@@ -64,9 +64,9 @@ class ParameterShapes:
             total += max(0, min(per_rank, rows - rank * per_rank)) * rest
         return total
 
-    def block_numel(self) -> int:
-        """Elements of one transformer block (they are all alike)."""
-        return self.numel(in_block=True) // max(self.n_blocks, 1)
+    def block_numel(self, *, trains: bool | None = None) -> int:
+        """Elements of one transformer block (they are all alike); ``trains``: only those that train (or not)."""
+        return self.numel(trains=trains, in_block=True) // max(self.n_blocks, 1)
 
 
 def build_meta_model(

@@ -41,7 +41,8 @@ from trainer.config import (
 )
 from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
-from trainer.plan import announce_plan, planned_precision
+from trainer.plan import planned_precision
+from trainer.plan_check import PlannedRun, PlanVersusMeasured
 from trainer.stopping import StoppingDDPStrategy
 from trainer.storage import (
     AtomicCheckpoint,
@@ -346,12 +347,13 @@ def fit_stage(
     callbacks: list[L.Callback],
     *,
     validate: bool = True,
-    plan: Callable[[], str] | None = None,
+    plan: PlannedRun | None = None,
 ) -> Path | None:
-    """The end every stage shares: the plan's one line (``plan``; it never fails a run), logger, trainer, resume
-    and fit. Returns run_dir on rank 0, None on the other ranks."""
+    """The end every stage shares: logger, trainer, resume and fit, the run held against its pre-flight ``plan``
+    at the end. Returns run_dir on rank 0, None on the other ranks."""
     logger: Logger | bool = False
-    announce_plan(plan)
+    if plan is not None:
+        callbacks = [*callbacks, PlanVersusMeasured(plan, run_dir)]
     try:
         resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
         # the same W&B run as before when training resumes from this folder's checkpoint

@@ -151,9 +151,8 @@ def _other_model_folders(config: Any) -> list[str]:
 
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:
-    """A stage that starts from ``init.checkpoint`` (or a seeded ``model``) and reads ``data.seq_len`` tokens
-    (SFT, reward model): the tokenizer fits the model and is the one the checkpoint carries, and the sequences
-    fit its max_seq_len. ``config.model`` is set to the model really built, so that config.yaml and the
+    """A stage that starts from ``init.checkpoint`` (or a seeded ``model``) (SFT, reward model): the tokenizer fits
+    the model and is the one the checkpoint carries (the rows' fit to its context is the stage record's rule). ``config.model`` is set to the model really built, so that config.yaml and the
     checkpoints record it (a preset's ``model: tiny`` is only the fallback when there is no checkpoint)."""
     # Only a model section someone set is worth a warning: a stage preset that names none (the pipeline's, which
     # start from the previous stage's model) carries the schema's default, which nobody asked for.
@@ -176,7 +175,6 @@ def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) ->
     if config.init.checkpoint:
         check_same_tokenizer(tokenizer, config.init.checkpoint, key="data.tokenizer")
         config.model = model
-    check_context_length({"data.seq_len": config.data.seq_len}, model.max_seq_len, "the model's max_seq_len")
 
 
 def check_context_length(lengths: dict[str, int], max_seq_len: int, limit: str) -> None:

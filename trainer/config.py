@@ -81,6 +81,9 @@ class TrainerConfig:
     max_nonfinite_steps: int = bounded(0, ge=0)
     float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"  # auto: high on CUDA
     collective_timeout_s: float = bounded(1800.0, gt=0)  # ddp / fsdp: a rank waits this long for the others
+    # on: a run whose plan says it does not fit this device stops before loading weights, naming the knob; off: it
+    # runs anyway (the plan printed, and held against what was measured at the end either way)
+    plan_check: Literal["on", "off"] = "on"
 
     def check_fields(self, prefix: str) -> None:
         if self.strategy == "single" and (self.devices != 1 or self.num_nodes != 1):
@@ -174,6 +177,8 @@ def load_preset(value: Any, source: str) -> DictConfig:
     preset = read_yaml(path)
     if not isinstance(preset, DictConfig):
         raise ConfigError(f"{path}: a model preset must be a mapping of model keys, got {type(preset).__name__}")
+    if not preset:  # an empty file would silently stand for the default model
+        raise ConfigError(f"{source}: {path} is empty: a model preset names the model's keys (dim, n_layers, ...)")
     return preset
 
 

@@ -3,6 +3,7 @@ interconnects between them, and published MFU figures, each with its source."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from models.errors import ConfigError
@@ -35,8 +36,42 @@ GPUS: dict[str, GPU] = {
         GPU("l40s", "L40S 48GB", 45.0, 362.0, 183.0, 91.6, 0.864, "pcie4", "eth-100g"),
         GPU("a10g", "A10G 24GB", 22.5, 125.0, 62.5, 31.2, 0.6, "pcie4", "eth-100g"),
         GPU("l4", "L4 24GB", 22.5, 121.0, 60.0, 30.3, 0.3, "pcie4", "eth-100g"),
+        GPU("h100-nvl", "H100 NVL 94GB", 93.6, 835.0, 417.5, 60.0, 3.9, "pcie5", "ib-ndr"),
+        GPU("l40", "L40 48GB", 45.0, 181.0, 90.5, 90.5, 0.864, "pcie4", "eth-100g"),
+        # workstation and consumer cards (Ada / Ampere whitepapers): bf16 with fp32 accumulation, which GeForce
+        # parts run at half their fp16-accumulate rate
+        GPU("rtx-6000-ada", "RTX 6000 Ada 48GB", 48.0, 364.2, 182.1, 91.1, 0.96, "pcie4", "eth-100g"),
+        GPU("rtx-a6000", "RTX A6000 48GB", 48.0, 154.8, 77.4, 38.7, 0.768, "pcie4", "eth-100g"),
+        GPU("rtx-4090", "GeForce RTX 4090 24GB", 24.0, 165.2, 82.6, 82.6, 1.008, "pcie4", "eth-100g"),
+        GPU("rtx-3090", "GeForce RTX 3090 24GB", 24.0, 71.0, 35.6, 35.6, 0.936, "pcie4", "eth-100g"),
     )
 }
+
+
+def gpu_by_numbers(
+    base: GPU | None, memory_gib: float | None, bf16_tflops: float | None, memory_tbs: float | None
+) -> GPU:
+    """A GPU no name fits, given by its numbers (``--gpu-memory-gib``, ``--gpu-bf16-tflops``, ``--gpu-bandwidth``):
+    a named one with those changed, or, with no name, one of exactly these (all three needed; TF32 and plain fp32
+    taken as half the bf16 peak, PCIe inside a node)."""
+    given = {"memory_gib": memory_gib, "bf16_tflops": bf16_tflops, "memory_tbs": memory_tbs}
+    flags = {"memory_gib": "--gpu-memory-gib", "bf16_tflops": "--gpu-bf16-tflops", "memory_tbs": "--gpu-bandwidth"}
+    if base is None:
+        missing = [flags[key] for key, value in given.items() if value is None]
+        if missing:
+            raise ConfigError(
+                f"a GPU given by its numbers needs {', '.join(missing)} too (or --gpu NAME to start from)"
+            )
+        name = f"GPU of {memory_gib:g} GiB, {bf16_tflops:g} bf16 TFLOP/s, {memory_tbs:g} TB/s"
+        half = bf16_tflops / 2  # type: ignore[operator]
+        return GPU("custom", name, memory_gib, bf16_tflops, half, half, memory_tbs, "pcie4", "eth-100g")  # type: ignore[arg-type]
+    changes = {key: value for key, value in given.items() if value is not None}
+    if "bf16_tflops" in changes:  # the tensor-core rates scale together
+        scale = changes["bf16_tflops"] / base.bf16_tflops
+        changes.update(tf32_tflops=base.tf32_tflops * scale)
+    said = ", ".join(f"{flags[key]} {value:g}" for key, value in given.items() if value is not None)
+    return dataclasses.replace(base, name=f"{base.name} ({said})", **changes)
+
 
 # (nominal GB/s per GPU, one direction; what it is)
 FABRICS: dict[str, tuple[float, str]] = {
@@ -61,6 +96,10 @@ class MFUFigure:
     workload: str
     source: str
     date: str
+    # how the measured run checkpointed activations, in Lantern's terms (torchtitan's per-op selective checkpointing
+    # recomputes about what Lantern's every-other-block does): the plan rescales the figure to the run's setting
+    activation_checkpointing: str = "selective"
+    ac_every: int = 2
     measured_by_lantern: bool = False
 
 
@@ -121,21 +160,30 @@ def fabric_named(name: str) -> tuple[float, str]:
 class MFUChoice:
     mfu: float
     source: str  # one line: where the figure comes from, and whether Lantern measured it
+    # the activation checkpointing (mode, every) the figure was measured under; None: --mfu, the planned run's own
+    measured_with: tuple[str, int] | None = None
 
 
 def mfu_for(gpu: GPU, compiled: bool, override: float | None = None) -> MFUChoice:
-    """The MFU a step is planned at on ``gpu``: ``override`` (``--mfu``), else the table's figure for that GPU and
-    compile setting, else the closest figure, marked as borrowed."""
+    """The MFU a step is planned at on ``gpu``: ``override`` (``--mfu``, the planned run's own), else the table's
+    figure for that GPU and compile setting, else the closest figure, marked as borrowed; with the activation
+    checkpointing the figure was measured under."""
     if override is not None:
         return MFUChoice(override, "--mfu (given)")
     for figure in MFU_FIGURES:
         if gpu.key in figure.gpus and figure.compiled == compiled:
-            return MFUChoice(figure.mfu, _cite(figure, gpu))
+            return MFUChoice(figure.mfu, _cite(figure, gpu), _checkpointing(figure))
     for figure in MFU_FIGURES:
         if gpu.key in figure.gpus:
-            return MFUChoice(figure.mfu, _cite(figure, gpu) + f"; compile={compiled} not measured there")
+            source = _cite(figure, gpu) + f"; compile={compiled} not measured there"
+            return MFUChoice(figure.mfu, source, _checkpointing(figure))
     figure = MFU_FIGURES[0 if compiled else 1]
-    return MFUChoice(figure.mfu, f"no figure for the {gpu.name}: the H100's borrowed, " + _cite(figure, gpu))
+    source = f"no figure for the {gpu.name}: the H100's borrowed, " + _cite(figure, gpu)
+    return MFUChoice(figure.mfu, source, _checkpointing(figure))
+
+
+def _checkpointing(figure: MFUFigure) -> tuple[str, int]:
+    return figure.activation_checkpointing, figure.ac_every
 
 
 def _cite(figure: MFUFigure, gpu: GPU) -> str:

@@ -133,7 +133,11 @@ class SafeWandbLogger(WandbLogger):
             return
         self._last_step = step
         self._final_figures.update(
-            {k: v for k, v in metrics.items() if k.startswith(("val/", "eval/")) and isinstance(v, int | float)}
+            {
+                k: v
+                for k, v in metrics.items()
+                if k.startswith(("val/", "eval/", "plan/")) and isinstance(v, int | float)
+            }
         )
         if self._steps is not None:
             self._steps.logged(metrics, step)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.memory import GiB, Numerics, ParameterShapes
@@ -16,7 +15,6 @@ from trainer.hardware import (
     fabric_named,
     peak_flops,  # noqa: F401 - the stages' plans import it from here
 )
-from trainer.storage import is_global_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +72,13 @@ def model_state(
 
 def fsdp_working_bytes(params: ParameterShapes, compute_bytes: int, world: int) -> int:
     """FSDP2's unsharded weights in use at once: the root's (embeddings, final norm, heads: gathered for the whole
-    step), the block that computes and the one prefetched, in the compute dtype; plus one block's unsharded gradient
-    in fp32 for the reduce-scatter, and its output shard."""
+    step), the block that computes and the one prefetched, in the compute dtype; plus the unsharded fp32 gradient of
+    one block's trained parameters for the reduce-scatter, and its output shard (a frozen block, LoRA's base, has
+    none)."""
     block = params.block_numel()
+    trained = params.block_numel(trains=True)
     root = params.numel(in_block=False)
-    return compute_bytes * (root + 2 * block) + 4 * block + 4 * -(-block // world)
+    return compute_bytes * (root + 2 * block) + 4 * trained + 4 * -(-trained // world)
 
 
 @dataclass(frozen=True)
@@ -173,16 +173,3 @@ def duration(seconds: float) -> str:
     if seconds < 3 * 86400:
         return f"{seconds / 3600:.3g} h"
     return f"{seconds / 86400:.3g} days"
-
-
-def announce_plan(line: Callable[[], str] | None) -> None:
-    """Log the plan's one line before a stage trains. An estimator that fails
-    says so as a warning: the plan is advice and never stops a run."""
-    if line is None or not is_global_rank_zero():
-        return
-    try:
-        text = line()
-    except Exception as error:  # anything an estimate raises is only worth a warning
-        log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
-        return
-    print(f"plan: {text}", flush=True)

@@ -17,6 +17,8 @@ from alignment.commands.pipeline_records import RECORD, read_json
 from alignment.shared.evaluation import json_safe
 from alignment.stages import registry
 from models.files.atomic import write_atomically
+from models.memory import GiB
+from trainer.plan_check import RECORD as PLAN_RECORD
 from trainer.plots import read_metrics_csv
 
 if TYPE_CHECKING:  # for annotations only: alignment.commands.pipeline imports this module to write the report
@@ -192,7 +194,8 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
     stages: dict[str, Any] = {}
     for stage in (s for s in pipeline.config.stages if s != "prepare"):
         result = results.get(stage)
-        entry: dict[str, Any] = {"heldout": None, "kl": None, "seconds": seconds.get(stage)}
+        plan = read_json(pipeline.stage_dir(stage) / PLAN_RECORD)
+        entry: dict[str, Any] = {"heldout": None, "kl": None, "seconds": seconds.get(stage), "plan": plan}
         if result is not None:
             entry.update(heldout=result["heldout"], kl=result.get("kl"))
             entry.update(
@@ -213,6 +216,39 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
         stages[stage] = entry
     report = pipeline.config.report
     return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
+
+
+def plan_lines(pipeline: Pipeline) -> list[str]:
+    """Each stage held against its plan (``plan_vs_measured.json``): peak memory and step time, planned and measured."""
+    rows = []
+    for stage in (s for s in pipeline.config.stages if s != "prepare"):
+        record = read_json(pipeline.stage_dir(stage) / PLAN_RECORD)
+        if record is None:
+            continue
+        planned, measured = (_seconds(record[key]) for key in ("step_s", "measured_step_s"))
+        rows.append(
+            f"| {stage} | {record['peak_bytes'] / GiB:.2f} | {record['measured_peak_bytes'] / GiB:.2f} | "
+            f"{_ratio(record['peak_ratio'])} | {planned} | {measured} | {_ratio(record['step_ratio'])} | "
+            f"{record['memory_measured_as']} |"
+        )
+    if not rows:
+        return []
+    return [
+        "", "## Each stage against its plan", "",
+        "`lantern plan`'s figures for the device each stage ran on, beside what the run measured "
+        "(`plan_vs_measured.json` in its folder; a CPU plan has no step time).", "",
+        "| stage | planned peak GiB | measured GiB | measured / planned | planned step s | measured step s | "
+        "measured / planned | memory measured as |",
+        "|---|---:|---:|---:|---:|---:|---:|---|", *rows,
+    ]  # fmt: skip
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}"
 
 
 def write_report(pipeline: Pipeline) -> Path:
@@ -262,6 +298,7 @@ def write_report(pipeline: Pipeline) -> Path:
             *comparison_lines(results, seconds, k, start),
             *harness_lines(results),
         ]  # fmt: skip
+    lines += plan_lines(pipeline)
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
     if results:
         lines += answer_lines(prompts, results, pipeline.config.report.prompts)

@@ -12,22 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from alignment.shared.stage_plan import Models, StagePlan, Target
+from alignment.shared.plan_models import ModelResolver, stage_models
+from alignment.shared.stage_plan import StagePlan, Target
 from alignment.stages import registry
 from alignment.stages.registry import Stage
-from models.config_checks import check_model_size
 from models.errors import ConfigError
-from models.formats.checkpoint import load_model_config
 from models.memory import GiB
 from models.model import ModelConfig
-from models.resources import model_preset_path, shipped_path
-from trainer.config import load_config, load_preset, read_yaml
-from trainer.hardware import fabric_named, gpu_named
+from models.resources import shipped_path
+from trainer.config import load_config, read_yaml
+from trainer.hardware import fabric_named, gpu_by_numbers, gpu_named
 from trainer.plan import duration, gib
 
 
@@ -65,98 +63,31 @@ def _loads(stage: Stage, path: str, overrides: list[str]) -> bool:
     return True
 
 
-def model_named(name: str) -> ModelConfig:
-    """``--model``: a preset (llama3.2-1b), a model YAML, or a checkpoint folder; its sizes within bounds."""
-    folder = Path(name).expanduser()
-    if folder.is_dir():
-        return folder_model(folder, f"--model {name}")
-    if not model_preset_path(name).is_file():
-        raise ConfigError(f"--model {name!r} is neither a model preset, a model YAML nor a checkpoint folder")
-    try:  # read as a stage config's model=NAME is: one loader, one-line errors
-        config = ModelConfig.from_dict(OmegaConf.to_container(load_preset(name, f"--model {name}"), resolve=True))
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"--model {name}: {str(error).replace('ModelConfig.', 'model.')}") from error
-    check_model_size(config, f"--model {name}")
-    return config
-
-
-def folder_model(folder: Path, key: str) -> ModelConfig:
-    """The model config of a checkpoint folder, its sizes within bounds (a planned model is built on the meta device,
-    one module per layer: an absurd size is refused, not built)."""
-    try:
-        config = load_model_config(folder)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {folder} holds no readable model config ({error})") from error
-    check_model_size(config, f"{key} ({folder})")
-    return config
-
-
-class ModelResolver:
-    """The model config a path in a stage config stands for: ``--model`` when given, a model planned upstream (the
-    pipeline's), the folder's own config, else a one-line error asking for ``--model``."""
-
-    def __init__(self, model: str | None, known: dict[str, ModelConfig] | None = None) -> None:
-        self.model = model_named(model) if model else None
-        self.known = known or {}
-
-    def __call__(self, path: str | None, key: str, fallback: ModelConfig | None = None) -> ModelConfig:
-        if self.model is not None:
-            return self.model
-        if path:
-            if str(path) in self.known:
-                return self.known[str(path)]
-            if Path(path).expanduser().is_dir():
-                return folder_model(Path(path).expanduser(), key)
-            raise ConfigError(
-                f"{key}: {path} does not exist (yet): name the model to plan with --model (a preset such as "
-                "llama3.2-1b, a model YAML or a checkpoint folder)"
-            )
-        if fallback is None:
-            raise ConfigError(f"{key} is not set: name the model to plan with --model")
-        return fallback
-
-
-def reward_paths(config: Any) -> list[tuple[str, str]]:
-    terms = [(term.path, f"reward.terms[{i}].path") for i, term in enumerate(config.reward.terms) if term.kind == "reward_model"]  # fmt: skip
-    if not config.reward.terms and getattr(config.init, "reward_model", None):
-        terms.append((config.init.reward_model, "init.reward_model"))
-    return terms
-
-
-def stage_models(config: Any, resolve: ModelResolver) -> Models:
-    """The models ``config`` names, by role, read from its ``init`` section: a checkpoint to fine-tune (SFT, the
-    reward model), a policy with a reference (DPO), or a policy with the reward models that score its samples and,
-    where the config has one, a critic (PPO); no init section: a model built from ``model`` (pretraining)."""
-    init = getattr(config, "init", None)
-    if init is None:
-        return Models(resolve(None, "model", config.model))
-    if hasattr(init, "checkpoint"):
-        return Models(resolve(init.checkpoint, "init.checkpoint", config.model))
-    if hasattr(init, "reference"):
-        reference = resolve(init.reference, "init.reference") if init.reference else None
-        return Models(resolve(init.policy, "init.policy", config.model), reference=reference)
-    policy = resolve(init.policy, "init.policy")
-    rewards = [resolve(path, key) for path, key in reward_paths(config)]
-    critic = None
-    if hasattr(init, "critic"):  # a copy of the reward model, else a fresh head on the policy's backbone
-        critic = policy
-        if init.critic == "reward_model" and (rewards or init.reward_model):
-            critic = rewards[0] if rewards else resolve(init.reward_model, "init.reward_model")
-    return Models(policy, rewards=rewards, critic=critic)
-
-
 def target_from(args: argparse.Namespace, accelerator: str = "auto") -> Target:
-    """``--gpu`` (default h100; ``cpu``: this machine's CPU against its memory) and the figures given instead of the
-    tables'."""
-    name = args.gpu or ("cpu" if accelerator == "cpu" else "h100")
+    """``--gpu`` (default h100; ``cpu``: this machine's CPU against its memory), or a GPU by its numbers, and the
+    figures given instead of the tables'."""
+    numbers = (args.gpu_memory_gib, args.gpu_bf16_tflops, args.gpu_bandwidth)
+    for flag, value in zip(("--gpu-memory-gib", "--gpu-bf16-tflops", "--gpu-bandwidth"), numbers):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    given = any(value is not None for value in numbers)
+    name = args.gpu or ("" if given else "cpu" if accelerator == "cpu" else "h100")
     if args.fabric:
         fabric_named(args.fabric)  # an unknown name is one line, before any planning
-    gpu = None if name.strip().lower() == "cpu" else gpu_named(name)
+    if name.strip().lower() == "cpu":
+        if given:
+            raise ConfigError(
+                "--gpu cpu plans against this machine's memory: --gpu-memory-gib and the like are for GPUs"
+            )
+        gpu = None
+    else:
+        gpu = gpu_named(name) if name else None
+        gpu = gpu_by_numbers(gpu, *numbers) if given else gpu
     for flag, value in (("--mfu", args.mfu), ("--bandwidth", args.bandwidth)):
         if value is not None and (value <= 0 or (flag == "--mfu" and value > 1)):
             raise ConfigError(f"{flag} must be {'in (0, 1]' if flag == '--mfu' else '> 0'}, got {value}")
+    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+        raise ConfigError(f"--price-per-gpu-hour must be >= 0, got {args.price_per_gpu_hour}")
     return Target(gpu, args.mfu, args.fabric, args.bandwidth, args.price_per_gpu_hour)
 
 
@@ -211,8 +142,9 @@ def plan_dict(plan: StagePlan) -> dict[str, Any]:
         for phase in plan.phases
     ]  # fmt: skip
     return {
-        "stage": plan.stage, "model": plan.model, "run": plan.run, "batch": plan.batch, "device": plan.device,
-        "gpus": plan.gpus, "capacity_bytes": plan.capacity, "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
+        "stage": plan.stage, "model": plan.model, "parameters": plan.parameters,
+        "trainable_parameters": plan.trainable_parameters, "tokens_per_step": plan.tokens_per_step, "run": plan.run,
+        "batch": plan.batch, "device": plan.device, "gpus": plan.gpus, "capacity_bytes": plan.capacity, "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
         "peak_phase": plan.peak_phase.name, "verdict": plan.verdict, "knob": plan.knob, "line": plan.line(),
         "phases": phases, "time": timing, "notes": plan.notes,
         "activations_by_checkpointing": {mode: value / GiB for mode, value in plan.by_checkpointing.items()},
@@ -244,7 +176,9 @@ def render(plan: StagePlan) -> str:
             f", ${hours * plan.price_per_gpu_hour:,.0f}" if plan.price_per_gpu_hour else " (cost: --price-per-gpu-hour)"
         )
         recompute = (
-            f" = {t.mfu_figure:.1%} x {t.mfu / t.mfu_figure:.3g} for recomputation" if t.mfu != t.mfu_figure else ""
+            f" = {t.mfu_figure:.1%} x {t.mfu / t.mfu_figure:.3g} for this run's recomputation against the figure's"
+            if abs(t.mfu / t.mfu_figure - 1) > 1e-9
+            else ""
         )
         lines += [
             "", "time",

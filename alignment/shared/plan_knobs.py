@@ -9,15 +9,23 @@ suggestion was planned and fits; the cheapest come first. A stage is read throug
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from alignment.shared.plan_models import ModelResolver, stage_models
 from alignment.shared.stage_plan import Models, StagePlan, Target, with_overrides
+from models.errors import ConfigError
 from models.memory import GiB
 from trainer.hardware import GPU, gpu_from_device_name
 from trainer.plan import gib
+from trainer.plan_check import PlannedRun, resident_bytes
+from trainer.storage import is_global_rank_zero
+
+log = logging.getLogger(__name__)
 
 MAX_GPUS = 4096
 STATE_ITEMS = (" parameters", " gradients", " optimizer states")  # what cpu_offload moves to the host
@@ -134,14 +142,34 @@ def _more_gpus(stage: Any, config: Any, models: Models, target: Target, prefix: 
 
 
 def device_target(trainer: Any) -> Target:
-    """The device a run trains on: the GPU torch sees (the table's entry, or one known only by its memory) or this
-    machine's CPU."""
+    """The device a run trains on: the GPU torch sees (the table's entry with the memory the device really has, or
+    one known only by its memory) or this machine's CPU."""
     if trainer.accelerator == "cpu" or not torch.cuda.is_available():
         return Target()
     name = torch.cuda.get_device_name()
     known = gpu_from_device_name(name)
-    if known is not None:
-        return Target(known)
     memory = torch.cuda.get_device_properties(0).total_memory / GiB
+    if known is not None:  # an H100 of 94 or 96 GB is planned against what it has
+        return Target(dataclasses.replace(known, memory_gib=memory))
     flops = float(trainer.peak_tflops or 0.0)
     return Target(GPU("cuda", name, memory, flops, flops, flops, 0.0, "pcie4", "eth-100g"))
+
+
+def preflight(stage: Any, config: Any) -> PlannedRun | None:
+    """The stage's plan on this machine's device, made from its models' configs before any weights load: printed as
+    one line, and a ConfigError naming the knob when it does not fit (``trainer.plan_check=off`` runs it anyway).
+    An estimate that fails is a warning and None: the plan is advice until it says a run cannot fit."""
+    trainer = stage.training_section(config).trainer
+    resident = resident_bytes()
+    try:
+        plan = stage.plan(config, stage_models(config, ModelResolver(None)), device_target(trainer))
+    except Exception as error:  # a missing model or bad rows are the stage's own errors to raise, a bug a warning
+        log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
+        return None
+    if plan.verdict == "does not fit" and trainer.plan_check == "on":
+        prefix = stage.training_prefix
+        raise ConfigError(f"plan: {plan.line()} ({prefix}trainer.plan_check=off runs it anyway)")
+    if is_global_rank_zero():
+        print(f"plan: {plan.line()}", flush=True)
+    step = plan.timing.step_s if plan.timing is not None else None
+    return PlannedRun(plan.line(), plan.peak, step, plan.device, resident)

@@ -149,6 +149,7 @@ def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> St
         stage.name, describe_model(policy, params), describe_run(setup, trainer, target),
         f"{sequences} sequences of up to {width} tokens per GPU a rollout, micro-batches of {micro}, "
         f"{hp.epochs} epoch(s); one step = one rollout", [generation, score_phase, training], None, "", 0, timing,
+        parameters=params.total, trainable_parameters=params.trainable, tokens_per_step=sequences * width * setup.world,
     )  # fmt: skip
     if models.rewards and hp.frozen_device == "cpu":
         plan.notes.append("frozen models on the host: their scoring runs on the CPU")

@@ -79,7 +79,7 @@ class Phase:
 class Timing:
     tokens_per_step: int
     flops_per_token: float
-    mfu: float  # what the step is planned at: the figure, less activation checkpointing's recomputation
+    mfu: float  # what the step is planned at: the figure, rescaled from its run's recomputation to this one's
     mfu_figure: float  # the table's (or --mfu's)
     mfu_source: str
     compute_s: float
@@ -113,6 +113,9 @@ class StagePlan:
     notes: list[str] = field(default_factory=list)
     price_per_gpu_hour: float | None = None
     by_checkpointing: dict[str, int] = field(default_factory=dict)  # the micro-batch's peak activations per AC mode
+    parameters: int = 0  # of the trained model, exactly (tied weights once)
+    trainable_parameters: int = 0
+    tokens_per_step: int = 0  # over every GPU (an RL step: the rollout's sequences at their longest)
 
     @property
     def peak_phase(self) -> Phase:
@@ -130,8 +133,9 @@ class StagePlan:
         """The one line a stage prints before it trains."""
         where = f"of {gib(self.capacity)} GiB {self.device}" if self.capacity else f"({self.device})"
         text = f"{self.verdict}: peak {gib(self.peak)} GiB {where}"
-        if self.gpus == 0:
+        if self.gpus == 0:  # the host's memory: an estimate, which says so, unless it cannot fit
             text = f"CPU run: peak {gib(self.peak)} GiB estimated {where}"
+            text = f"does not fit: {text}" if self.verdict == "does not fit" else text
         if self.timing is not None:
             text += f"; step ~{duration(self.timing.step_s)}, {self.timing.tokens_per_s:,.0f} tokens/s"
         return text + (f"; {self.knob}" if self.knob else "")
@@ -228,14 +232,22 @@ def step_timing(
     target: Target, setup: Setup, trainer: Any, *, tokens_per_step: int, flops_per_token: float, micro_batches: int,
     params: list[Any], compiled: bool, n_layers: int, extra_flops: float = 0.0, notes: list[str] | None = None,
 ) -> Timing | None:  # fmt: skip
-    """The step at the table's MFU, lowered by activation checkpointing's recomputation; FSDP2's collectives (or
+    """The step at the table's MFU, rescaled from its run's activation checkpointing to this one's; FSDP2's collectives (or
     DDP's all-reduce) at the interconnect's rate; the step is the larger of the two (communication overlaps
     compute; what is left over is exposed)."""
     gpu = target.gpu
     if gpu is None or not peak_flops(gpu, setup.precision, trainer.float32_matmul_precision):
         return None  # a CPU run, or a GPU whose peak is unknown
     choice = mfu_for(gpu, compiled, target.mfu)
-    mfu = choice.mfu * recompute_factor(trainer.activation_checkpointing, n_layers, trainer.ac_every)
+    # MFU counts the model's FLOPs only, so recomputation lowers it: the figure's run paid for its own checkpointing
+    # (not again: 6,667 tokens/s planned for torchtitan's own setting, not 5,711), this run pays for its
+    run = recompute_factor(trainer.activation_checkpointing, n_layers, trainer.ac_every)
+    measured = (
+        run
+        if choice.measured_with is None
+        else recompute_factor(choice.measured_with[0], n_layers, choice.measured_with[1])
+    )
+    mfu = choice.mfu * run / measured
     per_gpu_flops = (tokens_per_step * flops_per_token + extra_flops) / setup.world
     compute = per_gpu_flops / (peak_flops(gpu, setup.precision, trainer.float32_matmul_precision) * mfu)
     moved = 0.0
@@ -374,7 +386,8 @@ def plan_lm(
     plan = StagePlan(
         stage.name, describe_model(models.policy, params), describe_run(setup, trainer, target),
         f"{rows} x {seq} tokens per GPU{accumulation} = {world_tokens:,} tokens per step", phases, None, "", 0,
-        timing, notes=notes, by_checkpointing=by_checkpointing,
+        timing, notes=notes, by_checkpointing=by_checkpointing, parameters=params.total,
+        trainable_parameters=params.trainable, tokens_per_step=world_tokens,
     )  # fmt: skip
     return finish(plan, target, setup)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ from torch import Tensor, nn
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
-from alignment.shared.stage_plan import Models
 from alignment.stages.dpo_module import DPOModule, reference_dtype
 from alignment.stages.registry import stage_named
 from alignment.stages.reward import preference_data, preference_stage_callbacks
@@ -26,7 +24,6 @@ from models.files.digests import content_key, state_dict_digest
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +47,7 @@ def check_dpo_config(config: DPOConfig) -> None:
 def _check_model(config: DPOConfig, model: Transformer, key: str) -> None:
     path = getattr(config.init, key)
     source = path or "the model (model.vocab_size)"  # its tokenizer was checked by check_stage_config
-    check_context_length({"data.seq_len": config.data.seq_len}, model.config.max_seq_len, f"{source}'s max_seq_len")
+    stage_named("dpo").check_row_tokens(config, model.config.max_seq_len, f"{source}'s max_seq_len")
 
 
 def load_dpo_models(
@@ -119,6 +116,7 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     """Check everything that can be checked, then train the policy; returns the run folder on rank 0."""
     check_stage_config(config)
     check_dpo_config(config)
+    plan = stage_named("dpo").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     policy, reference, adapter_bases = load_dpo_models(config, tokenizer)
     datamodule = preference_data(config, DPODataModule)
@@ -151,9 +149,5 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     ]
     module = DPOModule(config, policy, reference, tokenizer, cache_key=cache_key)
     module.adapter_bases = adapter_bases
-    models = Models(
-        policy.config, reference=reference.config if config.init.reference and reference is not None else None
-    )
     del policy, reference  # the module holds them now; a precomputed reference is freed once it is scored
-    plan = partial(stage_named("dpo").plan_line, config, models)
     return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

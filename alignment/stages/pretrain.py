@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -12,7 +11,6 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import check_manifest
@@ -23,7 +21,6 @@ from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_context_length
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 
@@ -89,8 +86,9 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     repeated per rank and must be idempotent.
     """
     check_stage_config(config)  # before anything is created
+    plan = stage_named("pretrain").preflight(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    check_context_length({"loader.seq_len": config.loader.seq_len}, config.model.max_seq_len, "model.max_seq_len")
+    stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
     check_manifest(config.data.out_dir, tokenizer)
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
@@ -110,7 +108,6 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
         LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
         *(extra_callbacks or []),
     ]
-    plan = partial(stage_named("pretrain").plan_line, config, Models(config.model))
     if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks, plan=plan) is None:
         return None  # not rank 0
     if config.sample.prompt:

@@ -37,6 +37,8 @@ class Stage:
     module_at: str | type  # the LightningModule it trains
     plan_at: str | Callable[..., Any]  # plan(stage, config, models, target) -> StagePlan
     preset: str  # the pipeline's default preset
+    # the config keys whose tokens one row holds, summed: what must fit the model's context (check_row_tokens)
+    row_tokens: tuple[str, ...]
     # config key -> the stage whose final/ the pipeline wires into it
     starts_from: Mapping[str, str] = field(default_factory=dict)
     demo_files: Mapping[str, str] = field(default_factory=dict)  # config key -> the demo file (no .jsonl) it reads
@@ -92,20 +94,31 @@ class Stage:
         """Whether the stage takes a ``peft`` section (pretraining trains every weight)."""
         return any(f.name == "peft" for f in fields(self.training_section(self.schema())))
 
+    def check_row_tokens(self, config: Any, max_seq_len: int, limit: str) -> None:
+        """The stage's one context rule, for its run and its plan alike: the tokens of a row (``row_tokens``) fit
+        ``max_seq_len``; a one-line ConfigError naming the keys and ``limit`` otherwise."""
+        from trainer.checks import check_context_length
+
+        lengths = {key: functools.reduce(getattr, key.split("."), config) for key in self.row_tokens}
+        check_context_length(lengths, max_seq_len, limit)
+
     def plan(self, config: Any, models: Any, target: Any) -> Any:
-        """The stage's ``StagePlan`` with the knob that makes it fit."""
+        """The stage's ``StagePlan`` with the knob that makes it fit; refused like the run when a row does not fit
+        the model's context."""
         from alignment.shared.plan_knobs import plan_stage
 
+        self.check_row_tokens(config, models.policy.max_seq_len, "the model's max_seq_len")
         return plan_stage(self, config, models, target)
 
     def plan_without_knob(self, config: Any, models: Any, target: Any) -> Any:
         return resolve(self.plan_at)(self, config, models, target)
 
-    def plan_line(self, config: Any, models: Any) -> str:
-        """The plan's one line for the stage about to train on this machine's device."""
-        from alignment.shared.plan_knobs import device_target
+    def preflight(self, config: Any) -> Any:
+        """The stage's plan on this machine's device before any weights load (``plan_knobs.preflight``): printed,
+        and refused in one line when it does not fit; the ``PlannedRun`` its run is held against, or None."""
+        from alignment.shared.plan_knobs import preflight
 
-        return self.plan(config, models, device_target(self.training_section(config).trainer)).line()
+        return preflight(self, config)
 
 
 _PLANS = "alignment.shared.stage_plan"
@@ -128,13 +141,13 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "pretrain", "pretrain", "pretrain a model on prepared token shards",
         "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
-        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
+        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml", ("loader.seq_len",),
         corpus_key="data.out_dir", panel=("pretraining", (("train/loss", "val/loss"), "loss"), ((), "")),
     ),
     Stage(
         "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",
         "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
-        f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml",
+        f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
         starts_from={"init.checkpoint": "pretrain"}, demo_files={"data.train": "train", "data.val": "val"},
         headline=(("val/loss", "", "first_last"), ("val/accuracy", "(exact match)", "first_last")),
         panel=("SFT", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
@@ -142,7 +155,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "rm", "rm", "train a reward model on preference pairs",
         "alignment.schemas.reward:RMConfig", "alignment.stages.reward:run_rm", "alignment.stages.reward:RewardModule",
-        f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml",
+        f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml", ("data.seq_len",),
         # its policy_samples (when its preset names a checker) sample the SFT model
         starts_from={"init.checkpoint": "sft", "policy_samples.policy": "sft"},
         demo_files={"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
@@ -154,6 +167,7 @@ STAGES: tuple[Stage, ...] = (
         "ppo", "ppo", "optimise the SFT policy against the reward model with PPO",
         "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo_module:PPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
+        ("data.max_prompt_tokens", "ppo.response_max_tokens"),
         starts_from={"init.policy": "sft", "init.reward_model": "rm"},
         demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.ppo:PPO",
         headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
@@ -162,13 +176,14 @@ STAGES: tuple[Stage, ...] = (
         "grpo", "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward",
         "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo_module:GRPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
+        ("data.max_prompt_tokens", "grpo.response_max_tokens"),
         starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "data.val": "prompts"},
         algorithm_at="alignment.stages.grpo:GRPO", headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
     ),
     Stage(
         "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",
         "alignment.schemas.dpo:DPOConfig", "alignment.stages.dpo:run_dpo", "alignment.stages.dpo_module:DPOModule",
-        f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml",
+        f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml", ("data.seq_len",),
         starts_from={"init.policy": "sft"}, demo_files={"data.train": "pairs"},
         headline=(
             ("val/loss", "", "first_last"), ("val/reward_accuracy", "(implicit reward, held-out pairs)", "first_last")
@@ -180,6 +195,7 @@ STAGES: tuple[Stage, ...] = (
         "alignment.schemas.rejection_sampling:RejectionSamplingConfig",
         "alignment.stages.rejection_sampling:run_rejection_sampling", "alignment.stages.sft:SFTModule",
         "alignment.shared.plan_rl:plan_rejection_sampling", "configs/rejection_sampling/tiny.yaml",
+        ("data.max_prompt_tokens", "sampling.response_max_tokens"),
         starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
         training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
     ),

@@ -21,6 +21,7 @@ from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.rewards import build_reward
 from alignment.shared.sampling import sample_and_score
+from alignment.stages.registry import stage_named
 from alignment.stages.sft import fine_tune
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
@@ -32,7 +33,6 @@ from models.formats.checkpoint import load_checkpoint, load_model_config
 from models.model import ModelConfig
 from trainer.build import check_stage_config, run_directory
 from trainer.checkpoints import latest_checkpoint
-from trainer.checks import check_context_length
 from trainer.config import RunConfig, to_dict
 from trainer.storage import claim_run_directory, is_global_rank_zero, lock_run_directory, release_run_directory
 
@@ -90,14 +90,7 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
         model = load_model_config(config.init.policy)
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
-    check_context_length(
-        {
-            "data.max_prompt_tokens": config.data.max_prompt_tokens,
-            "sampling.response_max_tokens": sampling.response_max_tokens,
-        },
-        model.max_seq_len,
-        "the policy's max_seq_len",
-    )
+    stage_named("rejection_sampling").check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
     if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
         log.warning(
             "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
@@ -293,6 +286,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
     returns the run folder on rank 0, else None."""
     check_stage_config(config, config.sft.trainer)  # before anything is created
+    plan = stage_named("rejection_sampling").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = check_config(config, tokenizer)
     prompts = load_training_prompts(config)
@@ -319,4 +313,4 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     except BaseException:
         release_run_directory(run_dir)
         raise
-    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling")
+    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling", plan=plan)

@@ -5,7 +5,6 @@ std, and ``policy_samples`` trains on (and measures agreement with a checker on)
 from __future__ import annotations
 
 import logging
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from torch import Tensor
 from alignment.schemas.reward import RMConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -167,9 +165,11 @@ def preference_stage_callbacks(config: Any, run_dir: Path, tokenizer: Any, datam
 def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
     check_stage_config(config)
+    plan = stage_named("rm").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
+    stage_named("rm").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     # peft.kind=lora: the backbone's adapters and the whole score head train
     adapter_bases = add_stage_adapters(config, model, base=model.backbone, trainable=("head.",))
     samples = config.policy_samples
@@ -196,7 +196,6 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     ]
     module = RewardModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    plan = partial(stage_named("rm").plan_line, config, Models(model.config))
     run_dir = fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)
     if run_dir is not None and samples.policy and samples.checker and samples.heldout:  # rank 0, after the export
         result = measure_agreement(config, run_dir, tokenizer)

@@ -9,7 +9,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
 from alignment.shared.responses import RewardFunction
 from alignment.shared.rewards import Reward, RewardTerm, load_checker
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from alignment.stages.rl_module import RLModule
 from data.records.prompts import PromptDataModule
@@ -30,7 +28,6 @@ from models.errors import ConfigError
 from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
-from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +92,7 @@ def load_policy(config: Any, algorithm: RLAlgorithm) -> Transformer:
     """The SFT model, checked before any compute: a prompt plus a response fit its context (its tokenizer and the
     reward models' were checked by ``check_stage_config``)."""
     policy = load_checkpoint(config.init.policy, dtype=torch.float32)
-    response_max_tokens = algorithm.hyperparameters(config).response_max_tokens
-    check_context_length(
-        {
-            "data.max_prompt_tokens": config.data.max_prompt_tokens,
-            f"{algorithm.stage}.response_max_tokens": response_max_tokens,
-        },
-        policy.config.max_seq_len,
-        "the policy's max_seq_len",
-    )
+    stage_named(algorithm.stage).check_row_tokens(config, policy.config.max_seq_len, "the policy's max_seq_len")
     return policy
 
 
@@ -118,6 +107,7 @@ def run_rl(
     ``reward_fn`` replaces the configured reward (tests, or a programmatic reward over token rows)."""
     check_stage_config(config)  # before anything is created
     check_rl_config(config, algorithm)
+    plan = stage_named(algorithm.stage).preflight(config)  # before any weights load
     checker = load_checker(config.eval.checker, "eval.checker")
     tokenizer = Tokenizer.load(config.data.tokenizer)
     if reward_fn is not None:
@@ -147,9 +137,4 @@ def run_rl(
     ]
     module = algorithm.module(config, **models, reward=reward, tokenizer=tokenizer, checker=checker)
     module.adapter_bases = adapter_bases
-    critic = extra.get("critic")
-    planned = Models(
-        policy.config, rewards=[scorer.model.config for scorer in reward.models], critic=getattr(critic, "config", None)
-    )
-    plan = partial(stage_named(algorithm.stage).plan_line, config, planned)
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False, plan=plan)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
-from alignment.shared.stage_plan import Models
 from alignment.stages.registry import stage_named
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -32,6 +30,7 @@ from trainer.checks import check_initial_model
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import unsharded_for_generation
+from trainer.plan_check import PlannedRun
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +214,20 @@ def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, 
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``
     is what the run folder records."""
     check_stage_config(config)  # before anything is created
-    return fine_tune(config, extra_callbacks, stage=stage)
+    plan = stage_named("sft").preflight(config)  # before any weights load
+    return fine_tune(config, extra_callbacks, stage=stage, plan=plan)
 
 
-def fine_tune(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
-    """``run_sft`` after its stage check, for a stage that made that check on the config it derived this one from
-    (rejection sampling, which fine-tunes in its own folder)."""
+def fine_tune(
+    config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft",
+    plan: PlannedRun | None = None,
+) -> Path | None:  # fmt: skip
+    """``run_sft`` after its stage check and pre-flight ``plan``, for a stage that made them on the config it derived
+    this one from (rejection sampling, which fine-tunes in its own folder)."""
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)
+    stage_named("sft").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     datamodule = SFTDataModule(
         config.data,
@@ -262,5 +266,4 @@ def fine_tune(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None
     ]
     module = SFTModule(config, model, tokenizer)
     module.adapter_bases = adapter_bases
-    plan = partial(stage_named("sft").plan_line, config, Models(model.config))
     return fit_stage(config, module, datamodule, run_dir, callbacks, plan=plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from alignment.schemas.sft import SFTConfig
 from alignment.stages import pretrain as pretrain_stage
 from alignment.stages import registry
 from alignment.stages.registry import Stage
+from models.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_STAGES = {"tokenizer", "generate", "convert", "eval", "prepare", "pipeline", "plan", "demo-data", "export"}
@@ -34,7 +36,7 @@ def run_sft_variant(config: SFTConfig) -> Path | None:
 VARIANT = Stage(
     "sft_variant", "sft-variant", "SFT once more, on the SFT model (a test's stage)",
     "alignment.schemas.sft:SFTConfig", run_sft_variant, "alignment.stages.sft:SFTModule",
-    "alignment.shared.stage_plan:plan_sft", "configs/sft/tiny.yaml",
+    "alignment.shared.stage_plan:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
     starts_from={"init.checkpoint": "sft"}, demo_files={"data.train": "train", "data.val": "val"},
 )  # fmt: skip
 
@@ -122,3 +124,15 @@ def test_a_record_reads_its_run_function_as_the_module_holds_it_now(monkeypatch)
 
     monkeypatch.setattr("alignment.stages.pretrain.run_pretrain", replaced)
     assert stage.run is replaced
+
+
+@pytest.mark.parametrize("stage", [s.name for s in registry.STAGES])
+def test_every_stage_names_the_row_tokens_its_context_must_hold(stage):
+    """Each stage's one context rule (its record's ``row_tokens``), read from its schema's defaults."""
+    record = registry.stage_named(stage)
+    config = record.schema()
+    record.check_row_tokens(config, 10**6, "the model's max_seq_len")
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(record.row_tokens[0])} \(\d+\).* the model's max_seq_len \(8\)"
+    ):
+        record.check_row_tokens(config, 8, "the model's max_seq_len")

@@ -82,14 +82,6 @@ def stage_config(model: ModelConfig, seq_len: int, checkpoint: str | None = None
     )
 
 
-def test_initial_model_sequences_must_fit_the_context():
-    config = stage_config(small_model(), seq_len=64)
-    check_initial_model(config, SimpleNamespace(vocab_size=512), small_model())
-    config = stage_config(small_model(), seq_len=65)
-    with pytest.raises(ConfigError, match=r"data\.seq_len \(65\) exceeds the model's max_seq_len \(64\)"):
-        check_initial_model(config, SimpleNamespace(vocab_size=512), small_model())
-
-
 def test_initial_model_from_a_checkpoint_replaces_the_configured_one(tmp_path, caplog):
     built = small_model(n_layers=2)
     config = stage_config(small_model(), seq_len=32, checkpoint=str(tmp_path))  # no tokenizer in the folder

@@ -231,6 +231,12 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
         and str(out / "data" / "demo" / "prompts.jsonl") in grpo
     )
 
+    # every stage held against its plan: the CPU plan's peak beside the resident memory the run measured
+    assert "## Each stage against its plan" in report
+    for stage in MODEL_STAGES:
+        plan = json.loads((out / "report.json").read_text())["stages"][stage]["plan"]
+        assert plan["peak_bytes"] > 0 and plan["measured_peak_bytes"] > 0 and plan["step_s"] is None, stage
+
     rows = _table_rows(report)
     # #, task, prompt, reference + one answer per model
     assert len(rows) == PROMPTS and all(len(row) == 4 + len(POLICIES) for row in rows)

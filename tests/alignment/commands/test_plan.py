@@ -4,21 +4,15 @@ again and fitting; and the plan line a stage prints before it trains, which neve
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from alignment.commands.cli import main
-from alignment.schemas.pretrain import PretrainConfig
-from alignment.stages import pretrain as pretrain_stage
-from alignment.stages import registry
 from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
-from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted(
@@ -43,12 +37,11 @@ def error(capsys, *args: str) -> str:
 
 
 def needs_model(path: str) -> list[str]:
-    """The presets whose model folder comes from an earlier stage are planned with a named model."""
-    return (
-        []
-        if "/pretrain/" in path or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml"))
-        else ["--model", "tiny"]
-    )
+    """The presets whose model folder comes from an earlier stage are planned with a named model (one whose context
+    holds their rows)."""
+    if "/pretrain/" in path or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml")):
+        return []
+    return ["--model", "llama3.2-1b" if "llama" in path else "tiny"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -153,7 +146,7 @@ def test_time_cost_and_interconnect(capsys):
     assert time["cost"] == pytest.approx(2 * time["gpu_hours"])
     slow = plan_json(capsys, *args, "--bandwidth", "1")["time"]
     assert slow["communication_s"] > time["communication_s"] and slow["step_s"] == slow["communication_s"]
-    half = plan_json(capsys, *args, "--mfu", "0.195")["time"]
+    half = plan_json(capsys, *args, "--mfu", str(time["mfu"] / 2))["time"]  # --mfu: the planned run's own
     assert half["compute_s"] == pytest.approx(2 * time["compute_s"], rel=1e-3)
 
 
@@ -169,25 +162,3 @@ def test_lora_stages_keep_no_reference_copy(capsys):
     for preset in ("configs/ppo/tiny.yaml", "configs/grpo/tiny.yaml"):
         assert "reference (frozen)" in items(preset, "--model", "tiny")
         assert "reference (frozen)" not in items(preset, "--model", "tiny", "peft.kind=lora")
-
-
-def test_a_stage_prints_its_plan_before_training_and_an_estimate_error_never_fails_it(
-    capsys, caplog, tmp_path, data_dir, monkeypatch
-):  # fmt: skip
-    config = load_config(
-        PretrainConfig, "configs/pretrain/tiny.yaml",
-        [f"data.out_dir={data_dir}", f"run.out_dir={tmp_path}", "trainer.max_steps=1", "trainer.accelerator=cpu",
-         "logger.kind=none", "checkpoint.every_n_steps=1", "trainer.val_every_n_steps=1"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    assert pretrain_stage.run_pretrain(config) is not None
-    assert re.search(r"^plan: CPU run: peak [\d.]+ GiB estimated", capsys.readouterr().out, re.MULTILINE)
-
-    def broken(*args, **kwargs) -> str:
-        raise ZeroDivisionError("an estimator bug")
-
-    record = dataclasses.replace(registry.stage_named("pretrain"), plan_at=broken)  # the plan pretraining prints
-    monkeypatch.setattr(registry, "STAGES", registry.with_stage(record))
-    config.run.name = "second"
-    assert pretrain_stage.run_pretrain(config) is not None
-    assert "an estimator bug" in caplog.text

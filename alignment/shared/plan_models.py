@@ -1,0 +1,99 @@
+"""The models a stage config names, as model configs (no weights): its own folders' configs, a preset, or the model
+given for every path (``lantern plan --model``); what ``lantern plan`` and a stage's pre-flight plan read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from alignment.shared.stage_plan import Models
+from models.config_checks import check_model_size
+from models.errors import ConfigError
+from models.formats.checkpoint import load_model_config
+from models.model import ModelConfig
+from models.resources import model_preset_path
+from trainer.config import load_preset
+
+
+def model_named(name: str) -> ModelConfig:
+    """``--model``: a preset (llama3.2-1b), a model YAML, or a checkpoint folder; its sizes within bounds."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return folder_model(folder, f"--model {name}")
+    if not model_preset_path(name).is_file():
+        raise ConfigError(f"--model {name!r} is neither a model preset, a model YAML nor a checkpoint folder")
+    try:  # read as a stage config's model=NAME is: one loader, one-line errors
+        config = ModelConfig.from_dict(OmegaConf.to_container(load_preset(name, f"--model {name}"), resolve=True))
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"--model {name}: {str(error).replace('ModelConfig.', 'model.')}") from error
+    check_model_size(config, f"--model {name}")
+    return config
+
+
+def folder_model(folder: Path, key: str) -> ModelConfig:
+    """The model config of a checkpoint folder, its sizes within bounds (a planned model is built on the meta device,
+    one module per layer: an absurd size is refused, not built)."""
+    try:
+        config = load_model_config(folder)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {folder} holds no readable model config ({error})") from error
+    check_model_size(config, f"{key} ({folder})")
+    return config
+
+
+class ModelResolver:
+    """The model config a path in a stage config stands for: ``--model`` when given, a model planned upstream (the
+    pipeline's), the folder's own config, else a one-line error asking for ``--model``."""
+
+    def __init__(self, model: str | None, known: dict[str, ModelConfig] | None = None) -> None:
+        self.model = model_named(model) if model else None
+        self.known = known or {}
+
+    def __call__(self, path: str | None, key: str, fallback: ModelConfig | None = None) -> ModelConfig:
+        if self.model is not None:
+            return self.model
+        if path:
+            if str(path) in self.known:
+                return self.known[str(path)]
+            if Path(path).expanduser().is_dir():
+                return folder_model(Path(path).expanduser(), key)
+            raise ConfigError(
+                f"{key}: {path} does not exist (yet): name the model to plan with --model (a preset such as "
+                "llama3.2-1b, a model YAML or a checkpoint folder)"
+            )
+        if fallback is None:
+            raise ConfigError(f"{key} is not set: name the model to plan with --model")
+        return fallback
+
+
+def reward_paths(config: Any) -> list[tuple[str, str]]:
+    terms = [(term.path, f"reward.terms[{i}].path") for i, term in enumerate(config.reward.terms) if term.kind == "reward_model"]  # fmt: skip
+    if not config.reward.terms and getattr(config.init, "reward_model", None):
+        terms.append((config.init.reward_model, "init.reward_model"))
+    return terms
+
+
+def stage_models(config: Any, resolve: ModelResolver) -> Models:
+    """The models ``config`` names, by role, read from its ``init`` section: a checkpoint to fine-tune (SFT, the
+    reward model), a policy with a reference (DPO), or a policy with the reward models that score its samples and,
+    where the config has one, a critic (PPO); no init section: a model built from ``model`` (pretraining)."""
+    init = getattr(config, "init", None)
+    if init is None:
+        return Models(resolve(None, "model", config.model))
+    if hasattr(init, "checkpoint"):
+        return Models(resolve(init.checkpoint, "init.checkpoint", config.model))
+    if hasattr(init, "reference"):
+        reference = resolve(init.reference, "init.reference") if init.reference else None
+        return Models(resolve(init.policy, "init.policy", config.model), reference=reference)
+    policy = resolve(init.policy, "init.policy")
+    rewards = [resolve(path, key) for path, key in reward_paths(config)]
+    critic = None
+    if hasattr(init, "critic"):  # a copy of the reward model, else a fresh head on the policy's backbone
+        critic = policy
+        if init.critic == "reward_model" and (rewards or init.reward_model):
+            critic = rewards[0] if rewards else resolve(init.reward_model, "init.reward_model")
+    return Models(policy, rewards=rewards, critic=critic)

@@ -1,0 +1,78 @@
+"""Every run held against its plan (alignment/shared/plan_knobs.py ``preflight``, trainer/plan_check.py): the plan
+is printed before any weights load, a run that cannot fit stops there naming the knob (unless
+``trainer.plan_check=off``), an estimate that fails is only a warning, and the end of training records the plan
+beside what was measured, warning once when the peak is well above it."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import re
+
+import pytest
+import torch
+
+from alignment.schemas.pretrain import PretrainConfig
+from alignment.schemas.sft import SFTConfig
+from alignment.shared import stage_plan
+from alignment.stages import pretrain as pretrain_stage
+from alignment.stages import registry
+from alignment.stages import sft as sft_stage
+from models.errors import ConfigError
+from trainer import plan_check
+from trainer.config import load_config
+
+
+def pretrain_config(data_dir, tmp_path, *overrides: str) -> PretrainConfig:
+    return load_config(
+        PretrainConfig, "configs/pretrain/tiny.yaml",
+        [f"data.out_dir={data_dir}", f"run.out_dir={tmp_path}", "trainer.max_steps=4", "trainer.accelerator=cpu",
+         "logger.kind=csv", "checkpoint.every_n_steps=4", "trainer.val_every_n_steps=4", *overrides],
+    )  # fmt: skip
+
+
+def test_a_run_records_its_plan_beside_what_it_measured(capsys, caplog, tmp_path, data_dir, monkeypatch):
+    monkeypatch.setattr(plan_check, "OVER_PLAN", 0.0)  # any measured peak is "above the plan": the warning shows
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING):
+        run_dir = pretrain_stage.run_pretrain(pretrain_config(data_dir, tmp_path))
+    assert re.search(r"^plan: CPU run: peak [\d.]+ GiB estimated", capsys.readouterr().out, re.MULTILINE)
+    record = json.loads((run_dir / plan_check.RECORD).read_text())
+    assert record["peak_bytes"] > 0 and record["measured_peak_bytes"] > 0 and record["step_s"] is None
+    assert record["peak_ratio"] == pytest.approx(record["measured_peak_bytes"] / record["peak_bytes"])
+    assert record["steps_timed"] == 2 and record["measured_step_s"] > 0  # 4 steps, the first two left out
+    assert "resident memory" in record["memory_measured_as"]
+    assert caplog.text.count("above the plan's") == 1
+    with open(run_dir / "csv" / "metrics.csv", newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("plan/peak_gib")]
+    assert len(rows) == 1 and float(rows[0]["plan/measured_peak_gib"]) == pytest.approx(
+        record["measured_peak_bytes"] / 2**30
+    )
+
+
+def test_a_run_that_cannot_fit_stops_before_its_weights_load(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setattr(stage_plan, "host_memory_bytes", lambda: 2**20)  # a machine of 1 MiB
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights loaded before the plan's verdict")
+
+    monkeypatch.setattr(sft_stage, "load_initial_model", never)
+    config = load_config(SFTConfig, "configs/sft/tiny.yaml", [f"run.out_dir={tmp_path}", "trainer.accelerator=cpu"])
+    with pytest.raises(ConfigError, match=r"^plan: does not fit: .*trainer\.plan_check=off runs it anyway\)$"):
+        sft_stage.run_sft(config)
+    config.trainer.plan_check = "off"  # the plan is printed and the run goes on, to its first load
+    with pytest.raises(AssertionError, match="weights loaded"):
+        sft_stage.run_sft(config)
+
+
+def test_an_estimate_that_fails_never_stops_a_run(caplog, tmp_path, data_dir, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("an estimator bug")
+
+    record = dataclasses.replace(registry.stage_named("pretrain"), plan_at=broken)
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(record))
+    with caplog.at_level(logging.WARNING):
+        assert pretrain_stage.run_pretrain(pretrain_config(data_dir, tmp_path, "trainer.max_steps=1")) is not None
+    assert "an estimator bug" in caplog.text and "training goes on" in caplog.text
