@@ -25,13 +25,18 @@ def overrides(model: str, gpus: int) -> list[str]:
     return [f"model={model}", f"trainer.devices={devices}", f"trainer.num_nodes={nodes}"]
 
 
-def run(*args: str) -> str:
+def plan_output(*args: str) -> str:
+    """What ``lantern plan ARGS`` prints, run in this process (no CLI start-up per plan); a failure ends the script."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = lantern(["plan", CONFIG, *args])
+        status = lantern(["plan", *args])
     if status:
         raise SystemExit(f"lantern plan {' '.join(args)} failed with status {status}")
     return out.getvalue()
+
+
+def run(*args: str) -> str:
+    return plan_output(CONFIG, *args)
 
 
 def grid(gpu: str) -> str:

@@ -17,15 +17,13 @@ a ratio above 1 means the plan says more than was published.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from alignment.commands.cli import main as lantern
+from benchmarks.plan_tables import plan_output
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "published_runs.json"
@@ -38,13 +36,8 @@ THROUGHPUT_MEDIAN = (0.90, 1.10)
 
 
 def plan(args: list[str]) -> dict[str, Any]:
-    """``lantern plan ARGS --json``, run in this process (no CLI start-up per run), its JSON parsed."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        status = lantern(["plan", *args, "--json"])
-    if status:
-        raise SystemExit(f"lantern plan {' '.join(args)} failed with status {status}")
-    return json.loads(out.getvalue())
+    """``lantern plan ARGS --json``, its JSON parsed."""
+    return json.loads(plan_output(*args, "--json"))
 
 
 def ratio(planned: float | None, published: float | None) -> float | None:
