@@ -23,7 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from models.files.atomic import write_atomically
+from models.files.atomic import StorageError, write_atomically
 from models.memory import GiB
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,14 @@ class PlanVersusMeasured(L.Callback):
                 record["measured_peak_bytes"] / GiB, 100 * (record["peak_ratio"] - 1), self.planned.peak_bytes / GiB,
                 record["memory_measured_as"], RECORD,
             )  # fmt: skip
-        write_atomically(self.run_dir / RECORD, json.dumps(record, indent=1) + "\n", what="plan record")
+        try:
+            write_atomically(self.run_dir / RECORD, json.dumps(record, indent=1) + "\n", what="plan record")
+        except (OSError, StorageError) as error:  # a record, like a metric: losing it never loses the training
+            log.warning("plan: %s; training goes on", error)
+        measured = record["measured_peak_bytes"]
         figures = {
             "plan/peak_gib": self.planned.peak_bytes / GiB,
-            "plan/measured_peak_gib": record["measured_peak_bytes"] / GiB,
+            "plan/measured_peak_gib": None if measured is None else measured / GiB,
             "plan/peak_ratio": record["peak_ratio"],
             "plan/step_s": self.planned.step_s,
             "plan/measured_step_s": record["measured_step_s"],
@@ -103,12 +107,16 @@ class PlanVersusMeasured(L.Callback):
 
     def measure(self, device: torch.device) -> dict[str, Any]:
         """The record: planned and measured peak memory and step time, their ratios, and how each was measured."""
+        peak: int | None
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             how = "CUDA allocator's peak (max_memory_allocated)"
         else:
-            peak = max(self._resident_peak - self.planned.resident_before, 0)
+            peak = self._resident_peak - self.planned.resident_before
             how = "resident memory sampled at step ends, less the process's before the weights loaded (host)"
+            if peak <= 0:  # an earlier stage of this process held more than this one uses: nothing to measure
+                peak = None
+                how = "not measurable: this process held more memory before the stage than during it (host)"
         steps = [b - a for a, b in zip(self._ends, self._ends[1:])][WARM_UP_STEPS - 1 :]
         step = statistics.median(steps) if steps else None
         planned = self.planned

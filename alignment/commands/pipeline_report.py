@@ -227,7 +227,7 @@ def plan_lines(pipeline: Pipeline) -> list[str]:
             continue
         planned, measured = (_seconds(record[key]) for key in ("step_s", "measured_step_s"))
         rows.append(
-            f"| {stage} | {record['peak_bytes'] / GiB:.2f} | {record['measured_peak_bytes'] / GiB:.2f} | "
+            f"| {stage} | {record['peak_bytes'] / GiB:.2f} | {_gib(record['measured_peak_bytes'])} | "
             f"{_ratio(record['peak_ratio'])} | {planned} | {measured} | {_ratio(record['step_ratio'])} | "
             f"{record['memory_measured_as']} |"
         )
@@ -245,6 +245,10 @@ def plan_lines(pipeline: Pipeline) -> list[str]:
 
 def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
+
+
+def _gib(value: float | None) -> str:
+    return "—" if value is None else f"{value / GiB:.2f}"
 
 
 def _seconds(value: float | None) -> str:

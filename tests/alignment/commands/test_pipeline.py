@@ -231,11 +231,13 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
         and str(out / "data" / "demo" / "prompts.jsonl") in grpo
     )
 
-    # every stage held against its plan: the CPU plan's peak beside the resident memory the run measured
+    # every stage held against its plan: the CPU plan's peak beside the resident memory the run measured, where
+    # the process (which ran the stages before it) did not already hold more
     assert "## Each stage against its plan" in report
     for stage in MODEL_STAGES:
         plan = json.loads((out / "report.json").read_text())["stages"][stage]["plan"]
-        assert plan["peak_bytes"] > 0 and plan["measured_peak_bytes"] > 0 and plan["step_s"] is None, stage
+        assert plan["peak_bytes"] > 0 and plan["step_s"] is None, stage
+        assert plan["measured_peak_bytes"] is None or plan["measured_peak_bytes"] > 0, stage
 
     rows = _table_rows(report)
     # #, task, prompt, reference + one answer per model
