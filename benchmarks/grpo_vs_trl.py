@@ -24,13 +24,14 @@ import argparse
 import csv
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.lora.memory import peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "configs" / "grpo" / "smollm2.yaml"
@@ -165,9 +166,7 @@ def main() -> None:
     if args.run:
         start = time.perf_counter()
         result = (run_lantern if args.run == "lantern" else run_trl)(args, data, work / args.run)
-        result.update(
-            wall_s=time.perf_counter() - start, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        )
+        result.update(wall_s=time.perf_counter() - start, peak_rss_gb=peak_rss() / 2**30)
         (work / f"{args.run}.json").write_text(json.dumps(result))
         return
     from alignment.shared.evaluation import paired_difference, verdict

@@ -152,7 +152,8 @@ def _other_model_folders(config: Any) -> list[str]:
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:
     """A stage that starts from ``init.checkpoint`` (or a seeded ``model``) (SFT, reward model): the tokenizer fits
-    the model and is the one the checkpoint carries (the rows' fit to its context is the stage record's rule). ``config.model`` is set to the model really built, so that config.yaml and the
+    the model and is the one the checkpoint carries (the rows' fit to its context is the stage record's rule).
+    ``config.model`` is set to the model really built, so that config.yaml and the
     checkpoints record it (a preset's ``model: tiny`` is only the fallback when there is no checkpoint)."""
     # Only a model section someone set is worth a warning: a stage preset that names none (the pipeline's, which
     # start from the previous stage's model) carries the schema's default, which nobody asked for.

@@ -218,11 +218,12 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
     return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
 
 
-def plan_lines(pipeline: Pipeline) -> list[str]:
-    """Each stage held against its plan (``plan_vs_measured.json``): peak memory and step time, planned and measured."""
+def plan_lines(stages: dict[str, Any]) -> list[str]:
+    """Each stage held against its plan (``report_json``'s ``plan``, its ``plan_vs_measured.json``): peak memory and
+    step time, planned and measured."""
     rows = []
-    for stage in (s for s in pipeline.config.stages if s != "prepare"):
-        record = read_json(pipeline.stage_dir(stage) / PLAN_RECORD)
+    for stage, entry in stages.items():
+        record = entry["plan"]
         if record is None:
             continue
         planned, measured = (_seconds(record[key]) for key in ("step_s", "measured_step_s"))
@@ -283,14 +284,12 @@ def write_report(pipeline: Pipeline) -> Path:
             plots.append(f"![{stage} {png.stem}](report/{stage}-{png.name})")
     prompts, results = evaluate_models(pipeline)
     overview_png(metrics, results, report_dir / "overview.png")
-    write_atomically(
-        root / "report.json",
-        json.dumps(json_safe(report_json(pipeline, results, seconds)), indent=2) + "\n",
-        what="report",
-    )
+    report = report_json(pipeline, results, seconds)
+    write_atomically(root / "report.json", json.dumps(json_safe(report), indent=2) + "\n", what="report")
     if results:
         k = pipeline.config.report.pass_k
-        start = "the start model" if pipeline.config.align_from == "start" else "SFT"
+        from_start = pipeline.config.align_from == "start"
+        start, reference = ("the start model", "the start model") if from_start else ("SFT", "the SFT model")
         lines += [
             "", f"## Every model on the same {len(prompts)} held-out prompts", "",
             f"Answers scored by `{pipeline.config.report.checker}` (0 to 1). Greedy: one answer per prompt at "
@@ -298,11 +297,11 @@ def write_report(pipeline: Pipeline) -> Path:
             "sampling policy, which RL optimises), and pass@k from the same samples, on the first "
             f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
             "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
-            f"samples, log-ratio to {start if start != 'SFT' else 'the SFT model'} summed over the response. Also in `report.json`.", "",
+            f"samples, log-ratio to {reference} summed over the response. Also in `report.json`.", "",
             *comparison_lines(results, seconds, k, start),
             *harness_lines(results),
         ]  # fmt: skip
-    lines += plan_lines(pipeline)
+    lines += plan_lines(report["stages"])
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
     if results:
         lines += answer_lines(prompts, results, pipeline.config.report.prompts)

@@ -144,7 +144,8 @@ def plan_dict(plan: StagePlan) -> dict[str, Any]:
     return {
         "stage": plan.stage, "model": plan.model, "parameters": plan.parameters,
         "trainable_parameters": plan.trainable_parameters, "tokens_per_step": plan.tokens_per_step, "run": plan.run,
-        "batch": plan.batch, "device": plan.device, "gpus": plan.gpus, "capacity_bytes": plan.capacity, "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
+        "batch": plan.batch, "device": plan.device, "gpus": plan.gpus, "capacity_bytes": plan.capacity,
+        "peak_bytes": plan.peak, "peak_gib": plan.peak / GiB,
         "peak_phase": plan.peak_phase.name, "verdict": plan.verdict, "knob": plan.knob, "line": plan.line(),
         "phases": phases, "time": timing, "notes": plan.notes,
         "activations_by_checkpointing": {mode: value / GiB for mode, value in plan.by_checkpointing.items()},

@@ -166,10 +166,10 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
     except Exception as error:  # a missing model or bad rows are the stage's own errors to raise, a bug a warning
         log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
         return None
+    line = plan.line()
     if plan.verdict == "does not fit" and trainer.plan_check == "on":
-        prefix = stage.training_prefix
-        raise ConfigError(f"plan: {plan.line()} ({prefix}trainer.plan_check=off runs it anyway)")
+        raise ConfigError(f"plan: {line} ({stage.training_prefix}trainer.plan_check=off runs it anyway)")
     if is_global_rank_zero():
-        print(f"plan: {plan.line()}", flush=True)
+        print(f"plan: {line}", flush=True)
     step = plan.timing.step_s if plan.timing is not None else None
-    return PlannedRun(plan.line(), plan.peak, step, plan.device, resident)
+    return PlannedRun(line, plan.peak, step, plan.device, resident)

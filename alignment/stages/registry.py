@@ -141,7 +141,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "pretrain", "pretrain", "pretrain a model on prepared token shards",
         "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
-        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml", ("loader.seq_len",),
+        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
+        ("loader.seq_len",),
         corpus_key="data.out_dir", panel=("pretraining", (("train/loss", "val/loss"), "loss"), ((), "")),
     ),
     Stage(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lora.params import MIB, unique_parameters
+from trainer.plan_check import resident_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("lora-shared", "lora-copy", "full-copy")
@@ -180,13 +181,6 @@ def grpo_step(args: argparse.Namespace, policy, reference, optimizer) -> dict[st
     }
 
 
-def current_rss() -> int:
-    import os
-
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def release_free_memory() -> None:
     """Hand glibc's freed heap back to the kernel, so that the resident size is what is still in use."""
     import contextlib
@@ -226,10 +220,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     warm_up(args, step)
     gc.collect()
     release_free_memory()
-    warm_baseline, warm_up_peak = current_rss(), peak_rss()
+    warm_baseline, warm_up_peak = resident_bytes(), peak_rss()
     policy, reference = build_models(args)
     optimizer = optimizer_for(policy)
-    after_models = current_rss()
+    after_models = resident_bytes()
     # AdamW makes its moments at its first step: from the second on, a step's peak is a training run's
     steps = [step(args, policy, reference, optimizer) for _ in range(args.repeat)]
     peak = peak_rss()
