@@ -26,7 +26,7 @@ except ImportError:  # a torch built without torch.distributed: nothing is shard
 
 from models.attention import attention_mask
 from models.model import KVCache, Transformer, rope_cos_sin
-from models.sampling import GenerationOutput, pick_next, sample_next, sampling_noise
+from models.sampling import GenerationOutput, pick_next, sample_next, sampling_draws
 
 REAL_DOCUMENT = 1  # models.generation's id for real tokens (pads are 0)
 LENGTH_BUCKET = 128  # cache lengths are rounded up to this so varying prompt widths reuse one compiled step
@@ -203,7 +203,7 @@ def decode_and_sample(
     cache_position: Tensor,
     done: Tensor,
     stop: Tensor,
-    noise: Tensor | None,
+    draws: Tensor | None,
     pad_id: int,
     temperature: float,
     top_k: int | None,
@@ -213,7 +213,7 @@ def decode_and_sample(
     token as the eager loop does (a stopped row gets ``pad_id``, log-prob 0 and mask False). Returns (next token
     (B,), its log-prob (B,), mask (B,): the row had not stopped, done (B,) after this token)."""
     logits = decode_step(model, blocks, cache, token, position, cache_position)
-    next_token, logprob = pick_next(logits, temperature, top_k, top_p, noise)
+    next_token, logprob = pick_next(logits, temperature, top_k, top_p, draws)
     next_token = torch.where(done, pad_id, next_token)
     logprob = torch.where(done, 0.0, logprob)
     return next_token, logprob, ~done, done | torch.isin(next_token, stop)
@@ -251,17 +251,17 @@ def static_decode(
     token = first[:, None].clone()  # the token fed back (B, 1), its RoPE position and its cache slot
     position = n_real[:, None].clone()
     cache_position = torch.full((1,), prompt_width, dtype=torch.long, device=device)
-    noise = None if temperature == 0 else torch.empty((batch, logits.shape[-1]), dtype=torch.float32, device=device)
+    draws = None if temperature == 0 else torch.empty((batch, 1), dtype=torch.float64, device=device)
     step_fn = compiled(decode_and_sample) if compile else decode_and_sample
     for step in range(1, max_new_tokens):
         if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
             break
-        if noise is not None:
-            sampling_noise(noise, generator)
+        if draws is not None:
+            sampling_draws(draws, generator)
         if compile:  # the previous step's graph outputs are consumed: let CUDA graphs reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         next_token, next_logprob, live, done_after = step_fn(
-            model, blocks, kv_cache, token, position, cache_position, done, stop, noise, pad_id, temperature, top_k,
+            model, blocks, kv_cache, token, position, cache_position, done, stop, draws, pad_id, temperature, top_k,
             top_p,
         )  # fmt: skip
         tokens[:, step], logprobs[:, step], mask[:, step] = next_token, next_logprob, live

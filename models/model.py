@@ -338,14 +338,16 @@ class Transformer(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        logits_from: int = 0,
     ) -> Tensor:
-        """Logits (B, T, vocab_size).
+        """Logits (B, T - logits_from, vocab_size) of positions ``logits_from``.. (all by default).
 
         ``document_ids`` (B, T): tokens attend only within their document; positions restart per document
         unless ``position_ids`` are given. With a ``kv_cache``, the tokens are appended after the cached ones.
+        ``logits_from`` skips the LM head where a caller reads no logits (an RL prompt: a sixth of its forward).
         """
         hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
-        return self.logits(hidden)
+        return self.logits(hidden[:, logits_from:] if logits_from else hidden)
 
     def token_losses(
         self,

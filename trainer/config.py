@@ -81,9 +81,9 @@ class TrainerConfig:
     max_nonfinite_steps: int = bounded(0, ge=0)
     float32_matmul_precision: Literal["auto", "highest", "high", "medium"] = "auto"  # auto: high on CUDA
     collective_timeout_s: float = bounded(1800.0, gt=0)  # ddp / fsdp: a rank waits this long for the others
-    # on: a run whose plan says it does not fit this device stops before loading weights, naming the knob; off: it
-    # runs anyway (the plan printed, and held against what was measured at the end either way)
-    plan_check: Literal["on", "off"] = "on"
+    # true: a run whose plan says it does not fit this device stops before loading weights, naming the knob; false:
+    # it runs anyway (the plan printed, and held against what was measured at the end either way)
+    plan_check: bool = True
 
     def check_fields(self, prefix: str) -> None:
         if self.strategy == "single" and (self.devices != 1 or self.num_nodes != 1):

@@ -12,17 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from alignment.commands.pipeline_records import read_json
 from alignment.shared.evaluation import (
+    SampledKL,
     heldout_summary,
     json_safe,
     mean_score,
     paired_difference,
     pass_at_k_summary,
     sample_answers,
-    sampled_kl,
     verdict,
 )
 from alignment.shared.rewards import load_checker
@@ -60,27 +59,34 @@ def evaluate_stage(
     sampled: bool | None = None,
 ) -> dict[str, Any]:
     """Greedy answers and their scores, pass@k and the KL to ``reference`` (the model the stages after SFT started
-    from), for one stage's final model; ``sampled`` (default: all but the pretrained base) adds the samples."""
+    from, estimated on the pass@k samples), for one stage's final model; ``sampled`` (default: all but the
+    pretrained base) adds the samples."""
     checker = load_checker(report.checker, "report.checker")
     model = load_checkpoint(path).eval()
     budget = max(1, min(report.max_new_tokens, model.config.max_seq_len - max(len(p["prompt_ids"]) for p in prompts)))
     ids = [p["prompt_ids"] for p in prompts]
-    answers = []
-    with tqdm(total=len(prompts), desc=f"report: {stage} greedy answers", unit="prompt") as progress:
-        for start in range(0, len(ids), report.batch_size):
-            batch = ids[start : start + report.batch_size]
-            answers += [
-                a[0] for a in sample_answers(model, tokenizer, batch, max_new_tokens=budget, batch_size=len(batch))
-            ]
-            progress.update(len(batch))
+    answers = [
+        a[0]
+        for a in sample_answers(
+            model, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size,
+            progress=f"report: {stage} greedy answers",
+        )
+    ]  # fmt: skip
     scores = [checker(p["record"], a) if checker else None for p, a in zip(prompts, answers)]
     result: dict[str, Any] = {"heldout": heldout_summary(prompts, scores), "answers": answers, "scores": scores}
     generator = torch.Generator().manual_seed(report.seed)
+    # what a stage after SFT cost: its KL to the model it started from, on the samples drawn below
+    kl = (
+        SampledKL(load_checkpoint(reference).eval(), tokenizer)
+        if reference and stage not in ("pretrain", "sft")
+        else None
+    )
     if report.pass_k and checker is not None and (stage != "pretrain" if sampled is None else sampled):
         subset = prompts[: report.pass_k_prompts] if report.pass_k_prompts else prompts
         samples = sample_answers(
             model, tokenizer, [p["prompt_ids"] for p in subset], max_new_tokens=budget, batch_size=report.batch_size,
-            samples=report.pass_k, temperature=1.0, generator=generator,
+            samples=report.pass_k, temperature=1.0, generator=generator, on_batch=kl,
+            progress=f"report: {stage} sampled answers",
         )  # fmt: skip
         sample_scores = [[checker(p["record"], a) for a in group] for p, group in zip(subset, samples)]
         result["pass_at_k"] = pass_at_k_summary(subset, sample_scores, report.pass_k)
@@ -90,17 +96,17 @@ def evaluate_stage(
         result["sampled"] = {
             **heldout_summary(subset, result["sampled_scores"]), "samples": report.pass_k, "temperature": 1.0
         }  # fmt: skip
+    elif kl is not None:  # no samples to reuse: one per prompt for the KL alone
+        sample_answers(
+            model, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, temperature=1.0,
+            generator=generator, on_batch=kl, progress=f"report: {stage} samples for the KL",
+        )  # fmt: skip
     if report.harness_tasks:  # lm-eval's tasks, as `lantern eval` scores them
         from trainer.harness import flat_metrics
         from trainer.harness_validation import HarnessScorer
 
         result["harness"] = flat_metrics(HarnessScorer(report, tokenizer, key="report.").results(model))
-    result["kl"] = None
-    if reference is not None and stage not in ("pretrain", "sft"):  # what a stage after SFT cost
-        start = load_checkpoint(reference).eval()
-        result["kl"] = sampled_kl(
-            model, start, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size, generator=generator
-        )
+    result["kl"] = kl.value if kl is not None else None
     return result
 
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from alignment.shared.responses import response_logprobs
 from models.errors import DataError
 from models.generation import generate, left_pad
+from models.sampling import GenerationOutput
 from trainer.parallel import unsharded_for_generation
 
 Judge = Callable[[dict[str, Any], str], "float | None"]  # (prompt dict, answer) -> score in [0, 1] or None
@@ -35,27 +37,35 @@ def sample_answers(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     decode: str = "auto",
+    on_batch: Callable[[list[list[int]], GenerationOutput], None] | None = None,
+    progress: str | None = None,
 ) -> list[list[str]]:
     """``samples`` decoded answers (end-of-turn removed) to each already-encoded chat prompt, batched by length;
     temperature 0 is greedy. ``max_new_tokens`` may differ per prompt (e.g. the reference length plus a margin):
     a batch runs to the largest of its members and each answer is then cut to its own budget. ``decode``: as
-    ``models.generation.generate`` (auto: the compiled static decode on CUDA, eager on CPU)."""
+    ``models.generation.generate`` (auto: the compiled static decode on CUDA, eager on CPU). ``on_batch`` sees each
+    batch's prompts and generation (e.g. ``SampledKL``); ``progress`` names a progress bar over the answers."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     jobs = sorted(
         ((i, s) for i in range(len(prompts)) for s in range(samples)), key=lambda job: len(prompts[job[0]])
     )  # similar lengths together: little padding
     answers: list[list[str]] = [[""] * samples for _ in prompts]
-    with unsharded_for_generation(model):
+    bar = tqdm(total=len(jobs), desc=progress, unit="answer", disable=progress is None)
+    with unsharded_for_generation(model), bar:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
+            batch = [list(prompts[i]) for i, _ in chunk]
             out = generate(
-                model, [list(prompts[i]) for i, _ in chunk], max_new_tokens=max(budgets[i] for i, _ in chunk),
+                model, batch, max_new_tokens=max(budgets[i] for i, _ in chunk),
                 temperature=temperature, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, generator=generator,
                 decode=decode,
             )  # fmt: skip
+            if on_batch is not None:
+                on_batch(batch, out)
             for row, (index, sample) in enumerate(chunk):
                 tokens = out.tokens[row][out.mask[row]].tolist()[: budgets[index]]
                 answers[index][sample] = tokenizer.decode([t for t in tokens if t not in tokenizer.stop_ids])
+            bar.update(len(chunk))
     return answers
 
 
@@ -180,34 +190,27 @@ def verdict(difference: float, se: float) -> str:
 # ---- what a model costs: KL to the reference on its own samples ----
 
 
-@torch.no_grad()
-def sampled_kl(
-    policy: nn.Module,
-    reference: nn.Module,
-    tokenizer,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    batch_size: int = 32,
-    generator: torch.Generator | None = None,
-    decode: str = "auto",
-) -> float:
-    """KL(policy || reference) per response, estimated on one sample (temperature 1) per prompt: the mean over
-    prompts of the summed log-ratio of the sampled tokens, an unbiased estimate of the sequence-level KL."""
-    totals = []
-    device = next(policy.parameters()).device
-    for start in range(0, len(prompts), batch_size):
-        batch = [list(p) for p in prompts[start : start + batch_size]]
-        out = generate(
-            policy, batch, max_new_tokens=max_new_tokens, temperature=1.0, stop_ids=tokenizer.stop_ids,
-            pad_id=tokenizer.pad_id, generator=generator, decode=decode,
-        )  # fmt: skip
-        prompt_ids, prompt_real = left_pad(batch, tokenizer.pad_id, device)
+class SampledKL:
+    """KL(policy || ``reference``) per response, estimated on the policy's own samples at temperature 1: the mean over
+    samples of the summed log-ratio of the sampled tokens, an unbiased estimate of the sequence-level KL. Passed as
+    ``sample_answers``'s ``on_batch``, it scores the samples an evaluation draws anyway (no sampling pass of its
+    own); ``value`` is the estimate (nan before any sample)."""
+
+    def __init__(self, reference: nn.Module, tokenizer) -> None:
+        self.reference, self.pad_id, self.totals = reference, tokenizer.pad_id, []
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[list[int]], out: GenerationOutput) -> None:
+        device = next(self.reference.parameters()).device
+        prompt_ids, prompt_real = left_pad(prompts, self.pad_id, device)
+        mask = out.mask.to(device)
         input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)
-        real = torch.cat([prompt_real, out.mask.to(device)], dim=1)
-        ref_logp = response_logprobs(reference, input_ids, real, prompt_ids.shape[1], 1.0)[0]
-        totals.extend(((out.logprobs.to(device) - ref_logp) * out.mask.to(device)).sum(1).tolist())
-    return sum(totals) / len(totals) if totals else float("nan")
+        ref_logp = response_logprobs(self.reference, input_ids, torch.cat([prompt_real, mask], dim=1), prompt_ids.shape[1], 1.0)[0]  # fmt: skip
+        self.totals.extend(((out.logprobs.to(device) - ref_logp) * mask).sum(1).tolist())
+
+    @property
+    def value(self) -> float:
+        return sum(self.totals) / len(self.totals) if self.totals else float("nan")
 
 
 # ---- held-out prompts never trained on ----

@@ -157,7 +157,7 @@ def device_target(trainer: Any) -> Target:
 
 def preflight(stage: Any, config: Any) -> PlannedRun | None:
     """The stage's plan on this machine's device, made from its models' configs before any weights load: printed as
-    one line, and a ConfigError naming the knob when it does not fit (``trainer.plan_check=off`` runs it anyway).
+    one line, and a ConfigError naming the knob when it does not fit (``trainer.plan_check=false`` runs it anyway).
     An estimate that fails is a warning and None: the plan is advice until it says a run cannot fit."""
     trainer = stage.training_section(config).trainer
     resident = resident_bytes()
@@ -167,8 +167,8 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
         log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
         return None
     line = plan.line()
-    if plan.verdict == "does not fit" and trainer.plan_check == "on":
-        raise ConfigError(f"plan: {line} ({stage.training_prefix}trainer.plan_check=off runs it anyway)")
+    if plan.verdict == "does not fit" and trainer.plan_check:
+        raise ConfigError(f"plan: {line} ({stage.training_prefix}trainer.plan_check=false runs it anyway)")
     if is_global_rank_zero():
         print(f"plan: {line}", flush=True)
     step = plan.timing.step_s if plan.timing is not None else None

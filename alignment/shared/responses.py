@@ -36,7 +36,9 @@ def response_logprobs(
     width = input_ids.shape[1]
     input_ids, real = flex_bucketed(getattr(model, "config", None), input_ids, real)
     document_ids, position_ids = ids_and_positions(real)
-    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids)[:, prompt_len - 1 : width - 1]
+    # the LM head from the last prompt position on: what predicts each response token
+    logits = model(input_ids, position_ids=position_ids, document_ids=document_ids, logits_from=prompt_len - 1)
+    logits = logits[:, : width - prompt_len]
     return logprobs_and_entropy(logits, input_ids[:, prompt_len:width], temperature)
 
 

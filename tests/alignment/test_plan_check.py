@@ -1,6 +1,6 @@
 """Every run held against its plan (alignment/shared/plan_knobs.py ``preflight``, trainer/plan_check.py): the plan
 is printed before any weights load, a run that cannot fit stops there naming the knob (unless
-``trainer.plan_check=off``), an estimate that fails is only a warning, and the end of training records the plan
+``trainer.plan_check=false``), an estimate that fails is only a warning, and the end of training records the plan
 beside what was measured, warning once when the peak is well above it."""
 
 from __future__ import annotations
@@ -60,9 +60,14 @@ def test_a_run_that_cannot_fit_stops_before_its_weights_load(tmp_path, data_dir,
 
     monkeypatch.setattr(sft_stage, "load_initial_model", never)
     config = load_config(SFTConfig, "configs/sft/tiny.yaml", [f"run.out_dir={tmp_path}", "trainer.accelerator=cpu"])
-    with pytest.raises(ConfigError, match=r"^plan: does not fit: .*trainer\.plan_check=off runs it anyway\)$"):
+    with pytest.raises(ConfigError, match=r"^plan: does not fit: .*trainer\.plan_check=false runs it anyway\)$"):
         sft_stage.run_sft(config)
-    config.trainer.plan_check = "off"  # the plan is printed and the run goes on, to its first load
+    # the override the error names (YAML reads off / false as a bool): the plan is printed and the run goes on
+    config = load_config(
+        SFTConfig,
+        "configs/sft/tiny.yaml",
+        [f"run.out_dir={tmp_path}", "trainer.accelerator=cpu", "trainer.plan_check=false"],
+    )
     with pytest.raises(AssertionError, match="weights loaded"):
         sft_stage.run_sft(config)
 

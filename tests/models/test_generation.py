@@ -10,7 +10,7 @@ import torch
 
 from models.generation import generate, left_pad, sequence_logprobs
 from models.model import ModelConfig, RopeScaling, Transformer
-from models.sampling import GenerationOutput, filter_logits, sample_next
+from models.sampling import GenerationOutput, filter_logits, pick_next, sample_next
 
 VARIANTS = {
     "base": {},
@@ -190,6 +190,30 @@ def test_sampling_stays_in_nucleus_and_reports_unfiltered_logprob():
     assert abs((tokens == 1).float().mean().item() - 0.625) < 0.05
 
 
+def test_a_draw_picks_by_cumulative_probability_and_never_a_filtered_token():
+    """One uniform per row picks the token where the cumulative probability passes it: the lowest and highest draws
+    land on the first and last token that can be sampled, never on one of probability 0 beside them."""
+    logits = torch.tensor([[float("-inf"), float("-inf"), 0.0, 0.0, float("-inf"), 0.0, float("-inf")]]).expand(4, 7)
+    draws = torch.tensor([[0.0], [0.3], [0.5], [torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)).item()]], dtype=torch.float64)  # fmt: skip
+    tokens, _ = pick_next(logits, 1.0, None, None, draws)
+    assert tokens.tolist() == [2, 2, 3, 5]
+
+
+def test_sampling_follows_a_wide_distribution():
+    """Over a vocabulary of SmolLM2's size whose mass is mostly in a long tail, the sampled frequencies match the
+    probabilities (within 4 standard errors): head, tail and the empty middle."""
+    vocab = 49152
+    probs = torch.zeros(vocab, dtype=torch.float64)
+    probs[0], probs[1000:] = 0.2, 0.8 / (vocab - 1000)
+    logits = probs.log().float().expand(2000, vocab)
+    tokens, _ = sample_next(logits, 1.0, None, None, torch.Generator().manual_seed(0))
+    head = (tokens == 0).double().mean().item()
+    assert abs(head - 0.2) < 4 * (0.2 * 0.8 / 2000) ** 0.5
+    assert not ((tokens > 0) & (tokens < 1000)).any()
+    tail = tokens[tokens >= 1000].double()
+    assert abs(tail.mean().item() - (1000 + vocab - 1) / 2) < 4 * ((vocab - 1000) / 12**0.5) / len(tail) ** 0.5
+
+
 def test_sampling_reproducible_with_seeded_generator(base_model):
     kwargs = dict(max_new_tokens=12, temperature=1.0, top_p=0.9)
     first = generate(base_model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)
@@ -336,7 +360,7 @@ def test_compiled_decode_past_the_recompile_limit_runs_uncompiled(base_model, mo
 @pytest.mark.parametrize("compile", [False, True])
 def test_static_and_compiled_decoding_on_cuda(compile):
     """On CUDA: greedy static(+CUDA-graph) decoding equals recomputation in fp32, and sampling takes a CUDA
-    generator (torch.multinomial refuses a CPU one)."""
+    generator (a CPU one cannot draw on the GPU)."""
     model = tiny_model().cuda()
     reference = generate(model, PROMPTS, max_new_tokens=10, temperature=0, use_cache=False)
     for _ in range(2):
