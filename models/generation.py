@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch import Tensor
 from models import fast_decode
 from models.attention import use_flex_attention
 from models.model import ModelConfig, Transformer
+from models.prefill import last_logits, prefill
 from models.sampling import GenerationOutput, sample_next, scaled_logprobs
 
 PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
@@ -91,16 +92,6 @@ def resolve_decode(decode: str, device: torch.device | str) -> str:
     if decode != "auto":
         return decode
     return AUTO_DECODE.get(torch.device(device).type, "eager")
-
-
-def _last_logits(model: Transformer, input_ids: Tensor, blocks: Sequence | None = None, **kwargs) -> Tensor:
-    """Logits (B, V) of the last position only: the LM head over the full sequence would be wasted work.
-    With ``blocks`` (``fast_decode.decode_blocks``) and a KV cache, the blocks run without their training wrappers."""
-    if blocks is not None and kwargs.get("kv_cache") is not None:
-        hidden = fast_decode.cached_forward(model, blocks, input_ids, **kwargs)
-    else:
-        hidden = model.hidden_states(input_ids, **kwargs)
-    return model.logits(hidden[:, -1:])[:, 0]
 
 
 def _as_prompt_list(prompts: list[list[int]] | Tensor) -> list[list[int]]:
@@ -342,9 +333,10 @@ def _generate(
         kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=compile and device.type == "cuda")
     else:
         kv_cache = model.new_kv_cache(batch, cache_len) if mode == "eager" else None
-    logits = _last_logits(
-        model, input_ids, blocks, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache
-    )
+    if kv_cache is not None:
+        logits = prefill(model, prompts, input_ids, position_ids, document_ids, kv_cache, blocks)
+    else:
+        logits = last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
     if first_token_mask is not None:
         logits = logits.float().masked_fill(~first_token_mask.to(device), float("-inf"))
     if mode in ("static", "compiled"):
@@ -378,7 +370,7 @@ def _generate(
         # pads the same way; their outputs are discarded, so what they attend to does not matter.
         next_position = (n_real + step)[:, None]
         if kv_cache is not None:
-            logits = _last_logits(
+            logits = last_logits(
                 model, next_token[:, None], blocks, position_ids=next_position, document_ids=new_document,
                 kv_cache=kv_cache,
             )  # fmt: skip
@@ -386,7 +378,7 @@ def _generate(
             input_ids = torch.cat([input_ids, next_token[:, None]], dim=1)
             document_ids = torch.cat([document_ids, new_document], dim=1)
             position_ids = torch.cat([position_ids, next_position], dim=1)
-            logits = _last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
+            logits = last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
 
     mask = mask[:, :steps]
     return GenerationOutput(tokens=tokens[:, :steps], mask=mask, logprobs=logprobs[:, :steps], lengths=mask.sum(dim=1))

@@ -146,8 +146,8 @@ def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numer
     q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim  # q is d unless head_dim_override
     ffn = config.hidden_dim
     compute = numerics_bytes(numerics)[1]
-    if numerics == "bf16":  # RMSNorm calls x.float() twice: two fp32 copies; the bf16 input itself is not kept
-        norm_input, normed, attn_inputs, ffn_inputs = 8 * n * d, 2 * n * d, 2 * n * d, 2 * n * d
+    if numerics == "bf16":  # RMSNorm keeps one fp32 copy of its input; the bf16 input itself is not kept
+        norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 2 * n * d, 2 * n * d, 2 * n * d
     elif numerics == "autocast":  # fp32 stream; each linear casts its fp32 input to bf16 and keeps the copy
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 3 * 2 * n * d, 2 * 2 * n * d
     else:
@@ -231,7 +231,7 @@ def activation_bytes(
     if numerics == "autocast":  # bf16 copies of the weights of every block whose forward is not recomputed
         params = meta_parameters(config) if params is None else params
         estimate.saved["autocast weight copies"] = (layers - wrapped) * autocast_block_weight_bytes(params)
-    final_input = (8 if numerics == "bf16" else 4) * n * d
+    final_input = 4 * n * d  # the final norm's fp32 input (a copy of a bf16 stream)
     final_normed = (2 if numerics == "bf16" else 4) * n * d
     estimate.saved["final norm"] = final_input + final_normed + 4 * n
     if head == "scalar":  # the head reads the final norm's output (a bf16 cast of it under autocast)
@@ -340,16 +340,18 @@ def logprob_pass_bytes(
     grad: bool, ac: str = "none", ac_every: int = 2, head_trains: bool = True,
 ) -> ActivationEstimate:  # fmt: skip
     """One ``response_logprobs`` pass over ``batch`` rows of ``width`` tokens
-    (prompt + response): the full (B, width, V) logits, then the fp32 log-softmax, its exp and the entropy of the
-    ``response`` last positions. With ``grad`` (the RL training pass) the blocks' activations, the log-softmax and its
-    exp are kept, and the backward of the slice makes a (B, width, V) gradient of the logits; without (rollout old
-    log-probs, the reference, evaluation) only the pass's working set counts."""
+    (prompt + response): the (B, response + 1, V) logits from the last prompt position on (``logits_from``), then the
+    fp32 log-softmax, its exp and the entropy of the ``response`` positions. With ``grad`` (the RL training pass) the
+    blocks' activations, the log-softmax and its exp are kept, and the backward of the slice makes a zero-filled
+    gradient of the logits; without (rollout old log-probs, the reference, evaluation) only the pass's working set
+    counts."""
     vocab = config.vocab_size
     rows = batch * response * vocab  # (B, response, V)
     residual, compute = numerics_bytes(numerics)
-    logits = compute * batch * width * vocab  # the head's output
+    logits = compute * batch * (response + 1) * vocab  # the head's output
     upcast = 4 * rows if compute != 4 else 0  # logits.float() of the response positions
-    hidden = (2 if numerics == "autocast" else residual) * batch * width * config.dim  # what the head reads
+    # what the head reads: the final norm's output from the last prompt position on (a copy: a slice of it)
+    hidden = (2 if numerics == "autocast" else residual) * batch * (response + 1) * config.dim
     if not grad:
         working = hidden + logits + upcast + 3 * 4 * rows  # log-softmax, then its exp and their product
         return ActivationEstimate(moments={"log-prob pass": working})

@@ -4,10 +4,13 @@ summaries, paired differences and their verdicts, and the disjointness check tha
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from alignment.shared.evaluation import (
+    SampledKL,
     check_disjoint,
     heldout_summary,
     mean_and_se,
@@ -15,9 +18,11 @@ from alignment.shared.evaluation import (
     paired_difference,
     pass_at_k,
     pass_at_k_summary,
+    sample_answers,
     verdict,
 )
 from models.errors import DataError
+from models.model import ModelConfig, Transformer
 
 
 def prompt(task: str, ids: list[int] | None = None, where: str = "f, row 1") -> dict:
@@ -74,3 +79,38 @@ def test_overlapping_held_out_prompts_are_refused_naming_the_first():
     check_disjoint(train, [prompt("a", [1, 2])], "data.val")  # a prefix is not the same prompt
     with pytest.raises(DataError, match=r"data.val: 1 of 2 held-out prompts .* \(first: val.jsonl, row 2\)"):
         check_disjoint(train, [prompt("a", [9]), prompt("a", [4, 5], "val.jsonl, row 2")], "data.val")
+
+
+def kl_model(seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=16, multiple_of=16, max_seq_len=32))  # fmt: skip
+    with torch.no_grad():  # peaked distributions, so that two seeds' models differ by a clear KL
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3)
+    return model.eval()
+
+
+TOKENS = SimpleNamespace(pad_id=0, stop_ids=[15], decode=lambda ids: " ".join(map(str, ids)))
+
+
+def test_sampled_kl_on_the_samples_an_evaluation_draws_matches_the_exact_kl():
+    """One new token per prompt: the sequence-level KL is the KL of the first-token distributions, computed
+    exactly; the estimate from the samples ``sample_answers`` draws (``on_batch``) is within 4 of its SE of it,
+    and a model's KL to itself is 0."""
+    policy, reference, prompt = kl_model(0), kl_model(1), [3, 7, 5]
+    with torch.no_grad():
+        logp, ref_logp = (m(torch.tensor([prompt]))[0, -1].log_softmax(-1) for m in (policy, reference))
+    exact = float((logp.exp() * (logp - ref_logp)).sum())
+    estimate = SampledKL(reference, TOKENS)
+    sample_answers(
+        policy, TOKENS, [prompt] * 2000, max_new_tokens=1, batch_size=500, temperature=1.0,
+        generator=torch.Generator().manual_seed(0), on_batch=estimate,
+    )  # fmt: skip
+    assert len(estimate.totals) == 2000 and exact > 0.1
+    se = torch.tensor(estimate.totals).std().item() / 2000**0.5
+    assert abs(estimate.value - exact) < 4 * se, (estimate.value, exact, se)
+    itself = SampledKL(policy, TOKENS)
+    sample_answers(policy, TOKENS, [prompt] * 8, max_new_tokens=6, temperature=1.0, on_batch=itself)
+    assert abs(itself.value) < 1e-4
+    assert math.isnan(SampledKL(policy, TOKENS).value)  # no samples yet: not a number, never a silent 0

@@ -214,6 +214,35 @@ def test_sampling_follows_a_wide_distribution():
     assert abs(tail.mean().item() - (1000 + vocab - 1) / 2) < 4 * ((vocab - 1000) / 12**0.5) / len(tail) ** 0.5
 
 
+SYSTEM = [9, 4, 77, 12, 3, 58, 21, 90, 6, 31]  # a prefix every prompt shares, as a chat template's system turn
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_prefix_the_batch_shares_runs_once_and_decodes_the_same(base_model, decode, monkeypatch):
+    """Prompts of three lengths (so the shared prefix sits after different padding) decode with the prefix run
+    once exactly as with every row prefilled in full: the same greedy tokens, the same sampled tokens and
+    log-probs from the same generator; the prefix's keys and values are computed once."""
+    from models import prefill
+
+    prompts = [SYSTEM + [5, 17, 99], SYSTEM + [7], SYSTEM + [100, 1, 64, 33, 2], SYSTEM + [7]]
+    assert prefill.shared_prefix_length(prompts) == len(SYSTEM)
+    runs = {}
+    for shared in (True, False):
+        monkeypatch.setattr(prefill, "SHARED_PREFIX_MIN", 8 if shared else 10**9)
+        calls = []  # the token shapes each forward embeds
+        hook = base_model.tok_embeddings.register_forward_hook(lambda module, args, out, seen=calls: seen.append(tuple(args[0].shape)))  # fmt: skip
+        greedy = generate(base_model, prompts, max_new_tokens=8, temperature=0, decode=decode)
+        sampled = generate(base_model, prompts, max_new_tokens=8, temperature=1.0, decode=decode, generator=torch.Generator().manual_seed(3))  # fmt: skip
+        hook.remove()
+        runs[shared] = greedy, sampled, calls
+    (greedy, sampled, calls), (full_greedy, full_sampled, full_calls) = runs[True], runs[False]
+    assert torch.equal(greedy.tokens, full_greedy.tokens) and torch.equal(sampled.tokens, full_sampled.tokens)
+    torch.testing.assert_close(sampled.logprobs, full_sampled.logprobs, atol=1e-5, rtol=1e-5)
+    # the prefill's forwards: the prefix alone (1 row), then the rest of every row; in full, every row whole
+    assert calls[:2] == [(1, len(SYSTEM)), (4, 5)] and full_calls[0] == (4, len(SYSTEM) + 5)
+    assert prefill.shared_prefix_length([[1, 2, 3], [1, 2]]) == 1  # each row keeps its last token to prefill
+
+
 def test_sampling_reproducible_with_seeded_generator(base_model):
     kwargs = dict(max_new_tokens=12, temperature=1.0, top_p=0.9)
     first = generate(base_model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)

@@ -1,0 +1,81 @@
+"""The prefill before decoding: the prompts' last-position logits, with the KV cache filled. A prefix every prompt of
+the batch starts with (a chat template's system turn; a GRPO group's question) runs once, in one row, and its keys
+and values are copied into every row: the prefill of SmolLM2's chat prompts is then 17 tokens a row, not 47.
+Why and what it saves: docs/generation.md ("A prefix shared by the batch").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from models import fast_decode
+from models.attention import KVCache
+from models.model import Transformer
+
+SHARED_PREFIX_MIN = 8  # tokens a whole batch must share before the prefix runs once: shorter, the copies cost more
+
+
+def last_logits(model: Transformer, input_ids: Tensor, blocks: Sequence | None = None, **kwargs) -> Tensor:
+    """Logits (B, V) of the last position only: the LM head over the full sequence would be wasted work.
+    With ``blocks`` (``fast_decode.decode_blocks``) and a KV cache, the blocks run without their training wrappers."""
+    if blocks is not None and kwargs.get("kv_cache") is not None:
+        hidden = fast_decode.cached_forward(model, blocks, input_ids, **kwargs)
+    else:
+        hidden = model.hidden_states(input_ids, **kwargs)
+    return model.logits(hidden[:, -1:])[:, 0]
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every prompt has in common, leaving each at least its last token to prefill (its
+    logits start the decoding)."""
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    for column in zip(*(p[: shortest - 1] for p in prompts)):
+        if any(token != column[0] for token in column):
+            break
+        length += 1
+    return length
+
+
+def prefill(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    input_ids: Tensor,
+    position_ids: Tensor,
+    document_ids: Tensor,
+    kv_cache: KVCache,
+    blocks: Sequence | None = None,
+) -> Tensor:
+    """The left-padded prompts' (B, T) last-position logits (B, V), with ``kv_cache`` filled for all T positions:
+    what one forward over them gives. A prefix of at least ``SHARED_PREFIX_MIN`` tokens that every prompt starts with
+    runs once; its keys and values are copied to where each row has it (after the row's padding)."""
+    shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
+    if shared < SHARED_PREFIX_MIN:
+        return last_logits(
+            model, input_ids, blocks, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache
+        )
+    width, device = input_ids.shape[1], input_ids.device
+    pads = [width - len(p) for p in prompts]
+    alone = model.new_kv_cache(1, shared)
+    prefix = torch.tensor([list(prompts[0][:shared])], dtype=torch.long, device=device)
+    last_logits(
+        model, prefix, blocks, position_ids=torch.arange(shared, device=device)[None],
+        document_ids=torch.ones_like(prefix), kv_cache=alone,
+    )  # fmt: skip
+    for pad in sorted(set(pads)):  # rows padded alike hold the prefix at the same cache positions
+        rows = torch.tensor([row for row, p in enumerate(pads) if p == pad], device=device)
+        for layer in range(len(kv_cache.keys)):
+            kv_cache.keys[layer][rows, :, pad : pad + shared] = alone.keys[layer][:, :, :shared].to(kv_cache.keys[layer].dtype)  # fmt: skip
+            kv_cache.values[layer][rows, :, pad : pad + shared] = alone.values[layer][:, :, :shared].to(kv_cache.values[layer].dtype)  # fmt: skip
+    # the rest in one batched forward, from the first position that is not the prefix in every row: a row padded
+    # more recomputes the end of its prefix there, which is the same keys and values again
+    start = min(pads) + shared
+    kv_cache.document_ids[:, :start] = document_ids[:, :start]
+    kv_cache.length = start
+    return last_logits(
+        model, input_ids[:, start:], blocks, position_ids=position_ids[:, start:],
+        document_ids=document_ids[:, start:], kv_cache=kv_cache,
+    )  # fmt: skip
