@@ -3,8 +3,8 @@ and the static / compiled step (``pick_next``), which pick the very same tokens.
 log-probs of ``logits / temperature`` before filtering (what a PPO ratio needs).
 
 A sample is drawn by inverting the cumulative distribution with one uniform per row, not by ``torch.multinomial``,
-whose CPU kernel draws one exponential per vocabulary entry: 88 ms a step for 64 rows of SmolLM2's 49,152 tokens on
-2 cores, against ~5 ms (docs/generation.md, "Drawing a sample").
+whose CPU kernel draws one exponential per vocabulary entry: 94 ms a step for 64 rows of SmolLM2's 49,152 tokens on
+2 cores, against 33 ms (docs/generation.md, "Drawing a sample").
 """
 
 from __future__ import annotations

@@ -81,3 +81,30 @@ def test_an_estimate_that_fails_never_stops_a_run(caplog, tmp_path, data_dir, mo
     with caplog.at_level(logging.WARNING):
         assert pretrain_stage.run_pretrain(pretrain_config(data_dir, tmp_path, "trainer.max_steps=1")) is not None
     assert "an estimator bug" in caplog.text and "training goes on" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_gib", "peak_tflops", "planned"),
+    [
+        ("NVIDIA H100 80GB HBM3", 94.5, None, ("H100 SXM 80GB", 94.5)),  # a known GPU with the memory it really has
+        ("NVIDIA Unknown Accelerator", 40.0, 312.0, ("NVIDIA Unknown Accelerator", 40.0)),  # known by its numbers
+    ],
+)
+def test_a_run_plans_against_the_gpu_torch_sees(monkeypatch, name, memory_gib, peak_tflops, planned):
+    """On CUDA the plan's device is the GPU torch reports, with the memory torch reports (an H100 with 94 GB is not
+    planned as an 80 GB one); one the table does not know is planned by its memory and ``trainer.peak_tflops``."""
+    from alignment.shared import plan_knobs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: name)
+    properties = type("Properties", (), {"total_memory": int(memory_gib * 2**30)})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *args: properties)
+    trainer = dataclasses.replace(load_config(SFTConfig, "configs/sft/tiny.yaml", []).trainer, accelerator="auto")
+    if peak_tflops is not None:
+        trainer = dataclasses.replace(trainer, peak_tflops=peak_tflops)
+    gpu = plan_knobs.device_target(trainer).gpu
+    assert (gpu.name, round(gpu.memory_gib, 3)) == planned
+    if peak_tflops is not None:
+        assert gpu.bf16_tflops == peak_tflops
+    accelerator_cpu = dataclasses.replace(trainer, accelerator="cpu")
+    assert plan_knobs.device_target(accelerator_cpu).gpu is None  # trainer.accelerator=cpu plans the host
