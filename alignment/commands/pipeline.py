@@ -157,6 +157,8 @@ class Pipeline:
             raise ConfigError(f"stages must be a subset of {list(steps)} in that order, got {config.stages}")
         if config.align_from == "start" and not config.start_checkpoint:
             raise ConfigError("align_from=start: the stages after SFT start from start_checkpoint; give one")
+        if config.start_checkpoint and not Path(config.start_checkpoint).is_dir():
+            raise ConfigError(f"start_checkpoint: no checkpoint folder at {config.start_checkpoint}")
         self.config = config
         self.root = Path(config.out_dir or f"runs/pipeline-{config.name}")
         self.corpus, self.demo = self.root / "data" / "corpus", self.root / "data" / "demo"

@@ -143,6 +143,8 @@ def test_align_from_start_starts_every_stage_after_sft_from_the_start_checkpoint
     line."""
     with pytest.raises(ConfigError, match="align_from=start: the stages after SFT start from start_checkpoint"):
         Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", "align_from=start"]))
+    with pytest.raises(ConfigError, match=r"^start_checkpoint: no checkpoint folder at .*nope$"):
+        Pipeline(load_pipeline_config(TINY, [f"out_dir={tmp_path}", f"start_checkpoint={tmp_path / 'nope'}"]))
     start = save_checkpoint(Transformer(ModelConfig.from_preset("tiny")), tmp_path / "start")
     overrides = [
         f"out_dir={tmp_path / 'p'}", "stages=[sft,ppo,grpo]", f"start_checkpoint={start}", "align_from=start",
