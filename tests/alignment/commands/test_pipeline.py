@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from alignment.commands.pipeline import Pipeline, load_pipeline_config, run_pipeline
 from alignment.commands.pipeline_records import RECORD
@@ -97,10 +98,14 @@ def test_stage_list_is_checked_before_anything_runs(tmp_path, in_repo):
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs" / "pipeline").glob("*.yaml")))
 def test_every_shipped_pipeline_resolves_each_stage_config(preset, tmp_path, in_repo):
     """Every stage of every shipped pipeline loads with its overrides (a mistyped key or YAML quoting fails here, not
-    minutes into a run); the default demo's RL stages are rewarded by the checker on the miscounted task alone."""
-    pipeline = Pipeline(
-        load_pipeline_config(str(ROOT / "configs" / "pipeline" / f"{preset}.yaml"), [f"out_dir={tmp_path}"])
-    )
+    minutes into a run); the default demo's RL stages are rewarded by the checker on the miscounted task alone. A
+    preset that starts from a converted model (smollm2) is pointed at a stand-in folder: a clean checkout has none."""
+    path = ROOT / "configs" / "pipeline" / f"{preset}.yaml"
+    overrides = [f"out_dir={tmp_path}"]
+    if OmegaConf.load(path).get("start_checkpoint"):
+        (tmp_path / "start").mkdir()
+        overrides.append(f"start_checkpoint={tmp_path / 'start'}")
+    pipeline = Pipeline(load_pipeline_config(str(path), overrides))
     pipeline.write_demo()
     configs = {stage: pipeline.load_stage_config(stage)[0] for stage in pipeline.config.stages if stage != "prepare"}
     if preset == "default":
