@@ -7,11 +7,13 @@ expresses, the median and extremes of plan / published for memory and throughput
 parallelism, QLoRA, 8-bit or paged optimizers, ...) are planned at their nearest setting and shown, marked, but left
 out of the goals. The rows and the summary are written to ``benchmarks/results/plan_vs_published.json``.
 
-    python -m benchmarks.plan_vs_published [--markdown] [--only ID_SUBSTRING]
+    python -m benchmarks.plan_vs_published [--markdown] [--only ID_SUBSTRING] [--docs]
 
 Run from the repository root (the plan arguments name configs by their path from there). ``--markdown`` prints
-only the table and summary (no progress lines). Estimates against measurements taken by others on their hardware:
-a ratio above 1 means the plan says more than was published.
+only the table and summary (no progress lines); ``--docs`` also writes them into docs/plan.md, between its
+``plan_vs_published`` markers (tests/test_benchmarks.py holds the expressed rows there to the planner's).
+Estimates against measurements taken by others on their hardware: a ratio above 1 means the plan says more than was
+published.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from benchmarks.plan_tables import plan_output
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "published_runs.json"
 RESULTS = HERE / "results" / "plan_vs_published.json"
+DOCS = HERE.parent / "docs" / "plan.md"
+BEGIN, END = "<!-- plan_vs_published: begin -->", "<!-- plan_vs_published: end -->"
 
 # the issue's goals, over the runs Lantern expresses
 MEMORY_MEDIAN = (0.95, 1.10)
@@ -93,22 +97,55 @@ def table(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
         "| OOM: published / plan | expressed? gap |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for run, row in zip(runs, rows):
-        published, planned = row["published"], row["plan"]
-        memory = published["peak_memory_gib"]
-        memory_text = f"{memory:.1f} ({kind(published['memory_kind'])})" if memory is not None else "–"
-        oom = f"{'OOM' if published['oom'] else 'ran'} / {planned['verdict']}" + ("" if row["oom_right"] else " ✗")
-        gap = "yes" if run["expresses"] else f"**no**: {run['gap']}"
-        if run["expresses"] and run["gap"]:
-            gap += f" ({run['gap']})"
-        if row["mfu_calibration"]:
-            gap += "; the planner's MFU figure is taken from this run"
-        lines.append(
-            f"| [{run['id']}]({run['source_url']}) | {run['settings']} | {memory_text} | {planned['peak_gib']:.1f} "
-            f"| {number(row['memory_ratio'], 2)} | {number(published['tokens_per_s_per_gpu'], 0)} "
-            f"| {number(planned['tokens_per_s_per_gpu'], 0)} | {number(row['throughput_ratio'], 2)} | {oom} | {gap} |"
-        )
+    lines += [row_line(run, row) for run, row in zip(runs, rows)]
     return "\n".join(lines)
+
+
+def row_line(run: dict[str, Any], row: dict[str, Any]) -> str:
+    """One run's row of the table: its link, settings, published and planned figures, ratios and OOM call."""
+    published, planned = row["published"], row["plan"]
+    memory = published["peak_memory_gib"]
+    memory_text = f"{memory:.1f} ({kind(published['memory_kind'])})" if memory is not None else "–"
+    oom = f"{'OOM' if published['oom'] else 'ran'} / {planned['verdict']}" + ("" if row["oom_right"] else " ✗")
+    gap = "yes" if run["expresses"] else f"**no**: {run['gap']}"
+    if run["expresses"] and run["gap"]:
+        gap += f" ({run['gap']})"
+    if row["mfu_calibration"]:
+        gap += "; the planner's MFU figure is taken from this run"
+    return (
+        f"| [{run['id']}]({run['source_url']}) | {run['settings']} | {memory_text} | {planned['peak_gib']:.1f} "
+        f"| {number(row['memory_ratio'], 2)} | {number(published['tokens_per_s_per_gpu'], 0)} "
+        f"| {number(planned['tokens_per_s_per_gpu'], 0)} | {number(row['throughput_ratio'], 2)} | {oom} | {gap} |"
+    )
+
+
+def docs_block(runs: list[dict[str, Any]], rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """What docs/plan.md shows between its markers: the runs Lantern expresses, the summary, then the others folded."""
+    expressed = [(run, row) for run, row in zip(runs, rows) if run["expresses"]]
+    others = [(run, row) for run, row in zip(runs, rows) if not run["expresses"]]
+    return "\n".join([
+        BEGIN,
+        table(*map(list, zip(*expressed))),
+        "",
+        summary_text(summary),
+        "",
+        f"<details><summary>The {len(others)} runs Lantern does not express (planned at the nearest setting, shown, "
+        "left out of the goals)</summary>",
+        "",
+        table(*map(list, zip(*others))),
+        "",
+        "</details>",
+        END,
+    ])  # fmt: skip
+
+
+def write_docs(block: str) -> None:
+    """Replace what lies between the markers in docs/plan.md (one line saying so if they are not there)."""
+    text = DOCS.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOCS}: no '{BEGIN}' ... '{END}' markers to write the table between")
+    head, rest = text.split(BEGIN, 1)
+    DOCS.write_text(head + block + rest.split(END, 1)[1])
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -182,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print only the table and the summary")
     parser.add_argument("--only", default="", help="plan only the runs whose id contains this")
+    parser.add_argument("--docs", action="store_true", help="also write the table into docs/plan.md")
     args = parser.parse_args(argv)
+    if args.docs and args.only:
+        parser.error("--docs writes the whole table: not with --only")
     runs = [run for run in json.loads(RUNS.read_text()) if args.only in run["id"]]
     rows = []
     for run in runs:
@@ -194,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.only:  # a partial run does not replace the whole table's results
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps({"runs": rows, "summary": summary}, indent=1, ensure_ascii=False) + "\n")
+    if args.docs:
+        write_docs(docs_block(runs, rows, summary))
     return 0
 
 

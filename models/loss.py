@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -25,6 +26,11 @@ Reduction = Literal["mean", "sum", "none"]
 def _token_losses(logits: Tensor, targets: Tensor, ignore_index: int, z_loss: float) -> Tensor:
     """Cross entropy per token in fp32, plus z_loss·logsumexp² (PaLM's z-loss), 0 where ignored."""
     logits = logits.float()
+    if not z_loss:
+        # torch's fused log-softmax + NLL: its backward holds two (N, V) fp32 buffers where logsumexp - gather held
+        # four (docs/plan.md: 8 GiB less for 8,192 tokens of a 128k vocabulary)
+        flat = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="none")
+        return flat.view(targets.shape)
     valid = targets != ignore_index
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     log_z = torch.logsumexp(logits, dim=-1)

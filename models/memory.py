@@ -136,16 +136,27 @@ def numerics_bytes(numerics: Numerics) -> tuple[int, int]:
     return {"fp32": (4, 4), "bf16": (2, 2), "autocast": (4, 2)}[numerics]
 
 
-def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numerics, attention: AttentionPath) -> int:
+def block_saved_bytes(
+    config: ModelConfig, batch: int, seq: int, numerics: Numerics, attention: AttentionPath, compiled: bool = False
+) -> int:
     """Bytes one transformer block saves for backward without checkpointing (its input counted with it), op by op:
     each RMSNorm its input (an fp32 copy when the stream is bf16), its rsqrt and its normalised output before and
     after the gain; the q/k/v projections their input (under autocast each casts it anew); SDPA q, k, v, its output
     and log-sum-exp (plus the float mask on the dense-mask path); the SwiGLU its two projections, their silu and
-    their product. RoPE saves only its cos / sin tables (shared by every block, counted once elsewhere)."""
+    their product. RoPE saves only its cos / sin tables (shared by every block, counted once elsewhere).
+
+    ``compiled`` (``trainer.compile``, one graph a block): inductor's partitioner recomputes the elementwise work in
+    backward and keeps the block's input, each matmul's input in the compute dtype (the two norms' outputs, the
+    attention output, the SwiGLU product), q, k, v, SDPA's output and log-sum-exp, the SwiGLU's two projections and
+    the norms' rsqrt (measured with a saved-tensor hook on CPU, tests/models/test_memory.py)."""
     n, d = batch * seq, config.dim
     q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim  # q is d unless head_dim_override
     ffn = config.hidden_dim
-    compute = numerics_bytes(numerics)[1]
+    residual, compute = numerics_bytes(numerics)
+    mask = batch * seq * seq * compute if attention == "dense-mask" else 0  # SDPA's float copy, made by every layer
+    if compiled:
+        lse = 4 * batch * config.n_heads * seq
+        return residual * n * d + compute * n * (2 * d + 3 * q + 2 * kv + 3 * ffn) + lse + 2 * 4 * n + mask
     if numerics == "bf16":  # RMSNorm keeps one fp32 copy of its input; the bf16 input itself is not kept
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 2 * n * d, 2 * n * d, 2 * n * d
     elif numerics == "autocast":  # fp32 stream; each linear casts its fp32 input to bf16 and keeps the copy
@@ -154,9 +165,7 @@ def block_saved_bytes(config: ModelConfig, batch: int, seq: int, numerics: Numer
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 4 * n * d, 4 * n * d
     norms = 2 * (norm_input + normed + 4 * n)  # attention_norm and ffn_norm, each with its (B, T, 1) rsqrt
     sdpa = compute * (2 * n * q + 2 * n * kv) + 4 * batch * config.n_heads * seq  # q, out, k, v; lse
-    if attention == "dense-mask":
-        sdpa += batch * seq * seq * compute  # SDPA's float copy of the boolean mask, made by every layer
-    return norms + attn_inputs + sdpa + ffn_inputs + 4 * compute * n * ffn
+    return norms + attn_inputs + sdpa + mask + ffn_inputs + 4 * compute * n * ffn
 
 
 @dataclass
@@ -205,13 +214,14 @@ def activation_bytes(
     head_trains: bool = True,
     embedding_trains: bool = True,
     params: ParameterShapes | None = None,
+    compiled: bool = False,
 ) -> ActivationEstimate:
     """The activations of one training micro-batch of ``batch`` rows of ``seq`` tokens: the blocks (``ac``: none,
     full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
     final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
     scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
     gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
-    default: the plain model's.
+    default: the plain model's. ``compiled``: each block compiled (``block_saved_bytes``).
 
     Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
     backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
@@ -220,7 +230,7 @@ def activation_bytes(
     head's gradient of the same weight from the loss's backward until then, to add the two)."""
     n, d, layers = batch * seq, config.dim, config.n_layers
     residual, compute = numerics_bytes(numerics)
-    block = block_saved_bytes(config, batch, seq, numerics, attention)
+    block = block_saved_bytes(config, batch, seq, numerics, attention, compiled)
     wrapped = checkpointed_blocks(layers, ac, ac_every)
     estimate = ActivationEstimate()
     estimate.saved["blocks"] = (layers - wrapped) * block + wrapped * residual * n * d
@@ -243,6 +253,8 @@ def activation_bytes(
         estimate.moments.update({moment: total + extra for moment, extra in working.items()})
     weight = (2 if numerics == "bf16" else 4) * config.vocab_size * d
     held = weight if config.tie_embeddings and head == "lm" and head_trains else 0
+    # unchunked, the head's weight gradient is a transposed view autograd cannot add into: the sum is a third copy
+    summed = weight if held and chunk_size is None else 0
     released = estimate.saved["final norm"] + estimate.saved.get("loss", 0) + estimate.saved.get("head", 0)
     flowing = 2 * compute * n * config.hidden_dim + residual * n * d
     if wrapped:  # plain blocks behind the last checkpointed one are done, and freed, before its recompute
@@ -255,7 +267,7 @@ def activation_bytes(
     else:
         estimate.moments["last block backward"] = estimate.saved_total - released + flowing + held
     if embedding_trains:
-        estimate.moments["embedding backward"] = 8 * n + weight + held + residual * n * d
+        estimate.moments["embedding backward"] = 8 * n + weight + held + summed + residual * n * d
     return estimate
 
 
@@ -267,19 +279,21 @@ def loss_bytes(
     Fused and chunked (``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
     validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
     a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
-    softmax gradient at a time. Full logits (``chunk_size`` None): the (tokens, V) fp32 logits are kept."""
+    softmax gradient at a time. Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept."""
     d, vocab = config.dim, config.vocab_size
     residual, compute = numerics_bytes(numerics)
     ids = 8 * tokens + tokens  # the targets (int64) and the valid mask (bool)
-    if chunk_size is None:
+    if chunk_size is None:  # F.cross_entropy on the (tokens, V) logits, cast to fp32
         hidden = 2 * tokens * d if numerics == "autocast" else residual * tokens * d
-        saved = hidden + 4 * tokens * vocab + 4 * tokens + ids
-        # backward: gather's and logsumexp's gradients of the (tokens, V) fp32 logits, their sum and the
-        # exp(logits - lse) behind them; the compute-dtype copy of the sum for the head's matmuls
-        logits_grad = 4 * 4 * tokens * vocab + (compute * tokens * vocab if compute != 4 else 0)
+        rows = tokens * vocab
+        saved = hidden + 4 * rows + 4 * tokens + ids  # its fp32 log-softmax
         weight_grad = 4 * vocab * d if weight_trains else 0
-        forward = compute * tokens * vocab + (4 * tokens * vocab if compute != 4 else 0)
-        return saved, {"loss backward": logits_grad + weight_grad, "loss forward": forward}
+        # backward: NLL's dense gradient and log-softmax's, both fp32; then (the log-softmax released) the head's
+        # matmuls on the gradient in the compute dtype (a cast of it under bf16), the weight's and the hidden states'
+        # gradients
+        head = (compute - 4) * rows + weight_grad + residual * tokens * d
+        forward = compute * rows + (4 * rows if compute != 4 else 0)  # the head's output and its fp32 copy
+        return saved, {"loss backward": 2 * 4 * rows, "head backward": head, "loss forward": forward}
     chunk = min(chunk_size, tokens) * vocab
     cast = numerics == "autocast"  # the Function casts hidden and weight to bf16 itself, in forward and backward
     low = cast or numerics == "bf16"  # the head's matmuls run in bf16
@@ -338,6 +352,7 @@ def inference_bytes(
 def logprob_pass_bytes(
     config: ModelConfig, batch: int, width: int, response: int, *, numerics: Numerics, attention: AttentionPath,
     grad: bool, ac: str = "none", ac_every: int = 2, head_trains: bool = True,
+    compiled: bool = False,
 ) -> ActivationEstimate:  # fmt: skip
     """One ``response_logprobs`` pass over ``batch`` rows of ``width`` tokens
     (prompt + response): the (B, response + 1, V) logits from the last prompt position on (``logits_from``), then the
@@ -357,7 +372,7 @@ def logprob_pass_bytes(
         return ActivationEstimate(moments={"log-prob pass": working})
     estimate = activation_bytes(
         config, batch, width, numerics=numerics, attention=attention, ac=ac, ac_every=ac_every, head="scalar",
-        head_trains=head_trains,
+        head_trains=head_trains, compiled=compiled,
     )  # fmt: skip
     estimate.saved["head"] = hidden + 2 * 4 * rows + 8 * batch * response  # + log-softmax and exp; gather's index
     saved = estimate.saved_total

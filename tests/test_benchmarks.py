@@ -265,3 +265,16 @@ def test_score_models_needs_a_finished_sft_stage(tmp_path, monkeypatch):
     arguments = ["--pipeline", str(tmp_path / "p"), "--config", "configs/pipeline/tiny.yaml", f"m={model}"]
     with pytest.raises(SystemExit, match="has no finished SFT stage"):
         score_models.main(arguments)
+
+
+def test_plan_vs_published_rows_in_the_docs_are_what_the_planner_says_now():
+    """docs/plan.md's table of published runs is kept by ``benchmarks.plan_vs_published --docs``: every run Lantern
+    expresses is planned again here and its row must be in the docs as printed (a planner change that moves a figure
+    fails until the table is rewritten)."""
+    from benchmarks import plan_vs_published as pvp
+
+    runs = [run for run in json.loads(pvp.RUNS.read_text()) if run["expresses"]]
+    assert len(runs) >= 12
+    block = pvp.DOCS.read_text().split(pvp.BEGIN, 1)[1].split(pvp.END, 1)[0]
+    stale = [run["id"] for run in runs if pvp.row_line(run, pvp.compare(run)) not in block]
+    assert not stale, f"rerun python -m benchmarks.plan_vs_published --docs: {stale}"

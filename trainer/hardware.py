@@ -73,7 +73,8 @@ def gpu_by_numbers(
     return dataclasses.replace(base, name=f"{base.name} ({said})", **changes)
 
 
-# (nominal GB/s per GPU, one direction; what it is)
+# (nominal GB/s per GPU, one direction; what it is). Between nodes, each GPU's share of the node's network: a ring
+# crosses it at the whole node's rate, the share times the node's GPUs in the run (trainer.plan.collective_time)
 FABRICS: dict[str, tuple[float, str]] = {
     "nvlink4": (450.0, "NVLink 4 through NVSwitch (H100 / H200 SXM): 900 GB/s per GPU, both directions"),
     "nvlink3": (300.0, "NVLink 3 through NVSwitch (A100 SXM): 600 GB/s per GPU, both directions"),

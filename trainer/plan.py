@@ -90,15 +90,21 @@ class Communication:
 
 
 def collective_time(
-    bytes_per_step: float, gpu: GPU, nodes: int, fabric: str | None, bandwidth_gbs: float | None
+    bytes_per_step: float, gpu: GPU, nodes: int, gpus_per_node: int, fabric: str | None, bandwidth_gbs: float | None
 ) -> Communication:
-    """Ring collectives: each GPU moves (W - 1) / W of the data, at its link's rate: NVLink / PCIe inside one node,
-    the network between nodes (``fabric``, default the GPU's usual one) once there are several."""
+    """Ring collectives (NCCL's all-gather / reduce-scatter): each GPU moves (W - 1) / W of the data. Inside one node
+    at its NVLink / PCIe rate; across nodes a ring leaves each node once, its channels spread over the node's network
+    links, so the rate is the whole node's network bandwidth (its GPUs x each one's share of ``fabric``), never more
+    than the link inside the node: what NCCL reports as bus bandwidth."""
     if bandwidth_gbs is not None:
-        achieved, name = bandwidth_gbs, "--bandwidth"
+        return Communication(int(bytes_per_step), bandwidth_gbs, "--bandwidth", bytes_per_step / (bandwidth_gbs * 1e9))
+    inside = fabric_named(gpu.intra_fabric)[0]
+    if nodes > 1:
+        name = fabric or gpu.inter_fabric
+        line = min(inside, gpus_per_node * fabric_named(name)[0])
     else:
-        name = fabric or (gpu.inter_fabric if nodes > 1 else gpu.intra_fabric)
-        achieved = fabric_named(name)[0] * COLLECTIVE_EFFICIENCY
+        name, line = gpu.intra_fabric, inside
+    achieved = line * COLLECTIVE_EFFICIENCY
     return Communication(int(bytes_per_step), achieved, name, bytes_per_step / (achieved * 1e9))
 
 

@@ -133,11 +133,13 @@ def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> St
     passes = logprob_pass_bytes(
         policy, micro, padded, hp.response_max_tokens, numerics=numerics, attention=attention, grad=True,
         ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, head_trains=peft is None,
+        compiled=setup.compiled,
     )  # fmt: skip
     if critic_params is not None:
         critic = activation_bytes(
             models.critic, micro, padded, numerics=numerics, attention=attention, head="scalar",
             ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, embedding_trains=peft is None,
+            compiled=setup.compiled,
         )  # fmt: skip
         for name, value in critic.saved.items():
             passes.saved[f"critic {name}"] = value
@@ -192,7 +194,7 @@ def rl_timing(
     timing = step_timing(
         target, setup, trainer, tokens_per_step=tokens, flops_per_token=scoring + training,
         micro_batches=hp.epochs * (sequences // hp.micro_batch_size) * 2,
-        params=[p for p in (params, critic_params) if p is not None], compiled=trainer.compile in (True, "auto"),
+        params=[p for p in (params, critic_params) if p is not None], compiled=setup.compiled,
         n_layers=policy.n_layers, notes=notes,
     )  # fmt: skip
     if timing is None or not target.gpu.memory_tbs:
@@ -203,7 +205,7 @@ def rl_timing(
     decode = decode_seconds(
         target, setup, weights_dtype * params.total, cache, sequences, hp.response_max_tokens, matmuls
     )
-    choice = mfu_for(target.gpu, trainer.compile in (True, "auto"), target.mfu)
+    choice = mfu_for(target.gpu, setup.compiled, target.mfu)
     prefill = (
         2 * matmuls * sequences * config.data.max_prompt_tokens / (peak_flops(target.gpu, setup.precision) * choice.mfu)
     )

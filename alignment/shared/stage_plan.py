@@ -156,14 +156,21 @@ class Setup:
     world: int
     numerics: str
     device: str  # cuda | cpu: which attention path and compute dtype the plan follows
+    compiled: bool  # trainer.compile as the run resolves it (auto: on CUDA)
 
     @classmethod
     def of(cls, trainer: Any, target: Target) -> Setup:
         on_gpu = target.gpu is not None
         precision = planned_precision(trainer.precision, on_gpu)
         world = trainer.devices * trainer.num_nodes
+        compiled = trainer.compile is True or (trainer.compile == "auto" and on_gpu)
         return cls(
-            precision, trainer.strategy, world, numerics_of(precision, trainer.strategy), "cuda" if on_gpu else "cpu"
+            precision,
+            trainer.strategy,
+            world,
+            numerics_of(precision, trainer.strategy),
+            "cuda" if on_gpu else "cpu",
+            compiled,
         )
 
     @property
@@ -212,7 +219,7 @@ def lm_activations(
     return activation_bytes(
         config, batch, seq, numerics=setup.numerics, attention=attention_path(config, masked=masked, device=setup.device),
         ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, head=head, chunk_size=trainer.loss_chunk_size,
-        head_trains=peft is None, embedding_trains=peft is None, params=params,
+        head_trains=peft is None, embedding_trains=peft is None, params=params, compiled=setup.compiled,
     )  # fmt: skip
 
 
@@ -258,7 +265,7 @@ def step_timing(
             )
         elif setup.strategy == "ddp" and setup.world > 1:
             moved += ddp_bytes_per_step(model, state_dtype_bytes(setup.precision), setup.world)
-    comm = collective_time(moved, gpu, trainer.num_nodes, target.fabric, target.bandwidth_gbs)
+    comm = collective_time(moved, gpu, trainer.num_nodes, trainer.devices, target.fabric, target.bandwidth_gbs)
     how = f"{gib(comm.bytes_per_step)} GiB per GPU over {comm.fabric} at {comm.bandwidth_gbs:.0f} GB/s" if moved else ""
     notes = list(notes or [])
     if sum(p.total for p in params) < 3e8:
@@ -282,7 +289,7 @@ def describe_run(setup: Setup, trainer: Any, target: Target) -> str:
         return f"this machine's CPU, {setup.precision}, activation checkpointing {trainer.activation_checkpointing}"
     nodes = f" on {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
     strategy = {"fsdp": "FSDP2", "ddp": "DDP", "single": "one process"}[setup.strategy]
-    compiled = ", compiled" if trainer.compile in (True, "auto") else ""
+    compiled = ", compiled" if setup.compiled else ""
     return (
         f"{setup.world} x {target.gpu.name}{nodes}, {strategy}, {setup.precision}, activation checkpointing "
         f"{trainer.activation_checkpointing}{compiled}"
@@ -379,7 +386,7 @@ def plan_lm(
     extra = world_tokens * fpt / 3 if on_the_fly else 0.0  # the reference's forward: a third of a token's work
     timing = step_timing(
         target, setup, trainer, tokens_per_step=world_tokens, flops_per_token=fpt, extra_flops=extra,
-        micro_batches=trainer.accumulate_grad_batches, params=[params], compiled=trainer.compile in (True, "auto"),
+        micro_batches=trainer.accumulate_grad_batches, params=[params], compiled=setup.compiled,
         n_layers=models.policy.n_layers, notes=notes,
     )  # fmt: skip
     accumulation = f" x {trainer.accumulate_grad_batches} accumulation" if trainer.accumulate_grad_batches > 1 else ""

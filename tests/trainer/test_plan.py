@@ -20,7 +20,7 @@ from models.memory import GiB, meta_parameters
 from models.model import ModelConfig, Transformer
 from tests.helpers import ROOT, subprocess_env
 from trainer.config import OptimConfig
-from trainer.hardware import GPUS, MFU_FIGURES, gpu_from_device_name, gpu_named, mfu_for
+from trainer.hardware import COLLECTIVE_EFFICIENCY, GPUS, MFU_FIGURES, gpu_from_device_name, gpu_named, mfu_for
 from trainer.optim import optimizer_from_config
 from trainer.plan import (
     collective_time,
@@ -131,11 +131,27 @@ def test_time_rules():
     assert recompute_factor("full", 16, 2) == pytest.approx(6 / 8)
     assert recompute_factor("selective", 16, 2) == pytest.approx(6 / 7)
     h100 = gpu_named("h100")
-    inside = collective_time(450e9, h100, nodes=1, fabric=None, bandwidth_gbs=None)
-    across = collective_time(450e9, h100, nodes=2, fabric=None, bandwidth_gbs=None)
-    assert inside.fabric == "nvlink4" and across.fabric == "ib-ndr"
-    assert across.seconds == pytest.approx(inside.seconds * 9)  # 450 vs 50 GB/s per GPU
-    assert collective_time(100e9, h100, nodes=8, fabric="efa-p5", bandwidth_gbs=25.0).seconds == pytest.approx(4.0)
+    inside = collective_time(450e9, h100, nodes=1, gpus_per_node=8, fabric=None, bandwidth_gbs=None)
+    alone = collective_time(450e9, h100, nodes=2, gpus_per_node=1, fabric=None, bandwidth_gbs=None)
+    assert inside.fabric == "nvlink4" and alone.fabric == "ib-ndr"
+    assert alone.seconds == pytest.approx(inside.seconds * 9)  # 450 vs one 50 GB/s link
+    given = collective_time(100e9, h100, nodes=8, gpus_per_node=8, fabric="efa-p5", bandwidth_gbs=25.0)
+    assert given.seconds == pytest.approx(4.0)
+
+
+def test_collectives_across_nodes_run_at_the_whole_nodes_network_rate():
+    """A ring over several nodes leaves each node once, its channels spread over the node's links: NCCL's bus
+    bandwidth across 8-GPU A100 nodes with a 200 Gb/s link per GPU is the node's 200 GB/s, not one link's 25 (the
+    plan had 64 A100s communication-bound, 5.1 s a step for torchtitan's Llama 2 13B, which ran its step in 4.3 s)."""
+    a100 = gpu_named("a100-80g")
+    rail = collective_time(100e9, a100, nodes=8, gpus_per_node=8, fabric=None, bandwidth_gbs=None)
+    assert rail.fabric == "ib-hdr" and rail.bandwidth_gbs == pytest.approx(8 * 25 * COLLECTIVE_EFFICIENCY)
+    shared = collective_time(100e9, a100, nodes=8, gpus_per_node=8, fabric="efa-p4d", bandwidth_gbs=None)
+    assert shared.bandwidth_gbs == pytest.approx(50 * COLLECTIVE_EFFICIENCY)  # p4d: 400 Gb/s for the whole node
+    h100 = gpu_named("h100")  # 8 x 400 Gb/s is 400 GB/s, under NVLink's 450: the node's network is the limit
+    assert collective_time(1e9, h100, 2, 8, None, None).bandwidth_gbs == pytest.approx(400 * COLLECTIVE_EFFICIENCY)
+    pcie = gpu_named("l40s")  # 8 x a 100 Gb/s share of Ethernet: the node's 12.5 GB/s, under PCIe's 32
+    assert collective_time(1e9, pcie, 2, 8, None, None).bandwidth_gbs == pytest.approx(12.5 * COLLECTIVE_EFFICIENCY)
 
 
 def test_formatting_and_verdicts():
