@@ -10,6 +10,11 @@ from models.errors import ConfigError
 
 CONTEXT_GIB = 1.0  # CUDA context, NCCL buffers and the allocator's own: kept back from the GPU's memory
 COLLECTIVE_EFFICIENCY = 0.8  # share of the line rate an all-gather / reduce-scatter reaches (assumed, not measured)
+# trainer.cpu_offload's AdamW step on the host: a two-socket GPU server's memory streams ~300 GB/s (DGX A100: 410 GB/s
+# peak, DGX H100: 614; assumed, not measured), shared by the node's GPUs' processes; the fused AdamW kernel reads a
+# parameter, its gradient and both moments and writes three back: 28 bytes a parameter
+HOST_MEMORY_GBS = 300.0
+HOST_ADAMW_BYTES_PER_PARAMETER = 28
 
 
 @dataclass(frozen=True)
@@ -23,20 +28,21 @@ class GPU:
     memory_tbs: float  # HBM / GDDR bandwidth, TB/s
     intra_fabric: str  # between the GPUs of one node
     inter_fabric: str  # between nodes, unless --fabric names another
+    host_link: str = "pcie4"  # to the host's memory (cpu_offload's copies)
 
 
 GPUS: dict[str, GPU] = {
     gpu.key: gpu
     for gpu in (
-        GPU("h100", "H100 SXM 80GB", 79.6, 989.4, 494.7, 66.9, 3.35, "nvlink4", "ib-ndr"),
-        GPU("h100-pcie", "H100 PCIe 80GB", 79.6, 756.0, 378.0, 51.2, 2.0, "pcie5", "ib-ndr"),
-        GPU("h200", "H200 SXM 141GB", 140.4, 989.4, 494.7, 66.9, 4.8, "nvlink4", "ib-ndr"),
+        GPU("h100", "H100 SXM 80GB", 79.6, 989.4, 494.7, 66.9, 3.35, "nvlink4", "ib-ndr", "pcie5"),
+        GPU("h100-pcie", "H100 PCIe 80GB", 79.6, 756.0, 378.0, 51.2, 2.0, "pcie5", "ib-ndr", "pcie5"),
+        GPU("h200", "H200 SXM 141GB", 140.4, 989.4, 494.7, 66.9, 4.8, "nvlink4", "ib-ndr", "pcie5"),
         GPU("a100-80g", "A100 SXM 80GB", 80.0, 312.0, 156.0, 19.5, 2.039, "nvlink3", "ib-hdr"),
         GPU("a100-40g", "A100 SXM 40GB", 40.0, 312.0, 156.0, 19.5, 1.555, "nvlink3", "ib-hdr"),
         GPU("l40s", "L40S 48GB", 45.0, 362.0, 183.0, 91.6, 0.864, "pcie4", "eth-100g"),
         GPU("a10g", "A10G 24GB", 22.5, 125.0, 62.5, 31.2, 0.6, "pcie4", "eth-100g"),
         GPU("l4", "L4 24GB", 22.5, 121.0, 60.0, 30.3, 0.3, "pcie4", "eth-100g"),
-        GPU("h100-nvl", "H100 NVL 94GB", 93.6, 835.0, 417.5, 60.0, 3.9, "pcie5", "ib-ndr"),
+        GPU("h100-nvl", "H100 NVL 94GB", 93.6, 835.0, 417.5, 60.0, 3.9, "pcie5", "ib-ndr", "pcie5"),
         GPU("l40", "L40 48GB", 45.0, 181.0, 90.5, 90.5, 0.864, "pcie4", "eth-100g"),
         # workstation and consumer cards (Ada / Ampere whitepapers): bf16 with fp32 accumulation, which GeForce
         # parts run at half their fp16-accumulate rate

@@ -60,14 +60,14 @@ def build_optimizer(
     decay_embeddings_and_norms: bool = False,
     schedule: str = "cosine",
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    # fused AdamW where the device supports it (CUDA); foreach elsewhere
-    on_cuda = any(p.is_cuda for p in model.parameters())
+    # fused AdamW: one kernel a step on CUDA, and on CPU (a CPU run, or trainer.cpu_offload's step on the host) 7x
+    # faster than the foreach default (50M parameters: 13 vs 98 ms on 2 cores; docs/plan.md), equal within 1e-6
     optimizer = torch.optim.AdamW(
         parameter_groups(model, weight_decay, decay_embeddings_and_norms),
         lr=lr,
         betas=tuple(betas),
         eps=eps,
-        fused=True if on_cuda else None,
+        fused=True,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

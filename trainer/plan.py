@@ -12,6 +12,8 @@ from trainer.hardware import (
     COLLECTIVE_EFFICIENCY,
     CONTEXT_GIB,
     GPU,
+    HOST_ADAMW_BYTES_PER_PARAMETER,
+    HOST_MEMORY_GBS,
     fabric_named,
     peak_flops,  # noqa: F401 - the stages' plans import it from here
 )
@@ -106,6 +108,20 @@ def collective_time(
         name, line = gpu.intra_fabric, inside
     achieved = line * COLLECTIVE_EFFICIENCY
     return Communication(int(bytes_per_step), achieved, name, bytes_per_step / (achieved * 1e9))
+
+
+def offload_seconds(
+    params: ParameterShapes, gpu: GPU, world: int, gpus_per_node: int, state_bytes: int, micro_batches: int
+) -> tuple[float, float]:
+    """``trainer.cpu_offload`` (FSDP2's CPUOffloadPolicy), per optimizer step: (the host link's copies, overlapped
+    with compute like the collectives: every micro-batch each GPU copies its parameter shard in for the forward and
+    again for the backward, and its gradient shard out; the AdamW step on the host, after the backward: every GPU's
+    process of a node at once, bound by the host's memory bandwidth)."""
+    shard, trained = params.shard_numel(world), params.shard_numel(world, trains=True)
+    copied = micro_batches * (2 * state_bytes * shard + 4 * trained)
+    link = fabric_named(gpu.host_link)[0] * COLLECTIVE_EFFICIENCY
+    optimizer = gpus_per_node * trained * HOST_ADAMW_BYTES_PER_PARAMETER / (HOST_MEMORY_GBS * 1e9)
+    return copied / (link * 1e9), optimizer
 
 
 def fsdp_bytes_per_micro_batch(params: ParameterShapes, compute_bytes: int, world: int) -> float:

@@ -3,14 +3,18 @@ the end of training (``plan_vs_measured.json``, ``plan/*`` in metrics.csv and W&
 the measured peak is more than 15% above the plan.
 
 What is measured: on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``, what the plan counts: the CUDA
-context is outside both); on CPU, the process's resident memory sampled at every step's end, less what it held
-before the stage loaded its weights (so the Python and torch runtime is left out, but the allocator's cached blocks
-and the data pipeline's buffers are in). Step time: the median over optimizer steps after the first two (compilation,
-warm-up), rank 0's.
+context is outside both). On CPU, memory in use: the process's resident memory less what glibc's malloc holds free
+for reuse (``mallinfo2``), sampled at the end of every forward (the saved activations all alive) and every step, less
+what was in use before the stage loaded its weights; the backward's working set falls between samples, so it is a
+lower bound of the peak. The resident peak, freed blocks glibc keeps included (about twice the activations on
+SmolLM2 SFT, docs/plan.md), is recorded beside it. Without glibc, resident memory alone, said so. Step time: the
+median over optimizer steps after the first two (compilation, warm-up), rank 0's.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -42,6 +46,38 @@ def resident_bytes() -> int:
         return 0
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]  # fmt: skip
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (2.33 and later), or None where this process has none (musl, macOS)."""
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def malloc_free_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its arenas (``fordblks``, every arena): freed memory it keeps, mostly still
+    resident, for the next allocations; None without glibc."""
+    function = _mallinfo2()
+    return None if function is None else int(function().fordblks)
+
+
+def in_use_bytes() -> int:
+    """Resident memory less malloc's free bytes: what the process's tensors, weights and Python objects hold now (the
+    resident memory alone without glibc)."""
+    return resident_bytes() - (malloc_free_bytes() or 0)
+
+
 @dataclass(frozen=True)
 class PlannedRun:
     """What the stage's plan said before any weights were loaded, and the memory the process held then."""
@@ -50,7 +86,7 @@ class PlannedRun:
     peak_bytes: int
     step_s: float | None  # None: no step time planned (a CPU run)
     device: str
-    resident_before: int
+    in_use_before: int  # in_use_bytes() before the weights loaded
 
 
 class PlanVersusMeasured(L.Callback):
@@ -61,16 +97,23 @@ class PlanVersusMeasured(L.Callback):
         self.run_dir = Path(run_dir)
         self._ends: list[float] = []
         self._last_step = -1
-        self._resident_peak = 0
+        self._in_use_peak = self._resident_peak = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._resident_peak = resident_bytes()
+        self._sample(pl_module)
+
+    def _sample(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cpu":
+            self._in_use_peak = max(self._in_use_peak, in_use_bytes())
+            self._resident_peak = max(self._resident_peak, resident_bytes())
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._sample(pl_module)  # the end of the forward: every saved activation alive
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if pl_module.device.type == "cpu":
-            self._resident_peak = max(self._resident_peak, resident_bytes())
+        self._sample(pl_module)
         if trainer.global_step != self._last_step:  # an optimizer step ended (not mid-accumulation)
             self._last_step = trainer.global_step
             if pl_module.device.type == "cuda":
@@ -108,12 +151,19 @@ class PlanVersusMeasured(L.Callback):
     def measure(self, device: torch.device) -> dict[str, Any]:
         """The record: planned and measured peak memory and step time, their ratios, and how each was measured."""
         peak: int | None
+        resident: int | None = None
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             how = "CUDA allocator's peak (max_memory_allocated)"
         else:
-            peak = self._resident_peak - self.planned.resident_before
-            how = "resident memory sampled at step ends, less the process's before the weights loaded (host)"
+            peak = self._in_use_peak - self.planned.in_use_before
+            resident = self._resident_peak - self.planned.in_use_before
+            how = (
+                "host memory in use (resident less glibc's free blocks) at forward and step ends, less before the "
+                "weights loaded: a lower bound of the peak"
+                if _mallinfo2() is not None
+                else "resident memory at forward and step ends, less before the weights loaded (host; no glibc)"
+            )
             if peak <= 0:  # an earlier stage of this process held more than this one uses: nothing to measure
                 peak = None
                 how = "not measurable: this process held more memory before the stage than during it (host)"
@@ -124,6 +174,8 @@ class PlanVersusMeasured(L.Callback):
             **asdict(planned),
             "measured_peak_bytes": peak,
             "memory_measured_as": how,
+            # CPU: the resident peak, the freed blocks glibc keeps for reuse included (what the OS sees)
+            "resident_peak_bytes": resident if resident and resident > 0 else None,
             "peak_ratio": peak / planned.peak_bytes if planned.peak_bytes and peak else None,
             "measured_step_s": step,
             "steps_timed": len(steps),

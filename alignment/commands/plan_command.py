@@ -186,7 +186,8 @@ def render(plan: StagePlan) -> str:
             f"  FLOPs per token   {t.flops_per_token / 1e9:.3g} GFLOP; {t.tokens_per_step:,} tokens per step",
             f"  MFU               {t.mfu:.1%}{recompute}: {t.mfu_source}",
             f"  step              {duration(t.step_s)} (compute {duration(t.compute_s)}; "
-            + (f"communication {duration(t.communication_s)}: {t.communication})" if t.communication else "no collectives)"),
+            + (f"communication {duration(t.communication_s)}: {t.communication}" if t.communication else "no collectives")
+            + (f"; then AdamW on the host {duration(t.host_s)})" if t.host_s else ")"),
             f"  throughput        {t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / max(plan.gpus, 1):,.0f} per GPU)",
             f"  {t.steps:,} steps: {duration(t.total_s)}, {hours:,.0f} GPU-hours{cost}" if hours >= 100
             else f"  {t.steps:,} steps: {duration(t.total_s)}, {hours:.3g} GPU-hours{cost}",

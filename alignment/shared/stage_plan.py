@@ -13,7 +13,7 @@ from typing import Any
 from models.adapter_config import PeftConfig
 from models.memory import ActivationEstimate, activation_bytes, attention_path, meta_parameters
 from models.model import ModelConfig
-from trainer.hardware import GPU, mfu_for
+from trainer.hardware import GPU, HOST_MEMORY_GBS, mfu_for
 from trainer.plan import (
     collective_time,
     count,
@@ -25,6 +25,7 @@ from trainer.plan import (
     host_memory_bytes,
     model_state,
     numerics_of,
+    offload_seconds,
     peak_flops,
     planned_precision,
     recompute_factor,
@@ -88,6 +89,7 @@ class Timing:
     step_s: float
     steps: int
     notes: list[str] = field(default_factory=list)
+    host_s: float = 0.0  # cpu_offload: the AdamW step on the host, after the backward (not overlapped)
 
     @property
     def tokens_per_s(self) -> float:
@@ -267,15 +269,27 @@ def step_timing(
             moved += ddp_bytes_per_step(model, state_dtype_bytes(setup.precision), setup.world)
     comm = collective_time(moved, gpu, trainer.num_nodes, trainer.devices, target.fabric, target.bandwidth_gbs)
     how = f"{gib(comm.bytes_per_step)} GiB per GPU over {comm.fabric} at {comm.bandwidth_gbs:.0f} GB/s" if moved else ""
+    communication, host = comm.seconds, 0.0
+    if setup.strategy == "fsdp" and trainer.cpu_offload:
+        width = state_dtype_bytes(setup.precision)
+        for model in params:
+            copies, optimizer = offload_seconds(model, gpu, setup.world, trainer.devices, width, micro_batches)
+            communication, host = communication + copies, host + optimizer
+        how += f"; cpu_offload's copies over {gpu.host_link} {duration(communication - comm.seconds)}"
     notes = list(notes or [])
+    if host:
+        notes.append(
+            f"cpu_offload: AdamW on the host after each backward, {duration(host)} a step (the node's memory at "
+            f"{HOST_MEMORY_GBS:.0f} GB/s shared by its {trainer.devices} GPUs' processes: assumed, not measured)"
+        )
     if sum(p.total for p in params) < 3e8:
         notes.append(
             "the MFU figures come from billion-parameter models; one this small is bound by kernel launches and data "
             "loading, not FLOPs: read the time as a lower bound"
         )
     return Timing(
-        tokens_per_step, flops_per_token, mfu, choice.mfu, choice.source, compute, comm.seconds, how,
-        max(compute, comm.seconds), trainer.max_steps, notes,
+        tokens_per_step, flops_per_token, mfu, choice.mfu, choice.source, compute, communication, how.lstrip("; "),
+        max(compute, communication) + host, trainer.max_steps, notes, host,
     )  # fmt: skip
 
 

@@ -33,6 +33,21 @@ def pretrain_config(data_dir, tmp_path, *overrides: str) -> PretrainConfig:
     )  # fmt: skip
 
 
+def test_a_cpu_run_is_held_to_the_memory_it_uses_not_the_freed_blocks_glibc_keeps(tmp_path, data_dir, caplog):
+    """The small model on 8 x 512 tokens, its activations leading: the memory in use at the end of the forward is
+    just under the plan (0.92 measured), no warning; the resident peak, where glibc keeps the freed activation blocks
+    of earlier steps for reuse, is recorded beside it and is well above (1.28: what the run measured before, and
+    warned about as the plan under-counting)."""
+    overrides = ("model=small", "loader.seq_len=512", "loader.micro_batch_size=8", "trainer.max_steps=2",
+                 "trainer.val_every_n_steps=2", "checkpoint.every_n_steps=2")  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        run_dir = pretrain_stage.run_pretrain(pretrain_config(data_dir, tmp_path, *overrides))
+    record = json.loads((run_dir / plan_check.RECORD).read_text())
+    assert 0.75 <= record["peak_ratio"] <= plan_check.OVER_PLAN, record
+    assert record["resident_peak_bytes"] > record["measured_peak_bytes"]
+    assert "above the plan's" not in caplog.text
+
+
 def test_a_run_records_its_plan_beside_what_it_measured(capsys, caplog, tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(plan_check, "OVER_PLAN", 0.0)  # any measured peak is "above the plan": the warning shows
     torch.manual_seed(0)
@@ -43,7 +58,8 @@ def test_a_run_records_its_plan_beside_what_it_measured(capsys, caplog, tmp_path
     assert record["peak_bytes"] > 0 and record["measured_peak_bytes"] > 0 and record["step_s"] is None
     assert record["peak_ratio"] == pytest.approx(record["measured_peak_bytes"] / record["peak_bytes"])
     assert record["steps_timed"] == 2 and record["measured_step_s"] > 0  # 4 steps, the first two left out
-    assert "resident memory" in record["memory_measured_as"]
+    assert "memory in use" in record["memory_measured_as"]
+    assert record["resident_peak_bytes"] >= record["measured_peak_bytes"]
     assert caplog.text.count("above the plan's") == 1
     with open(run_dir / "csv" / "metrics.csv", newline="") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("plan/peak_gib")]

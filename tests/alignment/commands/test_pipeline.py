@@ -238,7 +238,7 @@ def test_full_run_leaves_report_plots_and_loadable_models(tiny_run):
         and str(out / "data" / "demo" / "prompts.jsonl") in grpo
     )
 
-    # every stage held against its plan: the CPU plan's peak beside the resident memory the run measured, where
+    # every stage held against its plan: the CPU plan's peak beside the memory in use the run measured, where
     # the process (which ran the stages before it) did not already hold more
     assert "## Each stage against its plan" in report
     for stage in MODEL_STAGES:
