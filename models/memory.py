@@ -215,19 +215,21 @@ def activation_bytes(
     embedding_trains: bool = True,
     params: ParameterShapes | None = None,
     compiled: bool = False,
+    z_loss: bool = False,
 ) -> ActivationEstimate:
     """The activations of one training micro-batch of ``batch`` rows of ``seq`` tokens: the blocks (``ac``: none,
-    full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
-    final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
-    scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
-    gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
-    default: the plain model's. ``compiled``: each block compiled (``block_saved_bytes``).
+        full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
+        final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
+        scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
+        gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
+        default: the plain model's. ``compiled``: each block compiled (``block_saved_bytes``). ``z_loss``: the loss adds
+    PaLM's z-loss (``loss_bytes``).
 
-    Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
-    backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
-    flowing into it and the SwiGLU's two input gradients, once the loss, the final norm and the plain blocks behind it
-    have let go), and the embedding's backward (its dense weight gradient; with tied embeddings autograd holds the LM
-    head's gradient of the same weight from the loss's backward until then, to add the two)."""
+        Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
+        backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
+        flowing into it and the SwiGLU's two input gradients, once the loss, the final norm and the plain blocks behind it
+        have let go), and the embedding's backward (its dense weight gradient; with tied embeddings autograd holds the LM
+        head's gradient of the same weight from the loss's backward until then, to add the two)."""
     n, d, layers = batch * seq, config.dim, config.n_layers
     residual, compute = numerics_bytes(numerics)
     block = block_saved_bytes(config, batch, seq, numerics, attention, compiled)
@@ -247,7 +249,9 @@ def activation_bytes(
     if head == "scalar":  # the head reads the final norm's output (a bf16 cast of it under autocast)
         estimate.saved["head"] = (2 if numerics == "autocast" else residual) * n * d + 8 * batch
     else:
-        saved, working = loss_bytes(config, n, numerics=numerics, chunk_size=chunk_size, weight_trains=head_trains)
+        saved, working = loss_bytes(
+            config, n, numerics=numerics, chunk_size=chunk_size, weight_trains=head_trains, z_loss=z_loss
+        )
         estimate.saved["loss"] = saved
         total = estimate.saved_total
         estimate.moments.update({moment: total + extra for moment, extra in working.items()})
@@ -272,27 +276,38 @@ def activation_bytes(
 
 
 def loss_bytes(
-    config: ModelConfig, tokens: int, *, numerics: Numerics, chunk_size: int | None, weight_trains: bool = True
+    config: ModelConfig,
+    tokens: int,
+    *,
+    numerics: Numerics,
+    chunk_size: int | None,
+    weight_trains: bool = True,
+    z_loss: bool = False,
 ) -> tuple[int, dict[str, int]]:
     """(bytes the LM loss keeps for backward, its working sets) for ``tokens`` positions.
 
     Fused and chunked (``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
     validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
     a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
-    softmax gradient at a time. Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept."""
+    softmax gradient at a time. Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept;
+    with ``z_loss`` (logsumexp - gather, ``models.loss._token_losses``) the fp32 logits themselves."""
     d, vocab = config.dim, config.vocab_size
     residual, compute = numerics_bytes(numerics)
     ids = 8 * tokens + tokens  # the targets (int64) and the valid mask (bool)
-    if chunk_size is None:  # F.cross_entropy on the (tokens, V) logits, cast to fp32
+    if chunk_size is None:  # the (tokens, V) logits, cast to fp32
         hidden = 2 * tokens * d if numerics == "autocast" else residual * tokens * d
         rows = tokens * vocab
-        saved = hidden + 4 * rows + 4 * tokens + ids  # its fp32 log-softmax
+        saved = hidden + 4 * rows + 4 * tokens + ids  # F.cross_entropy's fp32 log-softmax, or z-loss's fp32 logits
         weight_grad = 4 * vocab * d if weight_trains else 0
+        forward = compute * rows + (4 * rows if compute != 4 else 0)  # the head's output and its fp32 copy
+        if z_loss:  # backward: gather's and logsumexp's gradients, their sum and the exp(logits - lse) behind them;
+            # the compute-dtype copy of the sum for the head's matmuls
+            backward = 4 * 4 * rows + (compute * rows if compute != 4 else 0)
+            return saved, {"loss backward": backward + weight_grad, "loss forward": forward}
         # backward: NLL's dense gradient and log-softmax's, both fp32; then (the log-softmax released) the head's
         # matmuls on the gradient in the compute dtype (a cast of it under bf16), the weight's and the hidden states'
         # gradients
         head = (compute - 4) * rows + weight_grad + residual * tokens * d
-        forward = compute * rows + (4 * rows if compute != 4 else 0)  # the head's output and its fp32 copy
         return saved, {"loss backward": 2 * 4 * rows, "head backward": head, "loss forward": forward}
     chunk = min(chunk_size, tokens) * vocab
     cast = numerics == "autocast"  # the Function casts hidden and weight to bf16 itself, in forward and backward

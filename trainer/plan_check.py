@@ -72,10 +72,11 @@ def malloc_free_bytes() -> int | None:
     return None if function is None else int(function().fordblks)
 
 
-def in_use_bytes() -> int:
-    """Resident memory less malloc's free bytes: what the process's tensors, weights and Python objects hold now (the
-    resident memory alone without glibc)."""
-    return resident_bytes() - (malloc_free_bytes() or 0)
+def host_memory_now() -> tuple[int, int]:
+    """(resident memory, in use: resident less malloc's free bytes, what the process's tensors, weights and Python
+    objects hold now; the resident memory alone without glibc), from one read of each."""
+    resident = resident_bytes()
+    return resident, resident - (malloc_free_bytes() or 0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class PlannedRun:
     peak_bytes: int
     step_s: float | None  # None: no step time planned (a CPU run)
     device: str
-    in_use_before: int  # in_use_bytes() before the weights loaded
+    in_use_before: int  # host memory in use (host_memory_now) before the weights loaded
 
 
 class PlanVersusMeasured(L.Callback):
@@ -106,8 +107,9 @@ class PlanVersusMeasured(L.Callback):
 
     def _sample(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cpu":
-            self._in_use_peak = max(self._in_use_peak, in_use_bytes())
-            self._resident_peak = max(self._resident_peak, resident_bytes())
+            resident, in_use = host_memory_now()
+            self._resident_peak = max(self._resident_peak, resident)
+            self._in_use_peak = max(self._in_use_peak, in_use)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self._sample(pl_module)  # the end of the forward: every saved activation alive

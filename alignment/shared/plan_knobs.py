@@ -22,7 +22,7 @@ from models.errors import ConfigError
 from models.memory import GiB
 from trainer.hardware import GPU, gpu_from_device_name
 from trainer.plan import gib
-from trainer.plan_check import PlannedRun, in_use_bytes
+from trainer.plan_check import PlannedRun, host_memory_now
 from trainer.storage import is_global_rank_zero
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
     one line, and a ConfigError naming the knob when it does not fit (``trainer.plan_check=false`` runs it anyway).
     An estimate that fails is a warning and None: the plan is advice until it says a run cannot fit."""
     trainer = stage.training_section(config).trainer
-    in_use = in_use_bytes()
+    in_use = host_memory_now()[1]
     try:
         plan = stage.plan(config, stage_models(config, ModelResolver(None)), device_target(trainer))
     except Exception as error:  # a missing model or bad rows are the stage's own errors to raise, a bug a warning

@@ -216,12 +216,12 @@ def activation_items(estimate: ActivationEstimate, what: str) -> tuple[list[Item
 
 def lm_activations(
     config: ModelConfig, setup: Setup, trainer: Any, batch: int, seq: int, *, masked: bool, head: str = "lm",
-    peft: PeftConfig | None = None, params: Any = None,
+    peft: PeftConfig | None = None, params: Any = None, z_loss: bool = False,
 ) -> ActivationEstimate:  # fmt: skip
     return activation_bytes(
         config, batch, seq, numerics=setup.numerics, attention=attention_path(config, masked=masked, device=setup.device),
         ac=trainer.activation_checkpointing, ac_every=trainer.ac_every, head=head, chunk_size=trainer.loss_chunk_size,
-        head_trains=peft is None, embedding_trains=peft is None, params=params, compiled=setup.compiled,
+        head_trains=peft is None, embedding_trains=peft is None, params=params, compiled=setup.compiled, z_loss=z_loss,
     )  # fmt: skip
 
 
@@ -322,15 +322,17 @@ def finish(plan: StagePlan, target: Target, setup: Setup) -> StagePlan:
 def plan_pretrain(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
     loader = config.loader
     return plan_lm(
-        stage, config, models, target, seq=loader.seq_len, rows=loader.micro_batch_size, masked=loader.document_masking
-    )
+        stage, config, models, target, seq=loader.seq_len, rows=loader.micro_batch_size, masked=loader.document_masking,
+        z_loss=config.optim.z_loss > 0,
+    )  # fmt: skip
 
 
 def plan_sft(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
     micro = config.loader.micro_batch_size
     return plan_lm(
-        stage, config, models, target, seq=config.data.seq_len, rows=micro, masked=True, peft=peft_of(config)
-    )
+        stage, config, models, target, seq=config.data.seq_len, rows=micro, masked=True, peft=peft_of(config),
+        z_loss=config.optim.z_loss > 0,
+    )  # fmt: skip
 
 
 def plan_rm(stage: Any, config: Any, models: Models, target: Target) -> StagePlan:
@@ -356,16 +358,16 @@ def plan_dpo(stage: Any, config: Any, models: Models, target: Target) -> StagePl
 
 def plan_lm(
     stage: Any, config: Any, models: Models, target: Target, *, seq: int, rows: int, masked: bool,
-    peft: PeftConfig | None = None, scalar: bool = False, reference: str | None = None,
+    peft: PeftConfig | None = None, scalar: bool = False, reference: str | None = None, z_loss: bool = False,
 ) -> StagePlan:  # fmt: skip
     """One trained model on micro-batches of ``rows`` rows of ``seq`` tokens; ``reference``: a frozen reference's
-    log-probs, ``precompute``d before the first step or ``on_the_fly``."""
+    log-probs, ``precompute``d before the first step or ``on_the_fly``; ``z_loss``: the LM loss adds PaLM's z-loss."""
     trainer = config.trainer
     setup = Setup.of(trainer, target)
     params = meta_parameters(models.policy, scalar_head=scalar, peft=peft, trainable=("head.",) if scalar else ())
     estimate = lm_activations(
         models.policy, setup, trainer, rows, seq, masked=masked, head="scalar" if scalar else "lm", peft=peft,
-        params=params,
+        params=params, z_loss=z_loss,
     )  # fmt: skip
     items = trained_items("model", params, setup, trainer, peft)
     phases, notes = [], []
@@ -391,7 +393,7 @@ def plan_lm(
     by_checkpointing = {
         mode: lm_activations(
             models.policy, setup, with_overrides(trainer, {"activation_checkpointing": mode}), rows, seq, masked=masked,
-            head="scalar" if scalar else "lm", peft=peft, params=params,
+            head="scalar" if scalar else "lm", peft=peft, params=params, z_loss=z_loss,
         ).peak
         for mode in ("none", "selective", "full")
     }  # fmt: skip

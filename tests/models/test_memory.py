@@ -79,7 +79,7 @@ def within(predicted: int, measured: int) -> bool:
 
 
 def lm_case(preset: str, batch: int, seq: int, layers: int | None = None, ac: str = "none", numerics: str = "fp32",
-            masked: bool = True, chunk: int | None = 1024):  # fmt: skip
+            masked: bool = True, chunk: int | None = 1024, z_loss: float = 0.0):  # fmt: skip
     overrides = {"max_seq_len": max(seq, 256), **({"n_layers": layers} if layers else {})}
     config = ModelConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
@@ -94,11 +94,13 @@ def lm_case(preset: str, batch: int, seq: int, layers: int | None = None, ac: st
     def forward():
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=numerics == "autocast")
         with autocast:
-            return model.token_losses(ids, ids, document_ids=documents if masked else None, chunk_size=chunk)
+            return model.token_losses(
+                ids, ids, document_ids=documents if masked else None, chunk_size=chunk, z_loss=z_loss
+            )
 
     estimate = activation_bytes(
         config, batch, seq, numerics=numerics, attention=attention_path(config, masked=masked, device="cpu"), ac=ac,
-        chunk_size=chunk,
+        chunk_size=chunk, z_loss=z_loss > 0,
     )  # fmt: skip
     return model, forward, estimate
 
@@ -185,6 +187,16 @@ def test_unchunked_loss_holds_two_logit_buffers_in_backward(numerics):
     assert within(estimate.peak, measured), (estimate.peak_moment, estimate.moments, measured)
     rows = 2 * 512 * model.config.vocab_size
     assert measured - estimate.saved_total <= 2.1 * 4 * rows
+
+
+def test_unchunked_loss_with_z_loss_keeps_the_logits_and_is_counted_so():
+    """``optim.z_loss`` with unchunked logits still takes logsumexp - gather (it needs the log-sum-exp): its
+    backward holds four fp32 logit buffers, and the plan counts them for that run, not F.cross_entropy's two."""
+    torch.set_num_threads(MEASURED_THREADS)
+    model, forward, estimate = lm_case("tiny", 2, 512, None, "none", "fp32", True, None, z_loss=1e-4)
+    measured = peak_bytes(model, lambda: forward().sum().backward())
+    assert within(estimate.peak, measured), (estimate.peak_moment, estimate.moments, measured)
+    assert measured - estimate.saved_total > 3 * 4 * 2 * 512 * model.config.vocab_size
 
 
 def test_rl_log_prob_passes_match_measurement():
