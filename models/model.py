@@ -340,14 +340,22 @@ class Transformer(nn.Module):
         document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None,
         logits_from: int = 0,
+        query_key_mask: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, T - logits_from, vocab_size) of positions ``logits_from``.. (all by default).
 
         ``document_ids`` (B, T): tokens attend only within their document; positions restart per document
         unless ``position_ids`` are given. With a ``kv_cache``, the tokens are appended after the cached ones.
         ``logits_from`` skips the LM head where a caller reads no logits (an RL prompt: a sixth of its forward).
+        ``query_key_mask``: as ``hidden_states``'s.
         """
-        hidden = self.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache)
+        hidden = self.hidden_states(
+            input_ids,
+            position_ids=position_ids,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
+            query_key_mask=query_key_mask,
+        )
         return self.logits(hidden[:, logits_from:] if logits_from else hidden)
 
     def token_losses(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from models import fast_decode
@@ -30,7 +31,9 @@ def last_logits(model: Transformer, input_ids: Tensor, blocks: Sequence | None =
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     """How many leading tokens every prompt has in common, leaving each at least its last token to prefill (its
-    logits start the decoding)."""
+    logits start the decoding); 0 for a batch of one, which shares its prompt with no other row."""
+    if len(prompts) < 2:
+        return 0
     shortest = min(len(p) for p in prompts)
     length = 0
     for column in zip(*(p[: shortest - 1] for p in prompts)):
@@ -52,7 +55,7 @@ def prefill(
     """The left-padded prompts' (B, T) last-position logits (B, V), with ``kv_cache`` filled for all T positions:
     what one forward over them gives. A prefix of at least ``SHARED_PREFIX_MIN`` tokens that every prompt starts with
     runs once; its keys and values are copied to where each row has it (after the row's padding)."""
-    shared = shared_prefix_length(prompts) if len(prompts) > 1 else 0
+    shared = shared_prefix_length(prompts)
     if shared < SHARED_PREFIX_MIN:
         return last_logits(
             model, input_ids, blocks, position_ids=position_ids, document_ids=document_ids, kv_cache=kv_cache
@@ -79,3 +82,51 @@ def prefill(
         model, input_ids[:, start:], blocks, position_ids=position_ids[:, start:],
         document_ids=document_ids[:, start:], kv_cache=kv_cache,
     )  # fmt: skip
+
+
+class _PrefixRow:
+    """Stands in for a KV cache in one forward over the prefix (row 0) and every row without it (rows 1..): each
+    row's keys and values are the prefix's, read from row 0 inside the same attention call (so the gradients, FSDP2's
+    hooks and activation checkpointing's recompute see an ordinary block), then its own."""
+
+    def __init__(self, shared: int, width: int) -> None:
+        self.shared, self.length, self.max_len = shared, 0, width
+
+    def update(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        rows, shared = keys.shape[0], self.shared
+        return (
+            torch.cat([keys[:1, :, :shared].expand(rows, -1, -1, -1), keys], dim=2),
+            torch.cat([values[:1, :, :shared].expand(rows, -1, -1, -1), values], dim=2),
+        )
+
+
+def logits_with_shared_prefix(
+    model: Transformer, input_ids: Tensor, real: Tensor, shared: int, logits_from: int
+) -> Tensor:
+    """What ``model(input_ids, ..., logits_from=logits_from)`` gives for left-padded rows (B, T) whose real tokens all
+    start with the same ``shared`` tokens (``real`` marks real tokens), the prefix run once: one forward over the
+    prefix as an extra row and every row without it. Every row must keep at least one token of its own before
+    ``logits_from`` (``shared_prefix_length`` leaves one)."""
+    batch, width = input_ids.shape
+    device, rest = input_ids.device, width - shared
+    wide = max(rest, shared)  # the prefix's row and the others, one width
+    pads = (real.long().cumsum(1) == 0).sum(1)  # (B,) left padding of each row
+    prefix = input_ids[:1].gather(1, pads[:1, None] + torch.arange(shared, device=device))  # (1, S)
+    # each row without its copy of the prefix: its padding, then what follows the prefix; the same width for all
+    column = torch.arange(rest, device=device)
+    source = column + shared * (column[None] >= pads[:, None])  # (B, T - S)
+    own_ids = F.pad(input_ids.gather(1, source), (0, wide - rest))
+    own_real = F.pad(real.gather(1, source), (0, wide - rest))
+    ids = torch.cat([F.pad(prefix, (0, wide - shared)), own_ids])
+    positions = torch.cat([torch.arange(wide, device=device)[None], (own_real.long().cumsum(1) - 1).clamp(min=0) + shared])  # fmt: skip
+    # keys: the prefix's `shared`, then the row's own `wide`. Row 0 reads its own causally; the others read all of
+    # the prefix, and their own causally within real tokens or within padding, as in the full rows
+    causal = torch.ones(wide, wide, dtype=torch.bool, device=device).tril()
+    prefix_row = torch.cat([torch.zeros(1, wide, shared, dtype=torch.bool, device=device), causal[None]], dim=2)
+    own = causal[None] & (own_real[:, :, None] == own_real[:, None, :])
+    rows = torch.cat([torch.ones(batch, wide, shared, dtype=torch.bool, device=device), own], dim=2)
+    logits = model(
+        ids, position_ids=positions, kv_cache=_PrefixRow(shared, wide),
+        query_key_mask=torch.cat([prefix_row, rows])[:, None], logits_from=logits_from - shared,
+    )  # fmt: skip
+    return logits[1:, : width - logits_from]

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from alignment.shared.responses import response_logprobs
 from models.errors import DataError
 from models.generation import generate, left_pad
+from models.prefill import shared_prefix_length
 from models.sampling import GenerationOutput
 from trainer.parallel import unsharded_for_generation
 
@@ -205,7 +206,8 @@ class SampledKL:
         prompt_ids, prompt_real = left_pad(prompts, self.pad_id, device)
         mask = out.mask.to(device)
         input_ids = torch.cat([prompt_ids, out.tokens.to(device)], dim=1)
-        ref_logp = response_logprobs(self.reference, input_ids, torch.cat([prompt_real, mask], dim=1), prompt_ids.shape[1], 1.0)[0]  # fmt: skip
+        real = torch.cat([prompt_real, mask], dim=1)
+        ref_logp = response_logprobs(self.reference, input_ids, real, prompt_ids.shape[1], 1.0, shared_prefix_length(prompts))[0]  # fmt: skip
         self.totals.extend(((out.logprobs.to(device) - ref_logp) * mask).sum(1).tolist())
 
     @property

@@ -49,19 +49,20 @@ class GRPOModule(RLModule):
         group = [p for p in prompts for _ in range(grpo.group_size)]  # each prompt's responses side by side
         responses = self.sample([p["prompt_ids"] for p in group])
         input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
+        shared = responses.shared_prefix
         on_policy = self.one_update(len(group))
         with torch.no_grad():
             old_logp, ref_logp = [], []
             for rows in self.micro_batches(torch.arange(len(group), device=self.device)):
                 if not on_policy:
-                    old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
-                ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P))
+                    old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P, shared)[0])
+                ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P, shared))
             old_logp, ref_logp = (torch.cat(old_logp) if old_logp else None), torch.cat(ref_logp)
             scores, raw_scores, reward_stats = self.score(group, responses)
             grouped = scores.view(len(prompts), grpo.group_size)
             advantages = group_advantages(grouped, baseline=grpo.baseline, scale=grpo.scale_advantages).flatten()
         rollout_time = time.perf_counter() - start
-        train_stats = self.update(input_ids, real, P, mask, old_logp, ref_logp, advantages)
+        train_stats = self.update(input_ids, real, (P, shared), mask, old_logp, ref_logp, advantages)
         self.write_samples(group, responses.answers, raw_scores)
         spread = grouped.std(-1)
         return {
@@ -89,13 +90,14 @@ class GRPOModule(RLModule):
         self,
         input_ids: Tensor,
         real: Tensor,
-        P: int,
+        prompt: tuple[int, int],
         mask: Tensor,
         old_logp: Tensor | None,
         ref_logp: Tensor,
         advantages: Tensor,
     ) -> dict[str, float]:
-        """The rollout's updates; ``old_logp`` None: one update, whose forward gives them."""
+        """The rollout's updates; ``prompt``: (prompt length, shared prefix); ``old_logp`` None: one update, whose
+        forward gives them."""
         grpo = self.config.grpo
         sampled: list[Tensor] = []  # old_logp None: each micro-batch's own, in rollout order
         optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
@@ -120,7 +122,7 @@ class GRPOModule(RLModule):
                 weight_total = self.sum_over_ranks(token_weights[rows].sum()).clamp(min=1e-8)
                 for micro in self.micro_batches(rows):
                     micro_mask, weights = mask[micro], token_weights[micro]
-                    logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], P)
+                    logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], *prompt)
                     if old_logp is None:
                         sampled.append(logp.detach())
                     old = sampled[-1] if old_logp is None else old_logp[micro]

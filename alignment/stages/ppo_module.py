@@ -94,13 +94,14 @@ class PPOModule(RLModule):
         ppo = self.config.ppo
         responses = self.sample([p["prompt_ids"] for p in prompts])
         input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
+        shared = responses.shared_prefix
         # Old log-probs by the training pass itself, in the same micro-batches the first PPO epoch uses:
         # the first minibatch's ratio is then exactly 1.
         old_logp, values, ref_logp = [], [], []
         for rows in self.micro_batches(torch.arange(len(prompts))):
-            old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P)[0])
+            old_logp.append(self.policy_logprobs(self.model, input_ids[rows], real[rows], P, shared)[0])
             values.append(response_values(self.critic, input_ids[rows], real[rows], P))
-            ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P))
+            ref_logp.append(self.reference_logprobs(input_ids[rows], real[rows], P, shared))
         old_logp, values, ref_logp = torch.cat(old_logp), torch.cat(values), torch.cat(ref_logp)
         scores, raw_scores, reward_stats = self.score(prompts, responses)
         if ppo.reward_clip is not None:
@@ -126,7 +127,7 @@ class PPOModule(RLModule):
             **reward_stats,
         }
         self.write_samples(prompts, responses.answers, raw_scores)
-        return Rollout(input_ids, real, P, mask, old_logp, values, advantages, returns), stats
+        return Rollout(input_ids, real, P, shared, mask, old_logp, values, advantages, returns), stats
 
     def update(self, rollout: Rollout) -> dict[str, float]:
         ppo = self.config.ppo
@@ -153,7 +154,11 @@ class PPOModule(RLModule):
                 for micro in self.micro_batches(rows):
                     mask = rollout.mask[micro]
                     logp, entropy = self.policy_logprobs(
-                        self.model, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len
+                        self.model,
+                        rollout.input_ids[micro],
+                        rollout.real[micro],
+                        rollout.prompt_len,
+                        rollout.shared_prefix,
                     )
                     values = response_values(
                         self.critic, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len

@@ -23,6 +23,7 @@ from models.errors import CheckpointError
 from models.files.atomic import write_atomically
 from models.generation import generate, left_pad
 from models.model import Transformer
+from models.prefill import shared_prefix_length
 from trainer.callbacks import write_curves
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import unsharded_for_generation
@@ -41,6 +42,7 @@ class Responses:
     ended: Tensor  # (B,) bool, the response ended with an end-of-turn token
     answers: list[str]  # decoded responses, end-of-turn removed
     generation_time: float
+    shared_prefix: int  # tokens every prompt starts with (a chat template's system turn): scored once for all rows
 
 
 class RLModule(LanguageModelModule):
@@ -158,7 +160,7 @@ class RLModule(LanguageModelModule):
         answers = [tokenizer.decode([t for t in row[m].tolist() if t not in tokenizer.stop_ids]) for row, m in zip(tokens, mask)]  # fmt: skip
         return Responses(
             torch.cat([prompts, tokens], dim=1), torch.cat([prompt_real, mask], dim=1), prompts.shape[1], mask,
-            ended, answers, generation_time,
+            ended, answers, generation_time, shared_prefix_length(prompt_ids),
         )  # fmt: skip
 
     def score(self, prompts: list[dict], responses: Responses) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -172,20 +174,20 @@ class RLModule(LanguageModelModule):
         stats = {f"reward/{name}": self.global_mean(values) for name, values in parts.items()}
         return scores, raw, stats
 
-    def policy_logprobs(self, model, input_ids: Tensor, real: Tensor, P: int) -> tuple[Tensor, Tensor]:
-        return response_logprobs(model, input_ids, real, P, self.hp.temperature)
+    def policy_logprobs(self, model, input_ids: Tensor, real: Tensor, P: int, shared: int) -> tuple[Tensor, Tensor]:
+        return response_logprobs(model, input_ids, real, P, self.hp.temperature, shared)
 
-    def reference_logprobs(self, input_ids: Tensor, real: Tensor, P: int) -> Tensor:
+    def reference_logprobs(self, input_ids: Tensor, real: Tensor, P: int, shared: int) -> Tensor:
         """The reference's log-probs on the policy's device in fp32: the frozen reference's, computed where it lives
         (frozen_device may be cpu while the policy is on a GPU), or, without one (LoRA), the policy's with its
         adapters off (every rank runs it for every micro-batch, as FSDP2's all-gathers need)."""
         if "reference" not in self.frozen:
             with adapters_disabled(self.model), torch.no_grad():
-                logp = self.policy_logprobs(self.model, input_ids, real, P)[0]
+                logp = self.policy_logprobs(self.model, input_ids, real, P, shared)[0]
             return logp.float()
         reference = self.frozen["reference"]
         device = next(reference.parameters()).device
-        logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P)[0]
+        logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P, shared)[0]
         return logp.to(device=self.device, dtype=torch.float32)
 
     def write_samples(self, prompts: list[dict], answers: list[str], scores: Tensor) -> None:

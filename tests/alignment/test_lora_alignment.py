@@ -220,7 +220,7 @@ def test_grpo_reference_logprobs_are_the_base_models(setup, tmp_path):
     real = torch.ones_like(ids, dtype=torch.bool)
     real[0, :3] = False  # left padding
     with torch.no_grad():
-        reference = module.reference_logprobs(ids, real, 5)
+        reference = module.reference_logprobs(ids, real, 5, 0)
         base = response_logprobs(load_checkpoint(setup["policy"]), ids, real, 5, config.grpo.temperature)[0]
         on = response_logprobs(policy, ids, real, 5, config.grpo.temperature)[0]
     assert reference.dtype == torch.float32

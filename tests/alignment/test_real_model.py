@@ -237,6 +237,44 @@ def test_grpo_runs_on_the_converted_folder_with_its_chat_template(smollm2, tmp_p
     assert (run_dir / "final" / "model.safetensors").is_file()
 
 
+def test_rl_scoring_runs_the_system_turn_once_and_gives_the_full_rows_log_probs_and_gradients(smollm2):
+    """RL's scoring of SmolLM2 chat rows (the system turn and user header every prompt starts with, run once, as
+    GRPO's and PPO's reference and training passes run it) against the same rows scored whole: the log-probs of every
+    answer token, and the gradient reaching the first block's key projection (through the prefix's keys too)."""
+    from alignment.shared.responses import response_logprobs
+    from models.formats.checkpoint import load_checkpoint
+    from models.generation import left_pad
+    from models.prefill import shared_prefix_length
+
+    tokenizer = Tokenizer.load(smollm2.folder)
+    questions = {"What is 56 + 30?": "56 + 30 = 86", "What is 17 * 3?": "51", "Name three primary colors.": "Red."}
+    prompts = [tokenizer.encode_chat_prompt(user(q)) for q in questions]
+    answers = [tokenizer.encode(a) + [tokenizer.eos_id] for a in questions.values()]
+    shared = shared_prefix_length(prompts)
+    assert tokenizer.decode(prompts[0][:shared]).startswith(SMOLLM_SYSTEM)  # the system turn and more
+    prompt_ids, prompt_real = left_pad(prompts, tokenizer.pad_id)
+    width = max(len(a) for a in answers)
+    response = torch.tensor([a + [tokenizer.pad_id] * (width - len(a)) for a in answers])
+    response_real = torch.tensor([[i < len(a) for i in range(width)] for a in answers])
+    input_ids, real, P = (
+        torch.cat([prompt_ids, response], 1),
+        torch.cat([prompt_real, response_real], 1),
+        prompt_ids.shape[1],
+    )
+    model = load_checkpoint(smollm2.folder)
+    embedded: list[tuple[int, ...]] = []
+    model.tok_embeddings.register_forward_hook(lambda module, args, out: embedded.append(tuple(args[0].shape)))
+    scored = {}
+    for once in (shared, 0):
+        model.zero_grad()
+        logp = response_logprobs(model, input_ids, real, P, 1.0, once)[0]
+        (logp * response_real).sum().backward()
+        scored[once] = logp.detach()[response_real], model.layers[0].attention.wk.weight.grad.clone()
+    assert embedded == [(4, input_ids.shape[1] - shared), tuple(input_ids.shape)]  # the prefix a row of its own
+    torch.testing.assert_close(scored[shared][0], scored[0][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scored[shared][1], scored[0][1], atol=1e-4, rtol=1e-3)
+
+
 class Batches(L.Callback):
     def __init__(self) -> None:
         self.input_ids: list[torch.Tensor] = []
