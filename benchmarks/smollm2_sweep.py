@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
@@ -131,7 +130,7 @@ def summarize(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for name in SETTINGS:
         margins = [r["vs_sft"]["difference"] for r in runs.values() if r["setting"] == name]
         if margins:
-            spread = statistics.stdev(margins) if len(margins) > 1 else math.nan
+            spread = statistics.stdev(margins) if len(margins) > 1 else None  # JSON has no NaN
             rows.append({"setting": name, "seeds": len(margins), "mean_margin": statistics.mean(margins), "sd": spread})
     return rows
 
