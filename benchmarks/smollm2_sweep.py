@@ -71,11 +71,16 @@ def near_miss(record: dict[str, Any], response: str) -> float | None:
     return max(0.0, 1.0 - abs(float(numbers[-1].replace(",", "")) - answer) / abs(answer))
 
 
+def grpo_overrides(name: str, seed: int) -> list[str]:
+    """The GRPO stage's overrides for setting ``name`` run with ``seed``."""
+    return [*SETTINGS[name][1], f"run.seed={seed}"]
+
+
 def run_setting(name: str, seed: int, out_dir: str | None) -> dict[str, Any]:
     """Run the preset's GRPO with ``name``'s overrides and ``seed``; its report's GRPO row and the wall time."""
     config = OmegaConf.load(PRESET)
     config.stages = ["sft", "grpo"]
-    config.grpo.overrides = [*SETTINGS[name][1], f"run.seed={seed}"]
+    config.grpo.overrides = grpo_overrides(name, seed)
     if out_dir:
         config.out_dir = out_dir
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -116,7 +121,7 @@ def grpo_row(pipeline_dir: Path, name: str, seed: int, wall: float) -> dict[str,
         "setting": name,
         "seed": seed,
         "what": SETTINGS[name][0],
-        "overrides": [*SETTINGS[name][1], f"run.seed={seed}"],
+        "overrides": grpo_overrides(name, seed),
         **{key: grpo.get(key) for key in keep},
         "training": training_diagnostics(pipeline_dir / "grpo"),
         "control": report["sft"]["heldout"],

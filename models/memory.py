@@ -218,18 +218,18 @@ def activation_bytes(
     z_loss: bool = False,
 ) -> ActivationEstimate:
     """The activations of one training micro-batch of ``batch`` rows of ``seq`` tokens: the blocks (``ac``: none,
-        full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
-        final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
-        scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
-        gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
-        default: the plain model's. ``compiled``: each block compiled (``block_saved_bytes``). ``z_loss``: the loss adds
+    full, selective every ``ac_every``; a checkpointed block keeps only its input), the masks, the embedding's ids, the
+    final norm and the head: the LM loss (``chunk_size``: fused and chunked; None: full logits) or a
+    scalar head (reward model, critic). ``head_trains`` / ``embedding_trains``: the LM head's / the embedding's weight
+    gets a gradient (not under LoRA). ``params``: the model's (``meta_parameters``), for autocast's weight copies;
+    default: the plain model's. ``compiled``: each block compiled (``block_saved_bytes``). ``z_loss``: the loss adds
     PaLM's z-loss (``loss_bytes``).
 
-        Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
-        backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
-        flowing into it and the SwiGLU's two input gradients, once the loss, the final norm and the plain blocks behind it
-        have let go), and the embedding's backward (its dense weight gradient; with tied embeddings autograd holds the LM
-        head's gradient of the same weight from the loss's backward until then, to add the two)."""
+    Moments a peak may fall on: the loss's forward and backward (the whole saved set still held), the last block's
+    backward (or, under checkpointing, the last checkpointed block recomputed: its saved set back, plus the gradient
+    flowing into it and the SwiGLU's two input gradients, once the loss, the final norm and the plain blocks behind it
+    have let go), and the embedding's backward (its dense weight gradient; with tied embeddings autograd holds the LM
+    head's gradient of the same weight from the loss's backward until then, to add the two)."""
     n, d, layers = batch * seq, config.dim, config.n_layers
     residual, compute = numerics_bytes(numerics)
     block = block_saved_bytes(config, batch, seq, numerics, attention, compiled)

@@ -11,7 +11,7 @@ import torch
 
 from alignment.schemas.rl import GRPOConfig
 from alignment.shared.rewards import build_reward
-from benchmarks.smollm2_sweep import SETTINGS, near_miss
+from benchmarks.smollm2_sweep import SETTINGS, grpo_overrides, near_miss
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ MULTIPLY = {"task": "multiply", "meta": {"answer": "729", "a": 81, "b": 9}}
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_every_setting_loads_against_the_grpo_preset(name):
     preset = load_config(GRPOConfig, str(ROOT / "configs/grpo/smollm2.yaml"), ["run.seed=1"])
-    config = load_config(GRPOConfig, str(ROOT / "configs/grpo/smollm2.yaml"), [*SETTINGS[name][1], "run.seed=1"])
+    config = load_config(GRPOConfig, str(ROOT / "configs/grpo/smollm2.yaml"), grpo_overrides(name, 1))
     assert (config != preset) == (name != "preset")  # each setting changes the preset; "preset" changes nothing
 
 
