@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rl_scoring.json"))
     args = parser.parse_args()
+    if not (Path(args.checkpoint) / "lantern.json").is_file():
+        parser.error(f"{args.checkpoint}: not a native model folder (`lantern convert --to native` writes one)")
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.load(args.checkpoint)
     model = add_adapters(load_checkpoint(args.checkpoint), PeftConfig(kind="lora", rank=16, alpha=32.0))
