@@ -2,23 +2,28 @@
 Data preparation benchmark: tokens/s of `prepare` (load -> tokenize -> write shards) and the cost
 of an up-to-date re-run.
 
-    python -m benchmarks.bench_prepare [--size-mb 100] [--num-proc 2] [--files 4] [--tokenizer default] [--repeats 2]
+    python -m benchmarks.bench_prepare [--size-mb 100] [--corpus shakespeare|python] [--num-proc 2] [--files 4]
+        [--tokenizer default] [--repeats 2]
 
 "CPU s" is user + system time including the map worker processes (robust to a busy machine).
 "re-run" repeats prepare with nothing changed (a no-op: stat calls only); "touched" does so after
 setting new mtimes on the inputs, so their contents are hashed to prove nothing changed.
 
-Corpora: the bundled tinyshakespeare (1.1 MB) and a generated one of --size-mb, made by shuffling
-its paragraphs with a seeded RNG and repeating them until the size is reached (split over --files
-text files). Everything is written to a temp dir and deleted afterwards.
+Corpora: the bundled tinyshakespeare (1.1 MB) and a generated one of --size-mb, split over --files text files:
+"shakespeare" shuffles its paragraphs with a seeded RNG and repeats them until the size is reached (every paragraph
+recurs, which flatters a tokenizer's word cache); "python" is distinct text, the paragraphs of the Python sources
+installed beside the interpreter (its standard library, then site-packages, in path order), each kept once
+(make_python_corpus). Everything is written to a temp dir and deleted afterwards.
 """
 
 import argparse
+import hashlib
 import logging
 import os
 import random
 import resource
 import shutil
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +54,56 @@ def make_corpus(out_dir: Path, size_mb: float, files: int, seed: int = 0) -> lis
                         break
         paths.append(path)
     return paths
+
+
+def make_python_corpus(out_dir: Path, size_mb: float, files: int) -> list[Path]:
+    """~size_mb MB of distinct text over `files` text files: the blank-line-separated paragraphs of the installed
+    Python sources (standard library, then site-packages, each in sorted path order), every paragraph kept the first
+    time it is seen only, so that no document repeats (licence headers, vendored copies). Deterministic for one
+    installed environment; the files' sha256 (corpus_digest) tells two environments apart."""
+    target = int(size_mb * 1e6)
+    seen: set[bytes] = set()
+    kept: list[str] = []
+    size = 0
+    roots = dict.fromkeys(Path(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib"))
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            for paragraph in text.split("\n\n"):
+                paragraph = paragraph.strip("\n")
+                digest = hashlib.sha256(paragraph.encode()).digest()
+                if not paragraph.strip() or digest in seen:
+                    continue
+                seen.add(digest)
+                kept.append(paragraph)
+                size += len(paragraph.encode()) + 2
+                if size >= target:
+                    return _write_parts(out_dir, kept, files)
+    raise RuntimeError(f"only {size / 1e6:.1f} MB of distinct Python source text installed; asked for {size_mb} MB")
+
+
+def _write_parts(out_dir: Path, paragraphs: list[str], files: int) -> list[Path]:
+    per = -(-len(paragraphs) // files)
+    paths = []
+    for k in range(files):
+        path = out_dir / f"part-{k:02d}.txt"
+        path.write_text("\n\n".join(paragraphs[k * per : (k + 1) * per]) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def corpus_digest(paths: list[Path]) -> str:
+    """sha256 over the corpus files in order: whether a rerun elsewhere tokenized the same text."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+CORPORA = {"shakespeare": make_corpus, "python": make_python_corpus}
 
 
 def cpu_seconds() -> float:
@@ -101,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=100.0)
     ap.add_argument("--files", type=int, default=4, help="text files the generated corpus is split over")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare", help="the generated corpus' text")
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--tokenizer", default="default")
     ap.add_argument("--repeats", type=int, default=2, help="prepare timings are the best of this many fresh builds")
@@ -125,8 +181,11 @@ def main() -> None:
         rows.append(run("tinyshakespeare", [small], tmp / "out-small", args))
         (tmp / "gen").mkdir()
         t0 = time.perf_counter()
-        generated = make_corpus(tmp / "gen", args.size_mb, args.files)
-        print(f"generated {args.size_mb:g} MB corpus in {time.perf_counter() - t0:.1f}s ({args.files} files)\n")
+        generated = CORPORA[args.corpus](tmp / "gen", args.size_mb, args.files)
+        print(
+            f"generated {args.size_mb:g} MB {args.corpus} corpus in {time.perf_counter() - t0:.1f}s "
+            f"({args.files} files)\n"
+        )
         rows.append(run(f"generated {args.size_mb:g}MB", generated, tmp / "out-gen", args))
 
     header = (

@@ -43,6 +43,7 @@ from trainer.loggers import close_logger, make_logger
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import planned_precision
 from trainer.plan_check import PlannedRun, PlanVersusMeasured
+from trainer.schedules import check_resumed_optim
 from trainer.stopping import StoppingDDPStrategy
 from trainer.storage import (
     AtomicCheckpoint,
@@ -242,9 +243,12 @@ def describe_differences(saved: ModelConfig, configured: ModelConfig) -> str:
     return f"({was}) than the config's ({now})"
 
 
-def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None) -> str | None:
+def resolve_resume(
+    config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None, stage: Any = None
+) -> str | None:
     """The checkpoint to resume: ``auto`` the newest of this run that verifies and loads, if any; ``none`` none; else
-    the path given. One of another model than ``model`` is refused in one line naming both."""
+    the path given. One of another model than ``model``, or of another optimizer or past a WSD cooldown's start than
+    the ``stage`` config's (``check_resumed_optim``), is refused in one line naming both."""
     if config.resume == "none":
         return None
     if config.resume == "auto":
@@ -266,6 +270,8 @@ def resolve_resume(config: CheckpointConfig, checkpoint_dir: Path, model: ModelC
         differences = describe_differences(ModelConfig.from_dict(saved), model)
         if differences:
             raise ConfigError(f"checkpoint.resume: {path} is a checkpoint of another model {differences}")
+    if stage is not None:
+        check_resumed_optim(stage, header, str(path))
     return str(path)
 
 
@@ -355,7 +361,7 @@ def fit_stage(
     if plan is not None:
         callbacks = [*callbacks, PlanVersusMeasured(plan, run_dir)]
     try:
-        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None))
+        resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None), config)
         # the same W&B run as before when training resumes from this folder's checkpoint
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config), resume=resume)
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]

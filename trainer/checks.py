@@ -9,8 +9,8 @@ from typing import Any, Protocol
 from data.tokenizer.base import TokenizerBase, load_tokenizer, resolve_tokenizer_spec
 from data.tokenizer.files import find_tokenizer
 from models.errors import ConfigError
-from models.formats.checkpoint import load_model_config
 from models.model import ModelConfig
+from trainer.model_sources import source_kind, source_model_config, source_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,34 @@ def resolve_stage_tokenizer(config: Any) -> None:
     if not isinstance(model, ModelConfig):
         data.tokenizer = resolve_tokenizer_spec(data.tokenizer, start)
         return
-    data.tokenizer, _ = check_model_tokenizer(data.tokenizer, model, start, key="data.tokenizer")
+    if start and source_kind(start) != "folder":
+        data.tokenizer = _file_source_tokenizer(data.tokenizer, model, start, Path(config.run.out_dir) / "tokenizers")
+    else:
+        data.tokenizer, _ = check_model_tokenizer(data.tokenizer, model, start, key="data.tokenizer")
     for folder in _other_model_folders(config):
         if (other := _folder_model(folder)) is not None:
             check_model_tokenizer(data.tokenizer, other, folder, key="data.tokenizer")
 
 
+def _file_source_tokenizer(spec: str, model: ModelConfig, start: str, cache: Path) -> str:
+    """``check_model_tokenizer`` for a GGUF file or a training checkpoint: 'auto' is the tokenizer it carries (a
+    GGUF's written once under ``cache``), and another tokenizer than the one it carries is refused."""
+    carried = source_tokenizer(start, cache)
+    given = (carried or "default") if str(spec) == "auto" else spec
+    resolved, tokenizer = check_model_tokenizer(given, model, None, key="data.tokenizer", vocab_key=None)
+    if carried and str(spec) != "auto" and load_tokenizer(carried).fingerprint != tokenizer.fingerprint:
+        raise ConfigError(
+            f"{start} carries its tokenizer ({carried}), but data.tokenizer is {spec}: "
+            f"set data.tokenizer={carried} or leave it at auto"
+        )
+    return resolved
+
+
 def _folder_model(folder: str | Path) -> ModelConfig | None:
-    """The ModelConfig of a checkpoint folder (its JSON only), or None when it cannot be read."""
+    """The ModelConfig of a model source (a folder's JSON, a GGUF's metadata, a training checkpoint's config), or
+    None when it cannot be read."""
     try:
-        return load_model_config(folder)
+        return source_model_config(folder)
     except (OSError, ValueError):
         return None
 

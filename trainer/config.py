@@ -27,6 +27,9 @@ from omegaconf.errors import OmegaConfBaseException
 from models.config_checks import bounded, check_config, read_yaml
 from models.errors import ConfigError, one_line
 from models.resources import model_preset_path, model_presets, shipped_path
+from trainer.optim_config import MuonConfig, OptimConfig, check_optim_sections
+
+__all__ = ["MuonConfig", "OptimConfig"]  # the optim section's types live in optim_config.py; stages import them here
 
 Strategy = Literal["single", "ddp", "fsdp"]
 Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true"]
@@ -38,25 +41,6 @@ class RunConfig:
     name: str = "run"
     out_dir: str = "runs"  # the run writes to OUT_DIR/NAME
     seed: int = bounded(1234, ge=0)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = bounded(3e-4, gt=0)
-    min_lr: float = bounded(3e-5, ge=0)
-    warmup_steps: int = bounded(100, ge=0)
-    weight_decay: float = bounded(0.1, ge=0)
-    decay_embeddings_and_norms: bool = False
-    betas: list[float] = bounded(factory=lambda: [0.9, 0.95], ge=0, lt=1)  # noqa: RUF009 (a dataclasses.field)
-    eps: float = bounded(1e-8, gt=0)
-    grad_clip: float | None = bounded(1.0, gt=0)
-    z_loss: float = bounded(0.0, ge=0)
-    # cosine: warmup, then cosine down to min_lr at trainer.max_steps; constant: warmup, then lr throughout
-    schedule: Literal["cosine", "constant"] = "cosine"
-
-    def check_fields(self, prefix: str) -> None:
-        if self.min_lr > self.lr:  # the schedule would climb
-            raise ConfigError(f"{prefix}min_lr ({self.min_lr}) must be <= {prefix}lr ({self.lr})")
 
 
 @dataclass
@@ -147,9 +131,21 @@ class HarnessEvalConfig:
 class StageConfig:
     """What every stage config with ``optim`` and ``trainer`` sections checks across them, at load."""
 
+    def schedule_steps(self) -> int:
+        """Optimizer updates over the run, the length the optim schedule spans (warmup_steps and decay_steps count
+        these): trainer.max_steps; an RL stage makes several updates per step."""
+        return self.trainer.max_steps  # type: ignore[attr-defined]
+
+    def optim_sections(self) -> dict[str, OptimConfig]:
+        """Every optim section of the stage by key (PPO's critic_optim too)."""
+        sections = {item.name: getattr(self, item.name) for item in fields(self)}  # type: ignore[arg-type]
+        return {key: value for key, value in sections.items() if isinstance(value, OptimConfig)}
+
     def check_fields(self, prefix: str) -> None:
         optim, trainer = getattr(self, "optim", None), getattr(self, "trainer", None)
-        if optim is not None and trainer is not None and optim.warmup_steps > trainer.max_steps:
+        if optim is None or trainer is None:
+            return
+        if optim.warmup_steps > trainer.max_steps:
             log.warning(
                 "%soptim.warmup_steps (%d) exceeds %strainer.max_steps (%d): the learning rate never reaches optim.lr",
                 prefix,
@@ -157,6 +153,7 @@ class StageConfig:
                 prefix,
                 trainer.max_steps,
             )
+        check_optim_sections(self, prefix)
 
 
 Schema = TypeVar("Schema")

@@ -26,11 +26,15 @@ log = logging.getLogger(__name__)
 class LanguageModelModule(L.LightningModule):
     """``config`` has ``optim`` and ``trainer`` sections; ``self.model`` is what trains. A stage declares
     ``step_metrics`` (a step's means, added up by ``loss_to_backpropagate``), ``validation_sums`` (sums over ranks,
-    divided by ``validation_metrics``) and ``progress_bar`` (the names the bar shows)."""
+    divided by ``validation_metrics``) and ``progress_bar`` (the names the bar shows). Several validation loaders
+    (a pretraining mixture's sources) are named by ``validation_sets``: each is reported as ``val/SET/NAME`` too."""
 
     step_metrics: tuple[str, ...] = ()
     validation_sums: tuple[str, ...] = ()
     progress_bar: tuple[str, ...] = ()
+    validation_sets: tuple[str, ...] = ()  # one name per validation dataloader (dataloader_idx); () for one
+    # each set's share of the overall val/NAME (its sums rescaled to that share of the count); (): the sums pooled
+    validation_set_weights: tuple[float, ...] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -180,20 +184,38 @@ class LanguageModelModule(L.LightningModule):
     # ---- validation: sums over batches, one all-reduce, then the division ----
 
     def on_validation_epoch_start(self) -> None:
-        # sums and counts, not a mean of batch means, so that a reported mean is the true one
-        self._validation_totals = torch.zeros(len(self.validation_sums), device=self.device)
+        # sums and counts, not a mean of batch means, so that a reported mean is the true one; a row per set
+        sets = max(len(self.validation_sets), 1)
+        self._validation_totals = torch.zeros(sets, len(self.validation_sums), device=self.device)
 
-    def add_validation_sums(self, sums: Tensor) -> None:
-        """Add a batch's sums, in ``validation_sums`` order."""
-        self._validation_totals += sums
+    def add_validation_sums(self, sums: Tensor, dataloader_idx: int = 0) -> None:
+        """Add a batch's sums, in ``validation_sums`` order, to its validation set's."""
+        self._validation_totals[dataloader_idx] += sums
 
     def on_validation_epoch_end(self) -> None:
         if not self.validation_sums:
             return
-        totals = self.trainer.strategy.reduce(self._validation_totals, reduce_op="sum").tolist()
-        metrics = self.validation_metrics(dict(zip(self.validation_sums, totals)))
+        rows = self.trainer.strategy.reduce(self._validation_totals, reduce_op="sum").tolist()
+        metrics = self.validation_set_metrics([dict(zip(self.validation_sums, row)) for row in rows])
         for name, value in metrics.items():  # already reduced over ranks: the sync averages equal values
             self.log(f"val/{name}", value, prog_bar=name in self.progress_bar, sync_dist=True)
+
+    def validation_set_metrics(self, rows: list[dict[str, float]]) -> dict[str, float]:
+        """``val/NAME`` over every set (pooled, or each set rescaled to its ``validation_set_weights`` share of the
+        count), then ``val/SET/NAME`` per named set that counted anything."""
+        count = self.validation_sums[-1]
+        present = [(index, row) for index, row in enumerate(rows) if row[count] > 0] or list(enumerate(rows))
+        totals = {name: sum(row[name] for _, row in present) for name in self.validation_sums}
+        if self.validation_set_weights and len(rows) > 1:
+            weights = [self.validation_set_weights[index] for index, _ in present]
+            scale = [w / sum(weights) * totals[count] / max(row[count], 1) for w, (_, row) in zip(weights, present)]
+            totals = {name: sum(s * row[name] for s, (_, row) in zip(scale, present)) for name in self.validation_sums}
+        metrics = self.validation_metrics(totals)
+        for index, row in present if self.validation_sets else ():
+            if row[count] > 0:
+                named = self.validation_metrics(row).items()
+                metrics |= {f"{self.validation_sets[index]}/{name}": value for name, value in named}
+        return metrics
 
     def validation_metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """The ``val/NAME`` metrics (by NAME) from ``validation_sums``' totals over all ranks: by default every sum

@@ -1,23 +1,32 @@
-"""AdamW with decay on matrices only, and linear warmup into cosine decay (or a constant rate, for RL)."""
+"""The optimizer of every stage: AdamW with decay on matrices only, or Muon for the transformer blocks' matrices with
+AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD schedule (``trainer/schedules.py``)."""
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from models.errors import ConfigError
 from trainer.config import OptimConfig
+from trainer.muon import MuonWithAdamW, muon_parameters
+from trainer.schedules import scheduled_lr, warmup_cosine
+
+__all__ = ["build_optimizer", "optimizer_from_config", "parameter_groups", "warmup_cosine"]
 
 
-def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings_and_norms: bool = False) -> list[dict]:
-    """Weight decay on 2-D projection matrices; norms (1-D) and, unless asked, embeddings are not decayed.
+def parameter_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings_and_norms: bool = False, exclude: list[Tensor] = ()
+) -> list[dict]:
+    """Weight decay on 2-D projection matrices; norms (1-D) and, unless asked, embeddings are not decayed. Parameters
+    in ``exclude`` (Muon's) are left out.
 
     Decaying a norm's gain pulls it toward 0 instead of its natural 1, and decaying embeddings shrinks rare
     tokens' vectors that get few gradient updates.
     """
     decay, no_decay = [], []
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in exclude}
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in seen:  # tied weights appear twice
             continue
@@ -32,59 +41,68 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings_and
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def warmup_cosine(
-    step: int, *, warmup_steps: int, max_steps: int, lr: float, min_lr: float, schedule: str = "cosine"
-) -> float:
-    """Learning rate at ``step``: linear from lr/warmup to lr, then cosine down to min_lr at max_steps
-    (``schedule="constant"``: lr after the warmup)."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return lr
-    if step >= max_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
-
-
 def build_optimizer(
     model: nn.Module,
     *,
     lr: float,
     min_lr: float,
     weight_decay: float,
-    betas: tuple[float, float],
+    betas: tuple[float, float] | list[float],
     eps: float,
     warmup_steps: int,
     max_steps: int,
     decay_embeddings_and_norms: bool = False,
     schedule: str = "cosine",
+    **settings: Any,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    # fused AdamW: one kernel a step on CUDA, and on CPU (a CPU run, or trainer.cpu_offload's step on the host) 7x
-    # faster than the foreach default (50M parameters: 13 vs 98 ms on 2 cores; docs/plan.md), equal within 1e-6
-    optimizer = torch.optim.AdamW(
-        parameter_groups(model, weight_decay, decay_embeddings_and_norms),
-        lr=lr,
-        betas=tuple(betas),
-        eps=eps,
-        fused=True,
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            warmup_cosine(step, warmup_steps=warmup_steps, max_steps=max_steps, lr=lr, min_lr=min_lr, schedule=schedule)
-            / lr
-        ),
-    )
-    return optimizer, schedule
+    """``optimizer_from_config`` with the optim section's keys as arguments (``settings``: any other, e.g. ``name``,
+    ``decay_steps``, ``muon``)."""
+    optim = OptimConfig(
+        lr=lr, min_lr=min_lr, weight_decay=weight_decay, betas=list(betas), eps=eps, warmup_steps=warmup_steps,
+        decay_embeddings_and_norms=decay_embeddings_and_norms, schedule=schedule, **settings,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return optimizer_from_config(model, optim, max_steps)
 
 
 def optimizer_from_config(
     model: nn.Module, optim: OptimConfig, max_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """``build_optimizer`` with every setting read from an ``optim`` config section."""
-    return build_optimizer(
-        model, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
-        eps=optim.eps, warmup_steps=optim.warmup_steps, max_steps=max_steps,
-        decay_embeddings_and_norms=optim.decay_embeddings_and_norms, schedule=optim.schedule,
-    )  # fmt: skip
+    """The optimizer ``optim`` names over ``model``'s trainable parameters, and its schedule over ``max_steps``
+    optimizer steps (one LambdaLR: every group follows the schedule as a multiple of its own initial lr)."""
+    matrices = muon_parameters(model) if optim.name == "muon" else []
+    if optim.name == "muon" and not matrices:
+        raise ConfigError(
+            "optim.name 'muon': this model has no trainable transformer-block matrices for Muon (LoRA trains only "
+            "low-rank factors): use optim.name adamw"
+        )
+    # fused AdamW: one kernel a step on CUDA, and on CPU (a CPU run, or trainer.cpu_offload's step on the host) 7x
+    # faster than the foreach default (50M parameters: 13 vs 98 ms on 2 cores; docs/plan.md), equal within 1e-6
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+        parameter_groups(model, optim.weight_decay, optim.decay_embeddings_and_norms, exclude=matrices),
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        fused=True,
+    )
+    if matrices:
+        optimizer = MuonWithAdamW(optimizer, muon_optimizer(matrices, optim))
+    peak = optim.lr
+    # a closure, not a callable object: LambdaLR does not save it, so a run resumed (or a cooldown branched) with
+    # another length follows its own schedule from the restored step
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: scheduled_lr(step, optim, max_steps) / peak)
+    return optimizer, schedule
+
+
+def muon_optimizer(matrices: list[Tensor], optim: OptimConfig) -> torch.optim.Muon:
+    """``torch.optim.Muon`` over ``matrices`` with ``optim.muon``'s settings (its lr and weight decay default to
+    optim's: under ``match_rms_adamw`` an update has AdamW's RMS, so AdamW's tuned values carry over)."""
+    muon = optim.muon
+    return torch.optim.Muon(
+        matrices,
+        lr=optim.lr if muon.lr is None else muon.lr,
+        weight_decay=optim.weight_decay if muon.weight_decay is None else muon.weight_decay,
+        momentum=muon.momentum,
+        nesterov=muon.nesterov,
+        ns_steps=muon.ns_steps,
+        adjust_lr_fn=muon.adjust_lr_fn,
+    )

@@ -4,6 +4,7 @@ FSDP2's collectives per step, the step time at an MFU, the verdict against a GPU
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -58,18 +59,33 @@ class ModelState:
 
 
 def model_state(
-    params: ParameterShapes, precision: str, *, sharded_over: int = 1, rank: int = 0, trains: bool = True
+    params: ParameterShapes,
+    precision: str,
+    *,
+    sharded_over: int = 1,
+    rank: int = 0,
+    trains: bool = True,
+    optimizer: str = "adamw",
 ) -> ModelState:
-    """What ``rank`` holds of a model trained with AdamW at ``precision``, its parameters sharded by FSDP2 over
-    ``sharded_over`` GPUs (1: whole, as a single process or DDP keeps them). ``trains`` False: a frozen model, whose
-    weights are all there is. Exactly what a run allocates (a test compares them)."""
+    """What ``rank`` holds of a model trained with ``optimizer`` (optim.name) at ``precision``, its parameters sharded
+    by FSDP2 over ``sharded_over`` GPUs (1: whole, as a single process or DDP keeps them). ``trains`` False: a frozen
+    model, whose weights are all there is. Exactly what a run allocates (a test compares them)."""
     width = state_dtype_bytes(precision)
     parameters = width * params.shard_numel(sharded_over, rank)
     if not trains:
         return ModelState(parameters, 0, 0)
     trainable = params.shard_numel(sharded_over, rank, trains=True)
-    steps = 4 * params.trainable_tensors  # AdamW's step count: a 0-dim fp32 tensor per parameter
-    return ModelState(parameters, width * trainable, 2 * width * trainable + steps)
+    # AdamW: two moments and a 0-dim fp32 step count per tensor; Muon (never sharded: refused under FSDP) keeps one
+    # momentum buffer per block matrix, in the gradient's dtype, and no step count
+    matrices = muon_matrices(params) if optimizer == "muon" else []
+    muon = sum(math.prod(shape) for shape in matrices)
+    adamw = 2 * width * (trainable - muon) + 4 * (params.trainable_tensors - len(matrices))
+    return ModelState(parameters, width * trainable, adamw + width * muon)
+
+
+def muon_matrices(params: ParameterShapes) -> list[tuple[int, ...]]:
+    """The shapes Muon optimises (``trainer/muon.py``): the transformer blocks' trained 2-D weights."""
+    return [shape for shape, trains, in_block in params.tensors if trains and in_block and len(shape) == 2]
 
 
 def fsdp_working_bytes(params: ParameterShapes, compute_bytes: int, world: int) -> int:

@@ -86,16 +86,26 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _prepare(args: argparse.Namespace) -> None:
     from alignment.schemas.pretrain import PretrainConfig
-    from data.pretrain.prepare import prepare
+    from data.pretrain.mixture import prepare_data
+    from trainer.checks import resolve_stage_tokenizer
     from trainer.config import load_config
+    from trainer.model_sources import require_source
 
     config = load_config(PretrainConfig, args.config, args.overrides)
-    manifest = prepare(config.data)
-    splits = ", ".join(
-        f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents"
-        for name, split in manifest["splits"].items()
-    )
-    print(f"prepared {config.data.out_dir} ({splits})")
+    if config.init.checkpoint:  # continued pretraining: data.tokenizer auto is the checkpoint's, another refused
+        require_source(config.init.checkpoint, "init.checkpoint")
+        resolve_stage_tokenizer(config)
+    prepared = prepare_data(config.data)  # one corpus, or each source of a mixture into out_dir/NAME
+
+    def splits(record: dict) -> str:
+        return ", ".join(
+            f"{name}: {split['tokens']:,} tokens in {split['documents']:,} documents"
+            for name, split in record["splits"].items()
+        )
+
+    print(f"prepared {config.data.out_dir} ({splits(prepared)})")
+    for name, source in prepared.get("sources", {}).items():
+        print(f"  {name}: {splits(source)}")
 
 
 def _run_stage(stage: Stage, args: argparse.Namespace) -> None:

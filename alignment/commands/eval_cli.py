@@ -107,31 +107,24 @@ def run_eval(args: argparse.Namespace) -> None:
 def load_model(checkpoint: str, tokenizer_spec: str | None, scratch: str) -> tuple[Any, Any]:
     """(model on CPU, its tokenizer) of a folder, a GGUF file or a training checkpoint, the tokenizer checked against
     the model before the weights are read where the format allows."""
-    from data.tokenizer.base import load_tokenizer
-    from models.formats.checkpoint import load_checkpoint, load_model_config
     from trainer.checks import check_model_tokenizer
+    from trainer.model_sources import load_source_model, source_kind, source_model_config, source_tokenizer
 
     path = Path(checkpoint)
     if not path.exists():
         raise LanternError(f"{checkpoint}: no such checkpoint (a model folder, a .gguf file or a training checkpoint)")
-    if path.suffix == ".gguf":
-        from models.formats.gguf_format import load_gguf
-        from models.formats.gguf_tokenizer import write_gguf_tokenizer_files
-
-        files = {p.name: p for p in write_gguf_tokenizer_files(path, scratch)}
-        model, _ = load_gguf(path)
-        tokenizer = load_tokenizer(tokenizer_spec or files["tokenizer.json"])
-        check_model_tokenizer(tokenizer.path, model.config, None, key="--tokenizer")
-        return model, tokenizer
-    if path.suffix == ".ckpt" or (path / ".metadata").is_file():
-        from trainer.export import training_checkpoint_model
-
-        model, trained_with, _, _ = training_checkpoint_model(path)
-        _, tokenizer = check_model_tokenizer(tokenizer_spec or trained_with or "default", model.config, None)
-        return model, tokenizer
-    config = load_model_config(path)
-    _, tokenizer = check_model_tokenizer(tokenizer_spec or "auto", config, path, key="--tokenizer", vocab_key=None)
-    return load_checkpoint(path), tokenizer
+    kind = source_kind(path)
+    if kind == "folder":
+        config = source_model_config(path)
+        _, tokenizer = check_model_tokenizer(tokenizer_spec or "auto", config, path, key="--tokenizer", vocab_key=None)
+        return load_source_model(path), tokenizer
+    carried = source_tokenizer(path, scratch)  # a GGUF's written as Hugging Face files; a training run's recorded
+    model = load_source_model(path)
+    if kind == "gguf":
+        _, tokenizer = check_model_tokenizer(tokenizer_spec or carried, model.config, None, key="--tokenizer")
+    else:
+        _, tokenizer = check_model_tokenizer(tokenizer_spec or carried or "default", model.config, None)
+    return model, tokenizer
 
 
 def _harness_model(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:

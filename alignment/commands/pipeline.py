@@ -33,7 +33,7 @@ from alignment.shared.evaluation import check_disjoint
 from alignment.stages import registry
 from data.demo.arithmetic import OPERATIONS, write_arithmetic_dataset
 from data.demo.tasks import write_demo_dataset
-from data.pretrain.prepare import prepare
+from data.pretrain.mixture import MIXTURE_RECORD, prepare_data
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import PeftConfig
@@ -237,7 +237,8 @@ class Pipeline:
             path = Path(self.config.start_checkpoint)
             return path, folder_fingerprint(path)
         if stage == PREPARE:
-            manifest = read_json(self.corpus / "manifest.json")
+            # one corpus's manifest, or a mixture's record (each source's manifest digest)
+            manifest = read_json(self.corpus / "manifest.json") or read_json(self.corpus / MIXTURE_RECORD)
             return self.corpus, data_hash(manifest) if manifest else "none"
         record = read_json(self.stage_dir(stage) / RECORD)
         final = self.stage_dir(stage) / "final"
@@ -290,7 +291,7 @@ class Pipeline:
     def prepare(self) -> None:
         # prepare() is idempotent with exact change detection (input sha256, tokenizer fingerprint, settings):
         # calling it costs seconds, and the manifest it leaves is the data's identity for the stages after.
-        digest = data_hash(prepare(self.load_stage_config("prepare")[0].data))
+        digest = data_hash(prepare_data(self.load_stage_config("prepare")[0].data))
         record = read_json(self.stage_dir("prepare") / RECORD)
         self.status["prepare"] = "skipped: up to date" if record and record["hash"] == digest else "ran"
         if self.status["prepare"] == "ran":

@@ -6,6 +6,7 @@ It only reads what the stages left and what the held-out evaluation measured.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 import time
@@ -16,6 +17,7 @@ from alignment.commands.pipeline_eval import evaluate_models
 from alignment.commands.pipeline_records import RECORD, read_json
 from alignment.shared.evaluation import json_safe
 from alignment.stages import registry
+from data.pretrain.mixture import MIXTURE_RECORD
 from models.files.atomic import write_atomically
 from models.memory import GiB
 from trainer.plan_check import RECORD as PLAN_RECORD
@@ -41,17 +43,30 @@ def _first_last(series: Series, name: str) -> str:
     return f"{name} {points[0][1]:.3f} → {points[-1][1]:.3f}" if points else f"{name} n/a"
 
 
+def expand(names: list[str], series: Series) -> list[str]:
+    """``names`` with each pattern (``val/*/loss``: a mixture's sources) replaced by the series it matches, sorted;
+    a pattern that matches none is left out."""
+    return [
+        found
+        for name in names
+        for found in (sorted(n for n in series if fnmatch.fnmatchcase(n, name)) if "*" in name else [name])
+    ]
+
+
 def headline(stage: str, series: Series) -> str:
     """The stage's line in the report: its record's metrics, first → last (or the final value)."""
     parts = []
     for metric, note, kind in registry.stage_named(stage).headline:
-        name = metric.format(stage=stage)
-        if kind == "final":
-            points = series.get(name)
-            parts.append(f"final {name} {points[-1][1]:.3f}" if points else f"{name} n/a")
-        else:
-            parts.append(f"{_first_last(series, name)} {note}".rstrip())
+        for name in expand([metric.format(stage=stage)], series):
+            parts.append(_headline_part(name, note, kind, series))
     return "; ".join(parts)
+
+
+def _headline_part(name: str, note: str, kind: str, series: Series) -> str:
+    if kind == "final":
+        points = series.get(name)
+        return f"final {name} {points[-1][1]:.3f}" if points else f"{name} n/a"
+    return f"{_first_last(series, name)} {note}".rstrip()
 
 
 def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -63,7 +78,14 @@ def overview_png(metrics: dict[str, Series], results: dict[str, dict[str, Any]],
     import matplotlib.pyplot as plt
 
     panels = [  # title, stage, (left metrics, label), (right metrics, label): the first five stages that have one
-        (title, stage.name, *(([m.format(stage=stage.name) for m in names], label) for names, label in axes))
+        (
+            title,
+            stage.name,
+            *(
+                (expand([m.format(stage=stage.name) for m in names], metrics.get(stage.name, {})), label)
+                for names, label in axes
+            ),
+        )
         for stage in registry.STAGES
         if stage.panel is not None
         for title, *axes in [stage.panel]
@@ -266,8 +288,12 @@ def write_report(pipeline: Pipeline) -> Path:
     )
     lines, plots, metrics, seconds = [title, "", "## Stages", ""], [], {}, {}
     if "prepare" in pipeline.config.stages:
-        manifest = read_json(pipeline.corpus / "manifest.json") or {"splits": {}}
+        # one corpus's manifest, or a mixture's record (the same splits, summed, and each source's)
+        manifest = read_json(pipeline.corpus / "manifest.json") or read_json(pipeline.corpus / MIXTURE_RECORD)
+        manifest = manifest or {"splits": {}}
         tokens = ", ".join(f"{name} {split['tokens']:,} tokens" for name, split in manifest["splits"].items())
+        sources = [f"{name} {s['splits']['train']['tokens']:,}" for name, s in manifest.get("sources", {}).items()]
+        tokens += f" (train tokens by source: {', '.join(sources)})" if sources else ""
         demo = pipeline.config.demo
         lines.append(
             f"- **prepare** ({pipeline.status['prepare']}): corpus {tokens}; demo tasks {demo.n_train} train, {demo.n_val} val, {demo.n_pairs} pairs"

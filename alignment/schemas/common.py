@@ -10,7 +10,8 @@ from trainer.config import HarnessEvalConfig
 
 @dataclass
 class InitConfig:
-    checkpoint: str | None = None  # native / Hugging Face / Meta folder; None: a seeded random `model`
+    # a native / Hugging Face / Meta folder, a .gguf file or a training checkpoint; None: a seeded random `model`
+    checkpoint: str | None = None
 
 
 @dataclass

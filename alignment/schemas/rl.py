@@ -114,6 +114,11 @@ class PPOConfig(StageConfig):
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
 
+    def schedule_steps(self) -> int:
+        """Optimizer updates over the run (policy and critic alike): each rollout's epochs over its minibatches."""
+        ppo = self.ppo
+        return self.trainer.max_steps * ppo.epochs * (ppo.rollout_batch_size // ppo.minibatch_size)
+
 
 # ---- GRPO / RLOO ----
 
@@ -156,3 +161,10 @@ class GRPOConfig(StageConfig):
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_n_steps=20))
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+
+    def schedule_steps(self) -> int:
+        """Optimizer updates over the run: each rollout's epochs over the minibatches of its sampled responses."""
+        grpo = self.grpo
+        return (
+            self.trainer.max_steps * grpo.epochs * (grpo.prompts_per_rollout * grpo.group_size // grpo.minibatch_size)
+        )

@@ -1,5 +1,5 @@
-"""The model a stage starts from (``load_initial_model``): a checkpoint folder (native, Hugging Face or Meta, read in
-fp32, drawing nothing from the RNG), else a new model built right after ``torch.manual_seed(run.seed)``, so every rank
+"""The model a stage starts from (``load_initial_model``): a model source (a native, Hugging Face or Meta folder, a
+GGUF file or a training checkpoint, read in fp32, drawing nothing from the RNG), else a new model built right after ``torch.manual_seed(run.seed)``, so every rank
 and every run builds the same weights. It lives above models/ and trainer/ because it reads stage config sections.
 """
 
@@ -14,18 +14,18 @@ import torch
 from torch import nn
 
 from models.adapters import add_adapters, base_fingerprint
-from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
+from trainer.model_sources import load_source_model
 
 log = logging.getLogger(__name__)
 
 
 def load_initial_model(config: Any, key: str = "checkpoint") -> Transformer:
-    """The model of ``config.init.<key>`` (a checkpoint folder), else ``Transformer(config.model)`` built right
-    after ``torch.manual_seed(config.run.seed)``."""
+    """The model of ``config.init.<key>`` (any source ``load_source_model`` reads), else ``Transformer(config.model)``
+    built right after ``torch.manual_seed(config.run.seed)``."""
     path = getattr(config.init, key)
     if path:
-        return load_checkpoint(path, dtype=torch.float32)
+        return load_source_model(path, dtype=torch.float32)
     torch.manual_seed(config.run.seed)
     return Transformer(config.model)
 

@@ -11,16 +11,17 @@ from omegaconf import OmegaConf
 from alignment.shared.stage_plan import Models
 from models.config_checks import check_model_size
 from models.errors import ConfigError
-from models.formats.checkpoint import load_model_config
 from models.model import ModelConfig
 from models.resources import model_preset_path
 from trainer.config import load_preset
+from trainer.model_sources import source_model_config
 
 
 def model_named(name: str) -> ModelConfig:
-    """``--model``: a preset (llama3.2-1b), a model YAML, or a checkpoint folder; its sizes within bounds."""
+    """``--model``: a preset (llama3.2-1b), a model YAML, or a model source (a folder, a GGUF file, a training
+    checkpoint); its sizes within bounds."""
     folder = Path(name).expanduser()
-    if folder.is_dir():
+    if folder.is_dir() or (folder.suffix in (".gguf", ".ckpt") and folder.is_file()):
         return folder_model(folder, f"--model {name}")
     if not model_preset_path(name).is_file():
         raise ConfigError(f"--model {name!r} is neither a model preset, a model YAML nor a checkpoint folder")
@@ -35,10 +36,10 @@ def model_named(name: str) -> ModelConfig:
 
 
 def folder_model(folder: Path, key: str) -> ModelConfig:
-    """The model config of a checkpoint folder, its sizes within bounds (a planned model is built on the meta device,
-    one module per layer: an absurd size is refused, not built)."""
+    """The model config of a model source (a checkpoint folder, a GGUF file, a training checkpoint), its sizes within
+    bounds (a planned model is built on the meta device, one module per layer: an absurd size is refused, not built)."""
     try:
-        config = load_model_config(folder)
+        config = source_model_config(folder)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {folder} holds no readable model config ({error})") from error
     check_model_size(config, f"{key} ({folder})")
@@ -59,7 +60,7 @@ class ModelResolver:
         if path:
             if str(path) in self.known:
                 return self.known[str(path)]
-            if Path(path).expanduser().is_dir():
+            if Path(path).expanduser().exists():
                 return folder_model(Path(path).expanduser(), key)
             raise ConfigError(
                 f"{key}: {path} does not exist (yet): name the model to plan with --model (a preset such as "

@@ -87,11 +87,11 @@ def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> St
     hp, sequences, width = rollout_shape(stage, config)
     policy = models.policy
     params = meta_parameters(policy, peft=peft)
-    trained = trained_items("policy", params, setup, trainer, peft)
+    trained = trained_items("policy", params, setup, trainer, peft, config.optim)
     critic_params = None
     if models.critic is not None:
         critic_params = meta_parameters(models.critic, scalar_head=True, peft=peft, trainable=("head.",))
-        trained += trained_items("critic", critic_params, setup, trainer, peft)
+        trained += trained_items("critic", critic_params, setup, trainer, peft, getattr(config, "critic_optim", None))
     frozen = frozen_models(config, models, hp, setup, reference=peft is None)
     cuda = setup.device == "cuda"
     weights_dtype = 2 if setup.numerics == "bf16" else 4  # the gathered / kept weights the cache takes its dtype from

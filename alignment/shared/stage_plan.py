@@ -180,10 +180,14 @@ class Setup:
         return self.world if self.strategy == "fsdp" else 1
 
 
-def trained_items(label: str, params: Any, setup: Setup, trainer: Any, peft: PeftConfig | None) -> list[Item]:
-    """A trained model's parameters, gradients and AdamW states on one GPU (FSDP2's shard under fsdp), and FSDP2's
-    gathered working weights; all on the host under ``trainer.cpu_offload``."""
-    state = model_state(params, setup.precision, sharded_over=setup.shards)
+def trained_items(
+    label: str, params: Any, setup: Setup, trainer: Any, peft: PeftConfig | None, optim: Any = None
+) -> list[Item]:
+    """A trained model's parameters, gradients and optimizer states (``optim.name``'s: AdamW's, or Muon's and
+    AdamW's) on one GPU (FSDP2's shard under fsdp), and FSDP2's gathered working weights; all on the host under
+    ``trainer.cpu_offload``."""
+    optimizer = getattr(optim, "name", "adamw")
+    state = model_state(params, setup.precision, sharded_over=setup.shards, optimizer=optimizer)
     width = "bf16" if state_dtype_bytes(setup.precision) == 2 else "fp32"
     shard = f", 1/{setup.shards} shard" if setup.shards > 1 else ""
     trains = f"{count(params.trainable)} of {count(params.total)} train (LoRA)" if peft else ""
@@ -192,12 +196,18 @@ def trained_items(label: str, params: Any, setup: Setup, trainer: Any, peft: Pef
     items = [
         Item(f"{label} parameters", 0 if offload else state.parameters, f"{width}{shard}{where}"),
         Item(f"{label} gradients", 0 if offload else state.gradients, trains or f"{width}{shard}"),
-        Item(f"{label} optimizer states", 0 if offload else state.optimizer, f"AdamW, 2 x {width}{shard}"),
+        Item(f"{label} optimizer states", 0 if offload else state.optimizer, optimizer_note(optimizer, width, shard)),
     ]
     if setup.strategy == "fsdp":
         gathered = fsdp_working_bytes(params, 4 if setup.precision == "32-true" else 2, setup.world)
         items.append(Item(f"{label} FSDP2 gathered weights", gathered, "root + 2 blocks unsharded"))
     return items
+
+
+def optimizer_note(optimizer: str, width: str, shard: str) -> str:
+    if optimizer == "muon":
+        return f"Muon 1 x {width} on block matrices, AdamW 2 x {width} on the rest"
+    return f"AdamW, 2 x {width}{shard}"
 
 
 def frozen_items(label: str, params: Any, dtype_bytes: int, on_host: bool) -> list[Item]:
@@ -369,7 +379,7 @@ def plan_lm(
         models.policy, setup, trainer, rows, seq, masked=masked, head="scalar" if scalar else "lm", peft=peft,
         params=params, z_loss=z_loss,
     )  # fmt: skip
-    items = trained_items("model", params, setup, trainer, peft)
+    items = trained_items("model", params, setup, trainer, peft, config.optim)
     phases, notes = [], []
     on_the_fly = False
     if reference is not None:

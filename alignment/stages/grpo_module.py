@@ -37,10 +37,7 @@ class GRPOModule(RLModule):
         self.automatic_optimization = False
 
     def configure_optimizers(self) -> dict[str, Any]:
-        grpo = self.config.grpo
-        sequences = grpo.prompts_per_rollout * grpo.group_size
-        total_updates = self.config.trainer.max_steps * grpo.epochs * (sequences // grpo.minibatch_size)
-        optimizer, schedule = optimizer_from_config(self.model, self.config.optim, total_updates)
+        optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.schedule_steps())
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def rl_step(self, prompts: list[dict]) -> dict[str, float]:

@@ -62,8 +62,7 @@ class PPOModule(RLModule):
         configure_parallelism(self.critic, self.trainer, self.config.trainer)
 
     def configure_optimizers(self) -> list[dict[str, Any]]:
-        ppo = self.config.ppo
-        total_updates = self.config.trainer.max_steps * ppo.epochs * (ppo.rollout_batch_size // ppo.minibatch_size)
+        total_updates = self.config.schedule_steps()
         optimizers = []
         for module, optim in ((self.model, self.config.optim), (self.critic, self.config.critic_optim)):
             optimizer, schedule = optimizer_from_config(module, optim, total_updates)

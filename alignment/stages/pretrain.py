@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
+from alignment.shared.initial_model import load_initial_model
 from alignment.stages.registry import stage_named
 from data.pretrain.datamodule import PretrainDataModule
-from data.pretrain.manifest import check_manifest
+from data.pretrain.mixture import check_prepared
+from data.streams.mixture import normalised
 from data.tokenizer.tokenizer import Tokenizer
 from models.formats.checkpoint import load_checkpoint
 from models.generation import complete
@@ -21,19 +24,30 @@ from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
+from trainer.checks import check_initial_model
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
+from trainer.model_sources import require_source, source_model_config
 
 
 class PretrainModule(LanguageModelModule):
+    """A mixture (``data.sources``) is validated per source, ``val/NAME/loss`` (token average), and ``val/loss`` is
+    the sources' losses weighted by their shares: the loss on the mixture training draws from."""
+
     step_metrics = ("loss",)
     validation_sums = ("loss", "tokens")  # sum and count: the reported loss is the true token average
     progress_bar = ("loss", "perplexity")
 
-    def __init__(self, config: PretrainConfig) -> None:
+    def __init__(self, config: PretrainConfig, model: Transformer | None = None) -> None:
+        """``model``: the checkpoint continued (``init.checkpoint``), else a new one built from ``config.model``."""
         super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config)})
-        if config.trainer.init_device == "cpu":
+        if config.data.sources:  # one validation loader per source, in config order (the datamodule's)
+            shares = normalised({source.name: source.weight for source in config.data.sources})
+            self.validation_sets, self.validation_set_weights = tuple(shares), tuple(shares.values())
+        if model is not None:
+            self.model = model
+        elif config.trainer.init_device == "cpu":
             # Built eagerly and seeded, so every rank and a single-process run start from identical weights.
             torch.manual_seed(config.run.seed)
             self.model = Transformer(config.model)
@@ -56,9 +70,10 @@ class PretrainModule(LanguageModelModule):
         step_tokens = tokens * self.trainer.accumulate_grad_batches
         return self.loss_to_backpropagate(self._losses(batch).sum() / step_tokens)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         losses = self._losses(batch)
-        self.add_validation_sums(torch.stack([losses.sum(), (batch["targets"] != IGNORE_INDEX).sum().float()]))
+        sums = torch.stack([losses.sum(), (batch["targets"] != IGNORE_INDEX).sum().float()])
+        self.add_validation_sums(sums, dataloader_idx)  # dataloader_idx: a mixture's source
 
     def validation_metrics(self, totals: dict[str, float]) -> dict[str, float]:
         loss = super().validation_metrics(totals)["loss"]
@@ -76,6 +91,7 @@ def pretrain_datamodule(config: PretrainConfig):
         seed=config.run.seed,
         num_workers=config.loader.num_workers,
         val_batches=config.loader.val_batches,
+        sources={source.name: source.weight for source in config.data.sources} or None,
     )
 
 
@@ -85,13 +101,24 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
     repeated per rank and must be idempotent.
     """
-    check_stage_config(config)  # before anything is created
+    if config.init.checkpoint:
+        require_source(config.init.checkpoint, "init.checkpoint")
+    check_stage_config(config)  # before anything is created; data.tokenizer: auto is init.checkpoint's
+    if config.init.checkpoint:  # continued pretraining: the checkpoint's shape (a conflicting section was refused)
+        config.model = dataclasses.replace(
+            source_model_config(config.init.checkpoint), attention=config.model.attention
+        )
     plan = stage_named("pretrain").preflight(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
     stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
-    check_manifest(config.data.out_dir, tokenizer)
+    check_prepared(config.data, tokenizer)  # each source of a mixture: prepared, by this tokenizer, not empty
     datamodule = pretrain_datamodule(config)
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
+    model = None
+    if config.init.checkpoint:
+        model = load_initial_model(config)
+        model.config.attention = config.model.attention
+        check_initial_model(config, tokenizer, model.config)
 
     run_dir = start_run_directory(config, "pretrain")
     callbacks = [
@@ -105,10 +132,14 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
                 config.model.flops_per_token(config.loader.seq_len),
             ),
         ),
-        LossPlot(run_dir, title=f"pretraining: {config.run.name}"),
+        LossPlot(
+            run_dir,
+            ("train/loss", "val/loss", *(f"val/{source.name}/loss" for source in config.data.sources)),
+            title=f"pretraining: {config.run.name}",
+        ),
         *(extra_callbacks or []),
     ]
-    if fit_stage(config, PretrainModule(config), datamodule, run_dir, callbacks, plan=plan) is None:
+    if fit_stage(config, PretrainModule(config, model), datamodule, run_dir, callbacks, plan=plan) is None:
         return None  # not rank 0
     if config.sample.prompt:
         print_sample(run_dir / "final", tokenizer, config.sample)

@@ -47,7 +47,8 @@ class Stage:
     training_prefix: str = ""
     algorithm_at: str | None = None  # the RL algorithm (its hyperparameter section and rollout shape), if any
     language_model: bool = True  # whether final/ is a language model the report scores (the reward model's is not)
-    # the report's line for the stage: (metric, note, "first_last" | "final") over its run's CSVs; {stage} is its name
+    # the report's line for the stage: (metric, note, "first_last" | "final") over its run's CSVs; {stage} is its name,
+    # and a metric with a * (val/*/loss) is each series it matches
     headline: tuple[tuple[str, str, str], ...] = (("val/loss", "", "first_last"),)
     # the report's overview panel: (title, (left metrics, label), (right metrics, label)); None: no panel
     panel: tuple[str, tuple[tuple[str, ...], str], tuple[tuple[str, ...], str]] | None = None
@@ -143,7 +144,10 @@ STAGES: tuple[Stage, ...] = (
         "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
         "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
         ("loader.seq_len",),
-        corpus_key="data.out_dir", panel=("pretraining", (("train/loss", "val/loss"), "loss"), ((), "")),
+        corpus_key="data.out_dir",
+        # val/*/loss: each source of a mixture (data.sources), as its run logged it
+        headline=(("val/loss", "", "first_last"), ("val/*/loss", "", "first_last")),
+        panel=("pretraining", (("train/loss", "val/loss", "val/*/loss"), "loss"), ((), "")),
     ),
     Stage(
         "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",

@@ -20,8 +20,9 @@ from models.files.atomic import write_atomically
 # Bump when the on-disk layout changes: older data is then rebuilt rather than misread.
 MANIFEST_VERSION = 1
 # Settings that do not change the bytes written: changing them must not trigger a rebuild.
-# (The tokenizer is compared by fingerprint, so "default" and its file path count as the same.)
-_NON_DATA_SETTINGS = {"num_proc", "out_dir", "tokenizer", "source"}
+# (The tokenizer is compared by fingerprint, so "default" and its file path count as the same; ``sources`` is a
+# mixture's list, empty in each source's own folder and absent from manifests written before mixtures.)
+_NON_DATA_SETTINGS = {"num_proc", "out_dir", "tokenizer", "source", "sources"}
 
 
 def check_manifest(data_dir: str | Path, tokenizer: Tokenizer | str) -> dict:

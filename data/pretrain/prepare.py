@@ -12,6 +12,10 @@ Documents are the rows of the input (a line / paragraph / file for text inputs, 
 JSON and Parquet). Each gets BOS/EOS as configured and the splits are the concatenation of their
 documents in input order; which documents go to val is a seeded random choice.
 
+Documents are encoded in batches of about 2 MiB of text, a few ahead of the writer (data/pretrain/batches.py):
+with a tiktoken rank file on `num_proc` processes forked from this one; with a tokenizer.json on threads, the
+tokenizers library's own thread pool doing the parallel work (it takes every core, or RAYON_NUM_THREADS).
+
 `prepare()` is idempotent: the manifest records the tokenizer fingerprint, the settings and the
 inputs (size, mtime and sha256), so re-running with nothing changed returns at once, and any change
 (a new tokenizer, an edited file, another val_fraction) is named in the log and rebuilds.
@@ -19,19 +23,23 @@ inputs (size, mtime and sha256), so re-running with nothing changed returns at o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
+import functools
 import itertools
 import logging
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from data.pretrain.batches import mapped_in_order, row_batches
 from data.pretrain.config import PrepareConfig, require_inputs
 from data.pretrain.manifest import MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
 from data.pretrain.prepared_folder import (
@@ -49,6 +57,7 @@ from data.pretrain.prepared_folder import (
 from data.pretrain.sources import load_source, resolve_inputs, validate_dataset
 from data.pretrain.workers import workers_die_with_this_process
 from data.streams.shards import MANIFEST_NAME
+from data.tokenizer.base import TokenizerBase
 from data.tokenizer.tokenizer import Tokenizer
 from data.tokenizer.utf8 import check_utf8
 from models.files.atomic import storage_error
@@ -66,27 +75,32 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # tokenization and shard writing
 
 
-def _tokenize_batch(batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, eos: bool, strip_newlines: bool):
-    """Arrow batch of texts -> Arrow table with one `ids` list per non-empty document."""
-    import pyarrow as pa  # deferred: heavy (see the module docstring)
-
-    # Whitespace-only documents would add nothing but BOS/EOS pairs: drop them (a batched map may
-    # return fewer rows than it got).
-    texts = [t for t in batch.column(text_field).to_pylist() if t and not t.isspace()]
+def _tokenize_batch(
+    texts: list[str], *, tokenizer: TokenizerBase, bos: bool, eos: bool, strip_newlines: bool, dtype: np.dtype
+) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    """Encode the non-empty texts now; return what gives (their ids, BOS/EOS in place, back to back; each one's
+    count): called by the reader, so that the encoder is already on the next batch (data/pretrain/batches.py)."""
+    texts = [t for t in texts if _kept(t)]
     if strip_newlines:
         # Paragraph splitting on "\n\n" leaves stray newlines at a file's end or after 3+ blank
         # lines; without stripping, identical paragraphs would tokenize differently by position.
         texts = [t.strip("\n") for t in texts]
-    # One thread: parallelism comes from num_proc, and a thread pool per ~1000-document batch
-    # costs more than it gains.
-    encoded = tokenizer.encode_batch(texts, num_threads=1)
-    # Build the Arrow list column from flat values + offsets (letting Arrow convert nested Python
-    # lists costs about as much as tokenizing), and place BOS/EOS with numpy rather than by
-    # concatenating a Python list per document.
-    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + int(bos) + int(eos)
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    return functools.partial(_pack, tokenizer.start_encode_batch(texts), tokenizer, bos, eos, dtype)
+
+
+def _pack(
+    encoded: Callable[[], list[list[int]]], tokenizer: TokenizerBase, bos: bool, eos: bool, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    # Flat values + lengths straight from the id lists, BOS/EOS placed with numpy rather than by concatenating a
+    # Python list per document.
+    ids = encoded()
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + int(bos) + int(eos)
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    values = np.empty(int(offsets[-1]), dtype=dtype)
+    if not (bos or eos):
+        values[:] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=len(values))
+        return values, lengths
     is_text = np.ones(len(values), dtype=bool)
     if bos:
         values[offsets[:-1]] = tokenizer.bos_id
@@ -94,9 +108,52 @@ def _tokenize_batch(batch, *, tokenizer: Tokenizer, text_field: str, bos: bool, 
     if eos:
         values[offsets[1:] - 1] = tokenizer.eos_id
         is_text[offsets[1:] - 1] = False
-    values[is_text] = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(is_text.sum()))
-    ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
-    return pa.table({"ids": ids})
+    values[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(is_text.sum()))
+    return values, lengths
+
+
+def _kept(text: str) -> bool:
+    # Whitespace-only documents would add nothing but BOS/EOS pairs: dropped.
+    return bool(text) and not text.isspace()
+
+
+class Encoded(NamedTuple):
+    """The documents to write: how many, and their (token ids, token counts) batch by batch, in input order."""
+
+    documents: int
+    batches: Iterable[tuple[np.ndarray, np.ndarray]]
+
+
+# Text per encode call: big enough that the tokenizers library's thread pool spends next to nothing starting and
+# joining, small enough that the batches in flight (their ids as Python lists, the library's encodings) stay ~100 MB.
+_BATCH_BYTES = 2 << 20
+
+
+@contextlib.contextmanager
+def _encoded(
+    column, tokenizer: TokenizerBase, config: PrepareConfig, dtype: np.dtype, strip_newlines: bool
+) -> Iterator[Encoded]:
+    """The column's non-empty documents, counted, then encoded batch by batch ahead of the writer."""
+    # tiktoken encodes on the calling thread: num_proc forked workers (its Python side, the id lists, would
+    # serialise threads on the GIL). A tokenizer.json has the tokenizers library's thread pool over all cores: two
+    # threads feed it (one reads its next texts while the other's batch encodes), and this one turns each encoded
+    # batch into arrays meanwhile.
+    tiktoken = isinstance(tokenizer, Tokenizer)
+    processes = tiktoken and config.num_proc > 1 and len(column) > 1
+    workers = config.num_proc if processes else (1 if tiktoken else 2)
+    batches = row_batches(column, _BATCH_BYTES, at_least=workers if processes else 1)
+    encode = functools.partial(
+        _tokenize_batch,  # looked up now: tests replace it
+        tokenizer=tokenizer,
+        bos=config.add_bos,
+        eos=config.add_eos,
+        strip_newlines=strip_newlines,
+        dtype=dtype,
+    )
+    with mapped_in_order(encode, column, batches, workers, processes) as results:
+        # Counted while the first batches encode: the seeded choice of validation documents needs their number.
+        documents = sum(sum(map(_kept, column.slice(a, b - a).to_pylist())) for a, b in batches)
+        yield Encoded(documents, results)
 
 
 class _ShardWriter:
@@ -154,30 +211,26 @@ def choose_val(num_docs: int, config: PrepareConfig) -> np.ndarray:
     return mask
 
 
-def _write_splits(tokens_ds, config: PrepareConfig, dtype: np.dtype, build_dir: Path) -> dict:
-    import pyarrow.compute as pc  # deferred: heavy (see the module docstring)
-    from datasets.utils.logging import is_progress_bar_enabled
+def _write_splits(encoded: Encoded, config: PrepareConfig, dtype: np.dtype, build_dir: Path) -> dict:
+    from datasets.utils.logging import is_progress_bar_enabled  # deferred: heavy (see the module docstring)
 
-    table = tokens_ds.data.table if hasattr(tokens_ds.data, "table") else tokens_ds.data
-    num_docs = table.num_rows
+    num_docs = encoded.documents
     if num_docs == 0:
         raise ValueError(f"empty corpus: no non-empty documents in {config.source}")
     is_val = choose_val(num_docs, config)
     writers = {s: _ShardWriter(build_dir / s, dtype, config.shard_tokens) for s in SPLITS}
     row = 0
     # One switch for all bars: datasets.disable_progress_bars() also silences this one.
-    with tqdm(total=num_docs, unit="doc", desc="writing shards", disable=not is_progress_bar_enabled()) as bar:
-        # Arrow list columns are already (flat values, offsets): no per-document Python work here.
-        for batch in table.to_batches(max_chunksize=65536):
-            ids = batch.column(0)
-            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-            values = ids.flatten().to_numpy(zero_copy_only=False)
+    with tqdm(total=num_docs, unit="doc", desc="tokenizing", disable=not is_progress_bar_enabled()) as bar:
+        for values, lengths in encoded.batches:
             val_docs = is_val[row : row + len(lengths)]
             val_tokens = np.repeat(val_docs, lengths)
             writers["train"].add(values[~val_tokens], lengths[~val_docs])
             writers["val"].add(values[val_tokens], lengths[val_docs])
             row += len(lengths)
             bar.update(len(lengths))
+    if row != num_docs:  # the counting pass and the encoding pass must agree, or the split is not the seeded one
+        raise RuntimeError(f"prepare counted {num_docs} documents but encoded {row}")
     return {s: w.close() for s, w in writers.items()}
 
 
@@ -249,7 +302,7 @@ def _interruption(error: BaseException) -> BaseException | None:
 
 
 def _prepare_locked(
-    config: PrepareConfig, tokenizer: Tokenizer, fmt: str, files: list[str], out_dir: Path, utf8_checked: bool
+    config: PrepareConfig, tokenizer: TokenizerBase, fmt: str, files: list[str], out_dir: Path, utf8_checked: bool
 ) -> dict:
     if (out_dir / MANIFEST_NAME).exists() and lantern_manifest(out_dir) is None:
         check_replaceable(out_dir)  # a manifest.json Lantern did not write: refused, never read as stale data
@@ -292,32 +345,13 @@ def _prepare_locked(
         if config.val_fraction > 0 and non_empty < 2:
             choose_val(non_empty, config)  # raises the "cannot hold out" error before tokenizing
 
-        from datasets import Features, List, Value  # deferred: heavy, and only needed when there is work
-
-        tokens_ds = ds.with_format("arrow").map(
-            _tokenize_batch,
-            batched=True,
-            batch_size=1000,
-            num_proc=config.num_proc if config.num_proc > 1 and len(ds) > 1 else None,
-            remove_columns=ds.column_names,
-            features=Features({"ids": List(Value("int32"))}),
-            fn_kwargs=dict(
-                tokenizer=tokenizer,
-                text_field=text_field,
-                bos=config.add_bos,
-                eos=config.add_eos,
-                strip_newlines=fmt == "text" and config.sample_by == "paragraph",
-            ),
-            cache_file_name=str(build_dir / "hf-cache" / "tokens.arrow"),
-            # An explicit fingerprint spares datasets from hashing the tokenizer's rank table.
-            new_fingerprint=hashlib.sha256(
-                f"{ds._fingerprint}|{tokenizer.fingerprint}|{text_field}|{config}".encode()
-            ).hexdigest()[:32],
-            desc="tokenizing",
-        )
         dtype = token_dtype(tokenizer.vocab_size)
-        splits = _write_splits(tokens_ds, config, dtype, build_dir)
-        del ds, tokens_ds  # release the memory maps before the cache is deleted
+        column = ds.data.column(text_field)
+        with _encoded(
+            column, tokenizer, config, dtype, strip_newlines=fmt == "text" and config.sample_by == "paragraph"
+        ) as encoded:
+            splits = _write_splits(encoded, config, dtype, build_dir)
+        del ds, column  # release the memory maps before the cache is deleted
 
         manifest = {
             "version": MANIFEST_VERSION,

@@ -124,6 +124,11 @@ class StreamSampler(Sampler[int]):
         return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
+        if "sources" in state:  # a MixtureSampler's
+            raise ValueError(
+                f"cannot resume the data stream: the checkpoint trained on a mixture of {', '.join(state['sources'])} "
+                "(data.sources), this config reads one corpus (data.source); keep the mixture, or start a new run"
+            )
         if int(state["num_samples"]) != self.num_samples:
             raise ValueError(
                 f"cannot resume the data stream: the checkpoint was taken with {state['num_samples']} samples per "

@@ -5,7 +5,7 @@ Hugging Face ``tokenizer.json``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,13 @@ class TokenizerBase:
         self, texts: Sequence[str], bos: bool = False, eos: bool = False, num_threads: int = 8
     ) -> list[list[int]]:
         raise NotImplementedError
+
+    def start_encode_batch(self, texts: Sequence[str]) -> Callable[[], list[list[int]]]:
+        """``encode`` of many texts (no BOS/EOS) in two steps: the encoding now, on one thread of the caller's
+        (or the backend's own pool), and the id lists when the returned function is called, which may be on
+        another thread: a pipeline then encodes the next batch while the last one's ids become lists."""
+        ids = self.encode_batch(texts, num_threads=1)
+        return lambda: ids
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError

@@ -10,7 +10,7 @@ import bisect
 import functools
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,14 +177,30 @@ class HFTokenizer(TokenizerBase):
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"encode_batch expects str items, got {type(text).__name__}")
-        return [self._with_ends(ids, bos, eos) for ids in self._plain(list(texts))]
+        encoded = self._plain(list(texts))
+        if not eos and (not bos or self.bos_id is None):
+            return encoded  # nothing to add: no copy of every list (lantern prepare places BOS / EOS itself)
+        return [self._with_ends(ids, bos, eos) for ids in encoded]
+
+    def start_encode_batch(self, texts: Sequence[str]) -> Callable[[], list[list[int]]]:
+        """The library's batch encoder now (its own thread pool, the GIL released); the encodings' ids become
+        Python lists, under the GIL, only when the returned function is called."""
+        encodings = self._plain_tokenizer().encode_batch_fast(list(texts), add_special_tokens=False)
+        return lambda: [e.ids for e in encodings]
 
     def _plain(self, texts: list[str]) -> list[list[int]]:
-        self._tk.encode_special_tokens = True
-        try:
-            return [e.ids for e in self._tk.encode_batch_fast(texts, add_special_tokens=False)]
-        finally:
-            self._tk.encode_special_tokens = False
+        return self.start_encode_batch(texts)()
+
+    def _plain_tokenizer(self) -> RustTokenizer:
+        """A second copy of the library's tokenizer that reads special-token strings as text. A copy, not a flag
+        toggled around each call: setting the flag while another thread encodes (lantern prepare keeps two
+        batches in flight) fails in the library ("Already borrowed"), and a toggle would leak across threads."""
+        plain = self.__dict__.get("_plain_tk")
+        if plain is None:  # made on first use (parsing tokenizer.json again); a race only makes it twice
+            plain = RustTokenizer.from_str(self._tk.to_str())
+            plain.encode_special_tokens = True
+            self._plain_tk = plain
+        return plain
 
     def _with_ends(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         head = [self.bos_id] if bos and self.bos_id is not None else []

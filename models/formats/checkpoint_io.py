@@ -6,7 +6,6 @@ state that does not fit its config is reported whole (every missing, unexpected 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zipfile
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from models.errors import CheckpointError
+from models.formats.tokenizer_files import read_json  # torch-free, for the tokenizer loaders
 from models.model import ModelConfig, Transformer
 
 __all__ = [
@@ -98,16 +98,6 @@ def save_safetensors(state: dict[str, Tensor], path: Path) -> None:
 
 # "I/O error: No space left on device (os error 28)" (safetensors >= 0.5) or "IoError(Os { code: 28, ...})" (0.4)
 _OS_ERRNO = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------

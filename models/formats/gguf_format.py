@@ -4,6 +4,7 @@ Hugging Face folder, and write (f32 / f16 / bf16) as llama.cpp's ``convert_hf_to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -28,7 +29,15 @@ from models.formats.hf_config import config_to_hf, hf_to_config
 from models.formats.hf_format import _hf_to_native_state, native_to_hf_state
 from models.model import ModelConfig, Transformer, rope_frequencies
 
-__all__ = ["GGUF_DTYPES", "check_gguf_destination", "convert_gguf", "load_gguf", "read_gguf", "write_gguf"]
+__all__ = [
+    "GGUF_DTYPES",
+    "check_gguf_destination",
+    "convert_gguf",
+    "load_gguf",
+    "read_gguf",
+    "read_gguf_config",
+    "write_gguf",
+]
 
 GGUF_DTYPES = ("f32", "f16", "bf16")
 LANTERN_ROPE_KEY = "lantern.rope_scaling"
@@ -104,6 +113,46 @@ def _with_scaling(hf: dict, scaling: dict) -> dict:
     return {**hf, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": theta}}
 
 
+def _check_architecture(path: Path, fields: Mapping[str, Any]) -> None:
+    architecture = fields.get("general.architecture")
+    if architecture != "llama":
+        raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads 'llama'")
+
+
+def _model_config(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | None, loaded: dict) -> ModelConfig:
+    """The ModelConfig of transformers' config dict for a GGUF file, with what its GGUF loader leaves out."""
+    hf = {k: v for k, v in loaded.items() if not k.startswith("_")}
+    if "rms_norm_eps" in hf:  # stored as float32: back to its shortest decimal (1e-05, not 9.999999747378752e-06)
+        hf["rms_norm_eps"] = float(str(numpy.float32(hf["rms_norm_eps"])))
+    scaling = _rope_scaling(path, fields, rope_freqs, hf)  # transformers' GGUF loader reads none for "llama"
+    if scaling is not None:
+        hf = _with_scaling(hf, scaling)
+    return hf_to_config(hf, path)
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a "llama" GGUF file from its metadata alone (no tensor is dequantized)."""
+    path = _check_file(path)
+    stat = path.stat()
+    # transformers parses every metadata array (the vocabulary) to read a config: ~10 s on 2 cores for SmolLM2, and a
+    # continued-pretraining run reads it at load, in the tokenizer check and before training
+    return dataclasses.replace(_gguf_config(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
+    from transformers import AutoConfig
+
+    path = Path(path)
+    fields, _, rope_freqs = _read_metadata(path)
+    _check_architecture(path, fields)
+    try:
+        loaded = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, NotImplementedError, KeyError, OSError) as error:
+        raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
+    return _model_config(path, fields, rope_freqs, loaded.to_dict())
+
+
 def read_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
@@ -114,20 +163,12 @@ def read_gguf(
 
     path = _check_file(path)
     fields, types, rope_freqs = _read_metadata(path)
-    architecture = fields.get("general.architecture")
-    if architecture != "llama":
-        raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads 'llama'")
+    _check_architecture(path, fields)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (ValueError, NotImplementedError, KeyError, OSError) as error:
         raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
-    hf = {k: v for k, v in loaded.config.to_dict().items() if not k.startswith("_")}
-    if "rms_norm_eps" in hf:  # stored as float32: back to its shortest decimal (1e-05, not 9.999999747378752e-06)
-        hf["rms_norm_eps"] = float(str(numpy.float32(hf["rms_norm_eps"])))
-    scaling = _rope_scaling(path, fields, rope_freqs, hf)  # transformers' GGUF loader reads none for "llama"
-    if scaling is not None:
-        hf = _with_scaling(hf, scaling)
-    config = hf_to_config(hf, path)
+    config = _model_config(path, fields, rope_freqs, loaded.config.to_dict())
     tensors = {name: tensor.detach().to(dtype) for name, tensor in loaded.state_dict().items()}
     del loaded
     state = _hf_to_native_state(tensors, config, f"GGUF file {path}")

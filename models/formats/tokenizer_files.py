@@ -4,11 +4,14 @@ with its companions), judged by file name and first bytes only: this layer impor
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from models.errors import CheckpointError
 
 RANK_FILE = "tokenizer.model"
 # generation_config.json too: its eos_token_id list is part of the stop tokens
@@ -25,11 +28,15 @@ TokenizerFiles = Mapping[str, PathLike]
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """``models.formats.checkpoint_io.read_json``, imported when called: this module stays free of torch, so telling file
-    kinds apart stays cheap."""
-    from models.formats.checkpoint_io import read_json
-
-    return read_json(path)
+    """A JSON object file as a dict; one ``CheckpointError`` naming the file when it is not one. Here, not in
+    ``checkpoint_io`` (which re-exports it), so that loading a tokenizer imports no torch (``lantern prepare``)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_json_if_present(path: Path) -> dict[str, Any]:

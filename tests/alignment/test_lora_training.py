@@ -243,8 +243,16 @@ def test_lora_reward_model_trains_its_head_and_the_adapters(toy_pairs, tmp_path)
     heads = {name for name in saved if name.startswith("model.head.")}
     assert heads and all("lora_" in name for name in set(saved) - heads)
     assert any("lora_" in name for name in saved)
-    for name in heads:  # the score head trained
-        assert not torch.equal(record.start[name.removeprefix("model.")], saved[name]), name
+    # The score head's weight trained. Its bias cannot: a Bradley-Terry loss reads only the difference of two rewards,
+    # so the bias's gradient is zero up to rounding, and whether Adam (which scales any gradient, however small, to a
+    # full step) moves it depends on the order of a float sum (the BLAS build, the thread count): at most lr a step.
+    for name in heads:
+        moved = (record.start[name.removeprefix("model.")] - saved[name]).abs().max().item()
+        if name.endswith("bias"):
+            assert moved <= config.trainer.max_steps * config.optim.lr * 1.01, name
+        else:
+            assert moved > 0, name
+    assert any(name.endswith("weight") for name in heads)
     for name, tensor in record.end.items():  # the backbone's own weights did not
         if name.startswith("backbone.") and "lora_" not in name:
             assert torch.equal(tensor, record.start[name]), name

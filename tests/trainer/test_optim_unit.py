@@ -1,6 +1,6 @@
 """trainer/optim.py cases tests/trainer/test_optim.py leaves open: frozen and untied parameters in the
-weight-decay split, the values each group carries, schedules without warmup or without decay, and the
-AdamW settings. No training runs; each test builds at most a one-layer model."""
+weight-decay split, the values each group carries, schedules without warmup or without decay, WSD's values and
+lengths, and the AdamW settings. No training runs; each test builds at most a one-layer model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from models.model import ModelConfig, Transformer
+from trainer.config import OptimConfig
 from trainer.optim import build_optimizer, parameter_groups, warmup_cosine
+from trainer.schedules import decay_length, scheduled_lr, wsd
 
 
 def tiny(**changes) -> Transformer:
@@ -87,6 +89,58 @@ def test_both_groups_follow_the_schedule_and_adamw_gets_the_settings():
     assert optimizer.defaults["fused"]  # one kernel a step on CPU too: 7x the foreach default there
     for step in range(8):
         expected = warmup_cosine(step, warmup_steps=2, max_steps=6, lr=1e-2, min_lr=1e-3)
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected, expected]), step
+        optimizer.step()
+        schedule.step()
+
+
+# ---- WSD: warmup, stable, cooldown (trainer/schedules.py) ----
+
+WSD = dict(warmup_steps=10, max_steps=110, lr=1.0, min_lr=0.1, decay_steps=20)
+
+
+def test_wsd_linear_cooldown_values():
+    values = {s: wsd(s, **WSD, shape="linear") for s in (0, 9, 10, 89, 90, 95, 100, 109, 110, 500)}
+    assert values == pytest.approx(
+        {0: 0.1, 9: 1.0, 10: 1.0, 89: 1.0, 90: 1.0, 95: 0.1 + 0.9 * 0.75, 100: 0.55, 109: 0.1 + 0.9 * 0.05,
+         110: 0.1, 500: 0.1}
+    )  # fmt: skip
+
+
+def test_wsd_one_minus_sqrt_cooldown_values():
+    assert wsd(90, **WSD) == pytest.approx(1.0)  # 1-sqrt is the default shape
+    assert wsd(95, **WSD) == pytest.approx(0.1 + 0.9 * 0.5)  # progress 1/4: sqrt 1/2
+    assert wsd(100, **WSD) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.5)))
+    assert wsd(110, **WSD) == pytest.approx(0.1)
+    # 1-sqrt drops faster at first and stays above linear nowhere inside the cooldown
+    assert all(wsd(s, **WSD) <= wsd(s, **WSD, shape="linear") for s in range(90, 111))
+    values = [wsd(s, **WSD) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_length_from_steps_or_a_fraction():
+    assert decay_length(OptimConfig(schedule="wsd", decay_steps=7), 100) == 7
+    assert decay_length(OptimConfig(schedule="wsd", decay_fraction=0.1), 100) == 10
+    assert decay_length(OptimConfig(schedule="wsd"), 100) == 20  # neither: 20% of the run
+    assert decay_length(OptimConfig(schedule="wsd", decay_fraction=0.01), 20) == 1  # at least one step
+    optim = OptimConfig(schedule="wsd", decay_fraction=0.25, decay_shape="linear", lr=2.0, min_lr=0.0, warmup_steps=0)
+    assert [scheduled_lr(s, optim, 8) for s in range(9)] == pytest.approx([2, 2, 2, 2, 2, 2, 2, 1, 0])
+
+
+def test_a_branched_cooldown_follows_the_schedule_of_a_run_that_long_from_the_start():
+    """The schedule depends on (step, max_steps) only: up to the short run's cooldown the long run's rates are its."""
+    long, short = OptimConfig(schedule="wsd", decay_steps=100), OptimConfig(schedule="wsd", decay_steps=5)
+    assert [scheduled_lr(s, long, 1000) for s in range(116)] == [scheduled_lr(s, short, 120) for s in range(116)]
+    assert scheduled_lr(116, short, 120) < scheduled_lr(116, long, 1000) == long.lr
+
+
+def test_the_scheduler_follows_wsd_for_every_group():
+    optimizer, schedule = build_optimizer(
+        tiny(), lr=1e-2, min_lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=2, max_steps=10,
+        schedule="wsd", decay_steps=4, decay_shape="linear",
+    )  # fmt: skip
+    for step in range(12):
+        expected = wsd(step, warmup_steps=2, max_steps=10, lr=1e-2, min_lr=1e-3, decay_steps=4, shape="linear")
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected, expected]), step
         optimizer.step()
         schedule.step()

@@ -35,9 +35,10 @@ from trainer.plan import (
 )
 
 
-def allocated_state(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes a real run holds after one AdamW step: distinct parameters, their gradients, every optimizer tensor."""
-    optimizer, _ = optimizer_from_config(model, OptimConfig(), max_steps=10)
+def allocated_state(model: torch.nn.Module, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes a real run holds after one step of ``optimizer`` (optim.name): distinct parameters, their gradients,
+    every optimizer tensor."""
+    optimizer, _ = optimizer_from_config(model, OptimConfig(name=optimizer), max_steps=10)
     ids = torch.randint(0, 4096, (2, 16))
     outputs = model(ids)
     outputs.float().square().mean().backward()
@@ -65,6 +66,45 @@ def test_state_bytes_equal_a_real_single_process_run(preset, precision):
     if precision == "bf16-true":
         model.to(torch.bfloat16)
     assert planned(meta_parameters(config), precision) == allocated_state(model)
+
+
+@pytest.mark.parametrize(("scalar", "precision"), [(False, "32-true"), (False, "bf16-true"), (True, "32-true")])
+def test_muon_state_bytes_equal_a_real_run_and_are_adamws_less_one_moment(scalar, precision):
+    """optim.name=muon: one momentum buffer (the gradient's dtype) per block matrix and no step count; AdamW's two
+    moments and step count for the rest (embeddings, head, norms; a scalar model's head)."""
+    config = ModelConfig.from_preset("tiny", tie_embeddings=False)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    if scalar:
+        model = ScalarModel.from_backbone(model).freeze_lm_head()
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    params = meta_parameters(config, scalar_head=scalar, trainable=("head.",) if scalar else ())
+    assert planned(params, precision, optimizer="muon") == allocated_state(model, "muon")
+    matrices = [p for name, p in model.named_parameters() if ".layers." in f".{name}" and p.ndim == 2]
+    width = 2 if precision == "bf16-true" else 4
+    saved = width * sum(p.numel() for p in matrices) + 4 * len(matrices)
+    assert (
+        model_state(params, precision).optimizer - model_state(params, precision, optimizer="muon").optimizer == saved
+    )
+
+
+def test_lantern_plan_counts_muons_state(capsys):
+    from alignment.commands.cli import main
+
+    def optimizer_item(*overrides: str) -> dict:
+        assert main(["plan", "configs/pretrain/tiny.yaml", "trainer.precision=32-true", *overrides, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        items = [
+            item for phase in plan["phases"] for item in phase["items"] if item["name"] == "model optimizer states"
+        ]
+        return items[0]
+
+    adamw, muon = optimizer_item(), optimizer_item("optim.name=muon")
+    params = meta_parameters(ModelConfig.from_preset("tiny"))
+    matrices = [shape for shape, trains, block in params.tensors if trains and block and len(shape) == 2]
+    assert adamw["bytes"] - muon["bytes"] == sum(4 * a * b + 4 for a, b in matrices) > 0
+    assert muon["note"].startswith("Muon 1 x fp32 on block matrices, AdamW 2 x fp32")
 
 
 def test_lora_state_bytes_equal_a_real_run():

@@ -353,3 +353,19 @@ def test_alignment_stages_from_a_start_checkpoint(tiny_run, tmp_path, caplog, in
     assert "**sft**" in report and "**pretrain**" not in report
     rows = _table_rows(report)
     assert len(rows) == PROMPTS and all(len(row) == 4 + 3 for row in rows)  # base (the start checkpoint), SFT, PPO
+
+
+def test_report_headline_lists_each_mixture_source():
+    from alignment.commands.pipeline_report import expand, headline
+
+    series = {
+        "val/loss": [(10, 3.0), (20, 2.5)],
+        "val/web/loss": [(10, 3.2), (20, 2.6)],
+        "val/code/loss": [(10, 2.5), (20, 2.2)],
+        "val/web/perplexity": [(10, 24.5), (20, 13.5)],
+    }
+    assert headline("pretrain", series) == (
+        "val/loss 3.000 → 2.500; val/code/loss 2.500 → 2.200; val/web/loss 3.200 → 2.600"
+    )
+    assert headline("pretrain", {"val/loss": [(5, 4.0)]}) == "val/loss 4.000 → 4.000"  # one corpus: as before
+    assert expand(["train/loss", "val/*/loss"], series) == ["train/loss", "val/code/loss", "val/web/loss"]

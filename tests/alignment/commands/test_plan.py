@@ -39,7 +39,8 @@ def error(capsys, *args: str) -> str:
 def needs_model(path: str) -> list[str]:
     """The presets whose model folder comes from an earlier stage are planned with a named model (one whose context
     holds their rows)."""
-    if "/pretrain/" in path or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml")):
+    continued = path.endswith("pretrain/smollm2-continue.yaml")  # its checkpoint is converted by the user first
+    if ("/pretrain/" in path and not continued) or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml")):
         return []
     return ["--model", "llama3.2-1b" if "llama" in path else "tiny"]
 

@@ -70,7 +70,7 @@ def shard_mtimes(out_dir: Path) -> dict[str, int]:
 
 def test_text_corpus_manifest_and_tokens(tmp_path, text_corpus, tok):
     path, docs = text_corpus
-    cfg = config(tmp_path, [path], num_proc=2)  # exercise the multi-process map once
+    cfg = config(tmp_path, [path], num_proc=2)  # exercise the worker processes once
     manifest = prepare(cfg)
     out = Path(cfg.out_dir)
 
@@ -97,6 +97,26 @@ def test_text_corpus_manifest_and_tokens(tmp_path, text_corpus, tok):
     assert raw[: len(expected[train[0]])].tolist() == expected[train[0]]
     # No build leftovers.
     assert sorted(p.name for p in out.iterdir()) == [FOLDER_MARKER, LOCK_FILE, "manifest.json", "train", "val"]
+
+
+@pytest.mark.parametrize("num_proc", [1, 3])
+def test_batches_and_workers_change_nothing_on_disk(tmp_path, text_corpus, tok, monkeypatch, num_proc):
+    """Many small batches, on one worker or three processes, with whitespace-only documents among them: the same
+    shards, offsets and validation choice as one batch."""
+    import data.pretrain.prepare as prep
+
+    path, docs = text_corpus
+    path.write_text("\n\n".join(d if i % 5 else f"{d}\n\n \n\n\t" for i, d in enumerate(docs)) + "\n")
+    one = config(tmp_path, [path], num_proc=1, val_fraction=0.2)
+    one.out_dir = str(tmp_path / "one")
+    expected = prepare(one)
+    monkeypatch.setattr(prep, "_BATCH_BYTES", 100)  # a document or two each
+    many = config(tmp_path, [path], num_proc=num_proc, val_fraction=0.2)
+    manifest = prepare(many)
+    assert manifest["splits"] == expected["splits"]
+    for split in ("train", "val"):
+        assert split_documents(Path(many.out_dir), split) == split_documents(Path(one.out_dir), split)
+    assert_partition(Path(many.out_dir), [tok.encode(d, bos=True, eos=True) for d in docs])
 
 
 def test_val_split_is_deterministic_and_seeded(tmp_path, text_corpus, tok):

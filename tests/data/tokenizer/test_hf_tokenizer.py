@@ -234,9 +234,24 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, bpe_json):
         load_tokenizer(tmp_path)
 
 
+def test_plain_encoding_takes_calls_from_several_threads_at_once(tmp_path, bpe_json):
+    """lantern prepare keeps two batches in flight on threads: plain encoding takes concurrent calls (a flag toggled
+    around each call made the library raise "Already borrowed") and each gets what a lone call gets, while
+    encode_as_hf still reads special-token strings as the tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = load_tokenizer(folder_with(tmp_path, bpe_json, "chatml-smollm2"))
+    batches = [[f"{turn} {i}" for turn in TURNS] * 40 for i in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        encoded = list(pool.map(tok.encode_batch, batches))
+        as_hf = list(pool.map(tok.encode_as_hf, ["a <|im_end|>"] * 8))
+    assert encoded == [[tok.encode(text) for text in batch] for batch in batches]
+    assert all(ids[-1] == tok.token_to_id("<|im_end|>") for ids in as_hf)
+
+
 def test_prepare_packing_upsampling_and_worker_processes_work_with_a_tokenizer_json(tmp_path, bpe_json):
-    """The data pipeline takes either backend: prepare's shards (in 2 worker processes, so the tokenizer pickles),
-    and SFT's packed rows with short answers upsampled, whose targets are the assistant turns and nothing else."""
+    """The data pipeline takes either backend: prepare's shards (num_proc 2; the tokenizer pickles, for datasets'
+    worker processes elsewhere), and SFT's packed rows with short answers upsampled, whose targets are the assistant turns and nothing else."""
     import pickle
 
     import numpy as np
