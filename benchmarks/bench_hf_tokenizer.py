@@ -48,7 +48,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # each prepare contender and its raw encoders: the ratio takes the fastest of them (median), the library at its best
 PAIRS = {"prepare-hf": ["raw-tokenizers", "raw-tokenizers-batches"], "prepare-tiktoken": ["raw-tiktoken"]}
 MODES = ["raw-tokenizers", "raw-tokenizers-batches", "prepare-hf", "raw-tiktoken", "prepare-tiktoken"]
-RAW_BATCH_CHARS = 2 << 20  # raw-tokenizers-batches: text per call (prepare's own batches are 2 MiB)
+RAW_BATCH_CHARS = 1 << 20  # raw-tokenizers-batches: text per call (as prepare's own batches: 1 MiB)
 GOAL = 0.9
 
 WORKER = r"""

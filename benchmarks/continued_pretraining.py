@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default="runs/continued-pretraining")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "continued_pretraining.json"))
     parser.add_argument("--extra", nargs="*", default=[], help="overrides for both runs (a smoke test's)")
+    parser.add_argument("--scores-only", action="store_true", help="score the runs' final/ models where they exist")
     args = parser.parse_args(argv)
     out = Path(args.out_dir).absolute()
     result: dict[str, Any] = {"checkpoint": args.checkpoint, "steps": args.steps, "domain_weight": args.domain_weight}
@@ -153,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     models = {"start": args.checkpoint}
     result["seconds"] = {}
     for name, data in runs.items():
+        models[name] = str(out / name / "final")
+        if args.scores_only and Path(models[name]).is_dir():
+            continue  # trained by an earlier invocation that stopped while scoring
         config = write_config(out / f"{name}.yaml", data)
         lantern("prepare", str(config), *common, f"run.name={name}")
         result["seconds"][name] = round(lantern("pretrain", str(config), *common, f"run.name={name}"), 1)
-        models[name] = str(out / name / "final")
     scores = {}
     for name, model in models.items():
         evaluated = out / "eval" / name

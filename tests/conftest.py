@@ -77,6 +77,7 @@ SLOWEST_FILES = (
     "trainer/test_resume_matrix.py",
     "test_benchmarks.py",
     "alignment/test_real_model.py",
+    "alignment/test_continued_pretraining.py",
     "trainer/test_harness.py",
     "alignment/commands/test_eval_cli.py",
     "trainer/test_multinode.py",

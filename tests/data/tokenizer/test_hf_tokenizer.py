@@ -235,9 +235,9 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, bpe_json):
 
 
 def test_plain_encoding_takes_calls_from_several_threads_at_once(tmp_path, bpe_json):
-    """lantern prepare keeps two batches in flight on threads: plain encoding takes concurrent calls (a flag toggled
-    around each call made the library raise "Already borrowed") and each gets what a lone call gets, while
-    encode_as_hf still reads special-token strings as the tokens."""
+    """lantern prepare keeps two batches in flight on threads: each concurrent call of plain encoding gets what a lone
+    call gets (a flag toggled around each call reached other threads' calls: "<|im_end|>" in a text became the
+    special token), while encode_as_hf still reads special-token strings as the tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
     tok = load_tokenizer(folder_with(tmp_path, bpe_json, "chatml-smollm2"))
