@@ -193,7 +193,7 @@ class HFTokenizer(TokenizerBase):
 
     def _plain_tokenizer(self) -> RustTokenizer:
         """A second copy of the library's tokenizer that reads special-token strings as text. A copy, not a flag
-        toggled around each call: with calls on several threads (lantern prepare keeps two batches in flight) one
+        toggled around each call: with calls on several threads (lantern prepare encodes on a thread of its own) one
         thread's toggle reaches another's call, and "<|im_end|>" in a document became the special token."""
         plain = self.__dict__.get("_plain_tk")
         if plain is None:  # made on first use (parsing tokenizer.json again); a race only makes it twice

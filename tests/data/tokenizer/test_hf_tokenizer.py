@@ -234,10 +234,27 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, bpe_json):
         load_tokenizer(tmp_path)
 
 
+def test_loading_and_encoding_with_a_tokenizer_json_imports_no_torch(tmp_path, bpe_json):
+    """lantern prepare never imports torch: reading tokenizer_config.json once did (3 s of a prepare)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    folder = folder_with(tmp_path, bpe_json, "chatml-smollm2")
+    code = (
+        "import sys\nfrom data.tokenizer.base import load_tokenizer\n"
+        f"load_tokenizer({str(folder)!r}).encode_batch(['a b'])\nprint('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
 def test_plain_encoding_takes_calls_from_several_threads_at_once(tmp_path, bpe_json):
-    """lantern prepare keeps two batches in flight on threads: each concurrent call of plain encoding gets what a lone
-    call gets (a flag toggled around each call reached other threads' calls: "<|im_end|>" in a text became the
-    special token), while encode_as_hf still reads special-token strings as the tokens."""
+    """Encoding is thread-safe (lantern prepare encodes on a thread of its own): each concurrent call of plain
+    encoding gets what a lone call gets (a flag toggled around each call reached other threads' calls:
+    "<|im_end|>" in a text became the special token), while encode_as_hf still reads them as the tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
     tok = load_tokenizer(folder_with(tmp_path, bpe_json, "chatml-smollm2"))
