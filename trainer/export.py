@@ -59,6 +59,21 @@ def read_training_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
+def lantern_config(checkpoint: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
+    """The Lantern config a training checkpoint (its dict, or its header alone) was written with."""
+    try:
+        return checkpoint["hyper_parameters"]["config"]
+    except (KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint"
+        ) from error
+
+
+def recorded_tokenizer(config: Mapping[str, Any]) -> str | None:
+    """The tokenizer spec a training run's config recorded (``data.tokenizer``; RL stages: ``tokenizer``)."""
+    return (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
+
+
 def export_training_checkpoint(
     path: str | Path,
     out: str | Path,
@@ -108,18 +123,13 @@ def training_checkpoint_model(
     """The ``prefix``-ed model of a training checkpoint on CPU, its tokenizer spec, metadata for an export, and its
     LoRA record (None without adapters); with ``merge``, adapters are folded into their base."""
     checkpoint = read_training_checkpoint(path)
-    try:
-        config = checkpoint["hyper_parameters"]["config"]
-    except KeyError as error:
-        raise ValueError(
-            f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint"
-        ) from error
+    config = lantern_config(checkpoint, path)
     state = {
         plain_name(name[len(prefix) :]): tensor
         for name, tensor in checkpoint["state_dict"].items()
         if name.startswith(prefix)
     }
-    tokenizer = (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
+    tokenizer = recorded_tokenizer(config)
     metadata: dict[str, Any] = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
     record = (checkpoint.get("adapters") or {}).get(prefix.removesuffix("."))
     if record is None:

@@ -50,18 +50,13 @@ def require_source(path: str | Path, key: str) -> None:
 
 def _training_config(path: Path) -> dict:
     """The Lantern config a training checkpoint was written with (its hyper_parameters), read without its tensors."""
+    from trainer.export import lantern_config
+
     if path.is_dir():  # the sharded folder keeps its non-tensor state in Lightning's metadata file
         from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-        header = read_torch_file(path / _METADATA_FILENAME)
-    else:
-        header = read_torch_file(path, mmap=True)
-    try:
-        return header["hyper_parameters"]["config"]
-    except (KeyError, TypeError) as error:
-        raise ValueError(
-            f"{path} holds no Lantern config (hyper_parameters.config): not a Lantern checkpoint"
-        ) from error
+        return lantern_config(read_torch_file(path / _METADATA_FILENAME), path)
+    return lantern_config(read_torch_file(path, mmap=True), path)
 
 
 def source_model_config(path: str | Path) -> ModelConfig:
@@ -99,8 +94,9 @@ def source_tokenizer(path: str | Path, cache: str | Path) -> str | None:
     path = Path(path).expanduser()
     kind = source_kind(path)
     if kind == "training":
-        config = _training_config(path)
-        return (config.get("data") or {}).get("tokenizer") or config.get("tokenizer")
+        from trainer.export import recorded_tokenizer
+
+        return recorded_tokenizer(_training_config(path))
     if kind == "folder":
         found = find_tokenizer(path) if path.is_dir() else None
         return str(found.absolute()) if found is not None else None

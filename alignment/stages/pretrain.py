@@ -24,7 +24,6 @@ from models.loss import IGNORE_INDEX
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
 from trainer.callbacks import LossPlot
-from trainer.checks import check_initial_model
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.model_sources import require_source, source_model_config
@@ -116,9 +115,8 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
     model = None
     if config.init.checkpoint:
-        model = load_initial_model(config)
+        model = load_initial_model(config)  # its tokenizer was checked against it by check_stage_config
         model.config.attention = config.model.attention
-        check_initial_model(config, tokenizer, model.config)
 
     run_dir = start_run_directory(config, "pretrain")
     callbacks = [

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
-from torch.utils.data import Sampler
+
+from data.streams.packed import GlobalStream
 
 log = logging.getLogger("lantern.data")
 
@@ -58,9 +59,9 @@ def drawn_before(
     return phase_counts + periods * per_period + np.bincount(order[:offset], minlength=len(per_period))
 
 
-class MixtureSampler(Sampler[int]):
+class MixtureSampler(GlobalStream):
     """Indices into the sources' windows concatenated in config order (a ``ConcatDataset``), as one infinite global
-    stream that rank r of W reads at positions consumed + r, + W, ... (as ``StreamSampler``).
+    ``GlobalStream`` (rank r of W reads positions consumed + r, + W, ..., as ``StreamSampler``).
 
     Position g >= phase_start draws source s = order[(g - phase_start) % PERIOD]; it is that source's window number
     k = phase_counts[s] + windows of s since the phase began, and k reads its own stream: epoch k // size, then
@@ -79,8 +80,7 @@ class MixtureSampler(Sampler[int]):
     ):
         if list(sizes) != list(weights):
             raise ValueError(f"sizes {list(sizes)} and weights {list(weights)} must name the same sources in order")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+        super().__init__(rank=rank, world_size=world_size)
         empty = [name for name, size in sizes.items() if size < 1]
         if empty:
             raise ValueError(f"source {empty[0]!r} has no training windows")
@@ -89,13 +89,11 @@ class MixtureSampler(Sampler[int]):
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         if self.sizes.sum() < world_size:
             raise ValueError(f"{self.sizes.sum()} windows cannot be shared by {world_size} ranks; add data")
-        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.shuffle, self.seed = shuffle, seed
         self._set_phase(0, np.zeros(len(self.names), dtype=np.int64), normalised(weights))
-        self.consumed = 0
         self.resume_note: str | None = None  # set by a resume whose weights differ from the checkpoint's
         self._keys = [zlib.crc32(name.encode()) for name in self.names]  # a source's stream follows its name
         self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
-        self._last_iter_start: int | None = None
 
     def _set_phase(self, start: int, counts: np.ndarray, shares: dict[str, float]) -> None:
         self.phase_start, self.phase_counts, self.weights = int(start), counts.astype(np.int64), shares
@@ -134,23 +132,6 @@ class MixtureSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return int(self.sizes.sum()) // self.world_size
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.consumed  # fixed now, not at the first next(): the generator body runs lazily
-        if start == self._last_iter_start:
-            log.warning(
-                "MixtureSampler: a new pass starts at the same stream position %d as the previous one; report "
-                "consumed samples (mark_consumed) or every epoch repeats the same data",
-                start,
-            )
-        self._last_iter_start = start
-        return (self.index_at(start + self.rank + k * self.world_size) for k in range(len(self)))
-
-    def advance(self, global_samples: int) -> None:
-        """Mark ``global_samples`` more positions (summed over all ranks) as trained on."""
-        if global_samples < 0:
-            raise ValueError(f"cannot advance by {global_samples}")
-        self.consumed += int(global_samples)
 
     # --- checkpoints ------------------------------------------------------------
 

@@ -56,34 +56,65 @@ class PackedDataset(Dataset):
         return sample
 
 
-class StreamSampler(Sampler[int]):
-    """Sample indices as ONE infinite global stream shared by all ranks.
-
-    Global position g maps to epoch e = g // num_samples and sample perm_e[g % num_samples], where
-    perm_e is a permutation seeded by (seed, e) (the identity without shuffle). Rank r of W reads
-    positions consumed + r, consumed + r + W, ... . Because the order depends only on the global
-    position, resuming from `consumed` continues with exactly the next samples on any world size.
+class GlobalStream(Sampler[int]):
+    """The position bookkeeping of ONE infinite global stream of sample indices shared by all ranks: rank r of W
+    reads positions consumed + r, consumed + r + W, ...; a subclass maps a position to an index (``index_at``) and
+    says how many positions are one pass per rank (``__len__``).
 
     Iterating does not move `consumed` (loaders prefetch ahead of training); the training loop reports
     what it actually trained on with advance(). len() is one pass's worth per rank, which is what
     Lightning calls an epoch; the next iter() simply continues the stream.
     """
 
+    def __init__(self, *, rank: int, world_size: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.consumed = 0
+        self._last_iter_start: int | None = None
+
+    def index_at(self, position: int) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.consumed  # fixed now, not at the first next(): the generator body runs lazily
+        if start == self._last_iter_start:
+            log.warning(
+                "%s: a new pass starts at the same stream position %d as the previous one; report consumed samples "
+                "(the datamodule's mark_consumed) or every epoch repeats the same data",
+                type(self).__name__,
+                start,
+            )
+        self._last_iter_start = start
+        return (self.index_at(start + self.rank + k * self.world_size) for k in range(len(self)))
+
+    def advance(self, global_samples: int) -> None:
+        """Mark `global_samples` more positions (summed over all ranks) as trained on."""
+        if global_samples < 0:
+            raise ValueError(f"cannot advance by {global_samples}")
+        self.consumed += int(global_samples)
+
+
+class StreamSampler(GlobalStream):
+    """Sample indices of one corpus as a ``GlobalStream``.
+
+    Global position g maps to epoch e = g // num_samples and sample perm_e[g % num_samples], where
+    perm_e is a permutation seeded by (seed, e) (the identity without shuffle). Rank r of W reads
+    positions consumed + r, consumed + r + W, ... . Because the order depends only on the global
+    position, resuming from `consumed` continues with exactly the next samples on any world size.
+    """
+
     def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+        super().__init__(rank=rank, world_size=world_size)
         if num_samples < world_size:
             raise ValueError(f"{num_samples} samples cannot be shared by {world_size} ranks; add data or lower seq_len")
         self.num_samples = num_samples
-        self.rank = rank
-        self.world_size = world_size
         self.shuffle = shuffle
         self.seed = seed
-        self.consumed = 0
         self._perm_cache: tuple[int, np.ndarray] | None = None
-        self._last_iter_start: int | None = None
 
     def _perm(self, epoch: int) -> np.ndarray:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
@@ -98,27 +129,6 @@ class StreamSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples // self.world_size
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.consumed  # fixed now, not at the first next(): the generator body runs lazily
-        if start == self._last_iter_start:
-            log.warning(
-                "StreamSampler: a new pass starts at the same stream position %d as the previous one; "
-                "report consumed samples (PretrainDataModule.mark_consumed) or every epoch repeats the same data",
-                start,
-            )
-        self._last_iter_start = start
-        return self._iterate(start)
-
-    def _iterate(self, start: int) -> Iterator[int]:
-        for k in range(len(self)):
-            yield self.index_at(start + self.rank + k * self.world_size)
-
-    def advance(self, global_samples: int) -> None:
-        """Mark `global_samples` more positions (summed over all ranks) as trained on."""
-        if global_samples < 0:
-            raise ValueError(f"cannot advance by {global_samples}")
-        self.consumed += int(global_samples)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}

@@ -119,6 +119,14 @@ def _check_architecture(path: Path, fields: Mapping[str, Any]) -> None:
         raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads 'llama'")
 
 
+def _read_with(auto_class: Any, path: Path) -> Any:
+    """``auto_class.from_pretrained`` of a GGUF file (transformers' GGUF reader), its failure as one line."""
+    try:
+        return auto_class.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, NotImplementedError, KeyError, OSError) as error:
+        raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
+
+
 def _model_config(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | None, loaded: dict) -> ModelConfig:
     """The ModelConfig of transformers' config dict for a GGUF file, with what its GGUF loader leaves out."""
     hf = {k: v for k, v in loaded.items() if not k.startswith("_")}
@@ -146,11 +154,7 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
     path = Path(path)
     fields, _, rope_freqs = _read_metadata(path)
     _check_architecture(path, fields)
-    try:
-        loaded = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, NotImplementedError, KeyError, OSError) as error:
-        raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
-    return _model_config(path, fields, rope_freqs, loaded.to_dict())
+    return _model_config(path, fields, rope_freqs, _read_with(AutoConfig, path).to_dict())
 
 
 def read_gguf(
@@ -164,10 +168,7 @@ def read_gguf(
     path = _check_file(path)
     fields, types, rope_freqs = _read_metadata(path)
     _check_architecture(path, fields)
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, NotImplementedError, KeyError, OSError) as error:
-        raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
+    loaded = _read_with(AutoModelForCausalLM, path)
     config = _model_config(path, fields, rope_freqs, loaded.config.to_dict())
     tensors = {name: tensor.detach().to(dtype) for name, tensor in loaded.state_dict().items()}
     del loaded
