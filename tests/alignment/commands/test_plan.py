@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from alignment.commands.cli import main
 from models.formats.checkpoint import save_checkpoint
@@ -39,7 +40,8 @@ def error(capsys, *args: str) -> str:
 def needs_model(path: str) -> list[str]:
     """The presets whose model folder comes from an earlier stage are planned with a named model (one whose context
     holds their rows)."""
-    continued = path.endswith("pretrain/smollm2-continue.yaml")  # its checkpoint is converted by the user first
+    # a continued-pretraining preset starts from a checkpoint the user converts first (absent on a clean clone)
+    continued = "init" in (config := OmegaConf.load(ROOT / path)) and bool(config.init.get("checkpoint"))
     if ("/pretrain/" in path and not continued) or path.endswith(("sft/tiny.yaml", "rm/tiny.yaml", "dpo/tiny.yaml")):
         return []
     return ["--model", "llama3.2-1b" if "llama" in path else "tiny"]
