@@ -2,7 +2,7 @@
 
 Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...), so Meta
 checkpoints load without renaming. RoPE rotates interleaved pairs (Meta's convention). The same module is Hugging
-Face's Llama, Mistral, and Qwen2 with ``qkv_bias``. ``document_ids`` (B, T) keep attention and positions inside each
+Face's Llama, Mistral, Qwen2 (``qkv_bias``) and Qwen3 (``qk_norm``), the families of models/families.py. ``document_ids`` (B, T) keep attention and positions inside each
 document of a packed row (left padding is one more document).
 """
 
@@ -27,6 +27,7 @@ from models.attention import (
     use_flex_attention,
 )
 from models.config_checks import bounded, read_yaml
+from models.families import HF_ARCHITECTURES, family_of
 from models.loss import cross_entropy, fused_linear_cross_entropy
 from models.resources import model_preset_path, model_presets
 from models.rope import ROPE_SCALINGS, RopeScaling, apply_rope, rope_cos_sin, rope_frequencies
@@ -45,8 +46,6 @@ __all__ = [
 ]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-# The Hugging Face families this model is; ModelConfig.hf_architecture names one.
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass
@@ -114,6 +113,11 @@ class ModelConfig:
         if self.hf_architecture not in HF_ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
+            )
+        if family_of(self.hf_architecture).qk_norm and not self.qk_norm:
+            raise ValueError(
+                f"ModelConfig.qk_norm must be true for hf_architecture {self.hf_architecture}: every block of that "
+                "family normalises its query and key heads"
             )
 
     @property

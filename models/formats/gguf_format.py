@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's single-file format) to and from Lantern's model: read (dequantized), convert to a native or
-Hugging Face folder, and write (f32 / f16 / bf16) as llama.cpp's ``convert_hf_to_gguf.py`` does."""
+Hugging Face folder, and write (f32 / f16 / bf16) as llama.cpp's ``convert_hf_to_gguf.py`` does. Each family has the
+GGUF architecture its record in models/families.py names ("llama" for Llama and Mistral, "qwen2", "qwen3")."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import LanternError
+from models.families import FAMILIES, family_of
 from models.files.atomic import IfExists, check_destination, write_file_atomically
 from models.formats.gguf_tokenizer import (
     GENERATION_CONFIG,
@@ -41,6 +43,7 @@ __all__ = [
 
 GGUF_DTYPES = ("f32", "f16", "bf16")
 LANTERN_ROPE_KEY = "lantern.rope_scaling"
+GGUF_ARCHITECTURES = tuple(dict.fromkeys(family.gguf_architecture for family in FAMILIES))  # those read
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -87,9 +90,10 @@ def _rope_scaling(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | No
     if LANTERN_ROPE_KEY in fields:
         values = json.loads(fields[LANTERN_ROPE_KEY])
         return {**values, "rope_type": values.get("rope_type", "llama3")}
-    kind = fields.get("llama.rope.scaling.type")
+    architecture = fields.get("general.architecture")
+    kind = fields.get(f"{architecture}.rope.scaling.type")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(fields["llama.rope.scaling.factor"])}
+        return {"rope_type": "linear", "factor": float(fields[f"{architecture}.rope.scaling.factor"])}
     if kind not in (None, "none"):
         raise LanternError(f"{path}: RoPE scaling {kind!r} is not supported (Llama 3.1's and linear are)")
     if rope_freqs is None:
@@ -115,16 +119,29 @@ def _with_scaling(hf: dict, scaling: dict) -> dict:
 
 def _check_architecture(path: Path, fields: Mapping[str, Any]) -> None:
     architecture = fields.get("general.architecture")
-    if architecture != "llama":
-        raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads 'llama'")
+    if architecture not in GGUF_ARCHITECTURES:
+        supported = ", ".join(map(repr, GGUF_ARCHITECTURES))
+        raise LanternError(f"{path}: GGUF architecture {architecture!r} is not supported; Lantern reads {supported}")
 
 
-def _read_with(auto_class: Any, path: Path) -> Any:
+def _read_with(auto_class: Any, path: Path, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained`` of a GGUF file (transformers' GGUF reader), its failure as one line."""
     try:
-        return auto_class.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return auto_class.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True, **kwargs)
     except (ValueError, NotImplementedError, KeyError, OSError) as error:
         raise LanternError(f"{path}: transformers cannot read it ({' '.join(str(error).split())})") from None
+
+
+def _transformers_config(path: Path, fields: Mapping[str, Any]) -> Any:
+    """transformers' config of a GGUF file, with the head width its GGUF loader leaves at the family's default for
+    some architectures (Qwen3's) taken from the file's own key_length."""
+    from transformers import AutoConfig
+
+    config = _read_with(AutoConfig, path)
+    key_length = fields.get(f"{fields.get('general.architecture')}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
+    return config
 
 
 def _model_config(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | None, loaded: dict) -> ModelConfig:
@@ -139,7 +156,7 @@ def _model_config(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | No
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a "llama" GGUF file from its metadata alone (no tensor is dequantized)."""
+    """The ModelConfig of a GGUF file of a supported family from its metadata alone (no tensor is dequantized)."""
     path = _check_file(path)
     stat = path.stat()
     # transformers parses every metadata array (the vocabulary) to read a config: ~10 s on 2 cores for SmolLM2, and a
@@ -149,18 +166,16 @@ def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 @functools.lru_cache(maxsize=8)
 def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
-    from transformers import AutoConfig
-
     path = Path(path)
     fields, _, rope_freqs = _read_metadata(path)
     _check_architecture(path, fields)
-    return _model_config(path, fields, rope_freqs, _read_with(AutoConfig, path).to_dict())
+    return _model_config(path, fields, rope_freqs, _transformers_config(path, fields).to_dict())
 
 
 def read_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
-    """(config, state with native names in ``dtype``, info) of a "llama" GGUF file, every ggml type dequantized by
+    """(config, state with native names in ``dtype``, info) of a GGUF file of a supported family, every ggml type dequantized by
     transformers' GGUF loader. info: name, tensor_types ({ggml type: count}), bos/eos/pad_token_id, chat_template
     (bool), the tokenizer model and pre-tokenizer names."""
     from transformers import AutoModelForCausalLM
@@ -168,7 +183,13 @@ def read_gguf(
     path = _check_file(path)
     fields, types, rope_freqs = _read_metadata(path)
     _check_architecture(path, fields)
-    loaded = _read_with(AutoModelForCausalLM, path)
+    loaded, report = _read_with(
+        AutoModelForCausalLM, path, config=_transformers_config(path, fields), output_loading_info=True
+    )
+    unread = sorted({*report.get("missing_keys", ()), *(key for key, *_ in report.get("mismatched_keys", ()))})
+    if unread:  # transformers initialises these at random and goes on: a model that is not the file's
+        shown = ", ".join(unread[:4]) + (f", ... {len(unread) - 4} more" if len(unread) > 4 else "")
+        raise LanternError(f"{path}: transformers' GGUF reader cannot fill {len(unread)} weights ({shown})")
     config = _model_config(path, fields, rope_freqs, loaded.config.to_dict())
     tensors = {name: tensor.detach().to(dtype) for name, tensor in loaded.state_dict().items()}
     del loaded
@@ -281,10 +302,11 @@ def write_gguf(
     metadata: Mapping[str, str | int | float | bool] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` (a Transformer, compiled or inside a LightningModule) as a "llama" GGUF file with the tokenizer
+    """Write ``model`` (a Transformer, compiled or inside a LightningModule) as a GGUF file of its family's
+    architecture, with the tokenizer
     of ``tokenizer_folder`` (its tokenizer.json + tokenizer_config.json), atomically. ``metadata``: extra keys
     (e.g. ``{"general.description": ...}``). An existing file is replaced only with ``overwrite``."""
-    from gguf import MODEL_ARCH, GGUFWriter, LlamaFileType, RopeScalingType, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGUFWriter, LlamaFileType, RopeScalingType, get_tensor_name_map
 
     from models.formats.checkpoint import _native_state, _unwrap
 
@@ -292,20 +314,22 @@ def write_gguf(
         raise ValueError(f"unknown GGUF dtype {dtype!r}; expected one of {GGUF_DTYPES}")
     out = check_gguf_destination(out_file, overwrite=overwrite)
     model = _unwrap(model)
-    if model.config.qkv_bias:
-        raise LanternError(f"cannot write {out} as a 'llama' GGUF: the model has q/k/v biases (qkv_bias, Qwen2)")
-    # Mistral's and a bias-free Qwen2's computations are Llama's: written as llama.cpp writes Llama ("llama")
-    config = dataclasses.replace(model.config, hf_architecture="LlamaForCausalLM")
+    config = model.config
+    family = family_of(config.hf_architecture)
+    architecture = family.gguf_architecture
     fields = gguf_tokenizer_fields(tokenizer_folder, vocab_size=config.vocab_size)
     try:
         hf = config_to_hf(config, torch.float32, fields["bos_id"], fields["eos_id"])
     except ValueError as error:
         raise LanternError(f"cannot write {out}: {error}") from None
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type != "linear" and architecture != "llama":
+        raise LanternError(f"cannot write {out}: llama.cpp's {architecture!r} has no Llama 3.1 RoPE scaling")
     state = native_to_hf_state(_native_state(model), config)
-    names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.n_layers)
+    names = get_tensor_name_map(next(a for a, n in MODEL_ARCH_NAMES.items() if n == architecture), config.n_layers)
 
     def write(temporary: Path) -> None:
-        writer = GGUFWriter(temporary, "llama")
+        writer = GGUFWriter(temporary, architecture)
         try:
             writer.add_name(name or "lantern")
             writer.add_file_type(
@@ -326,10 +350,9 @@ def write_gguf(
             if config.head_dim * config.n_heads != config.dim:  # llama.cpp's names for heads not dim / n_heads wide
                 writer.add_key_length(config.head_dim)
                 writer.add_value_length(config.head_dim)
-            scaling = config.rope_scaling
             if scaling is not None:
                 writer.add_string(LANTERN_ROPE_KEY, json.dumps(dataclasses.asdict(scaling)))
-                if getattr(scaling, "rope_type", "llama3") == "linear":
+                if scaling.rope_type == "linear":
                     writer.add_rope_scaling_type(RopeScalingType.LINEAR)
                     writer.add_rope_scaling_factor(scaling.factor)
                 else:
@@ -343,14 +366,15 @@ def write_gguf(
                     )
                 adders[type(value)](key, value)
             for hf_name, tensor in state.items():
-                gguf_name = names.get_name(hf_name.removesuffix(".weight"))
+                module, _, kind = hf_name.rpartition(".")  # kind: weight or bias
+                gguf_name = names.get_name(module)
                 if gguf_name is None:
                     raise LanternError(f"cannot write {out}: no GGUF name for {hf_name}")
-                if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                if family.gguf_interleaved_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
                     heads = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
                     tensor = _llama_cpp_permute(tensor, heads)
                 array, raw_dtype = _gguf_array(tensor, dtype)
-                writer.add_tensor(f"{gguf_name}.weight", array, raw_dtype=raw_dtype)
+                writer.add_tensor(f"{gguf_name}.{kind}", array, raw_dtype=raw_dtype)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()

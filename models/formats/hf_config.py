@@ -1,8 +1,8 @@
-"""A Hugging Face Llama-family ``config.json`` <-> ``ModelConfig``, transformers 4.x and 5 alike. The family is kept in
-``ModelConfig.hf_architecture`` (an import exports back as the same family), Qwen2's q/k/v biases are ``qkv_bias``,
-an explicit ``head_dim`` is ``head_dim_override``, RoPE types default / linear / llama3 are ``rope_scaling``. Anything
-else (other architectures, other biases, activations or RoPE types, a sliding window shorter than the context) is
-refused in one line listing every problem.
+"""A Hugging Face ``config.json`` of a supported family (models/families.py) <-> ``ModelConfig``, transformers 4.x and 5
+alike. The family is kept in ``ModelConfig.hf_architecture`` (an import exports back as the same family) and turns on
+its block options (Qwen2's q/k/v biases, Qwen3's QK norm); an explicit ``head_dim`` is ``head_dim_override``, RoPE
+types default / linear / llama3 are ``rope_scaling``. Anything else (other architectures, other biases, activations
+or RoPE types, a sliding window shorter than the context) is refused in one line listing every problem.
 """
 
 from __future__ import annotations
@@ -13,41 +13,43 @@ from typing import Any
 import torch
 
 from models.errors import CheckpointError
-from models.model import HF_ARCHITECTURES, ModelConfig, RopeScaling
+from models.families import FAMILIES, HF_ARCHITECTURES, REFUSED_ARCHITECTURES, Family, family_of
+from models.model import ModelConfig, RopeScaling
 
 __all__ = ["HF_FAMILIES", "config_to_hf", "hf_to_config"]
 
 # The supported architectures and their config.json model_type (ModelConfig.hf_architecture is one of them).
-HF_FAMILIES = dict(zip(HF_ARCHITECTURES, ("llama", "mistral", "qwen2"), strict=True))
+HF_FAMILIES = {family.hf_architecture: family.hf_model_type for family in FAMILIES}
 
 
 def hf_to_config(hf: dict[str, Any], source: Path) -> ModelConfig:
-    """Map a Hugging Face Llama / Mistral / Qwen2 config dict to ModelConfig; refuse, in one line listing every
+    """Map a Hugging Face config dict of a supported family to ModelConfig; refuse, in one line listing every
     problem, what the native model cannot represent."""
-    architecture = _architecture(hf, source)
+    family = _family(hf, source)
+    architecture = family.hf_architecture
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
         raise CheckpointError(f"{source}: {architecture} config without {', '.join(missing)}")
     problems = []
-    if architecture == "LlamaForCausalLM" and hf.get("attention_bias"):
+    if hf.get("attention_bias") and not family.qkv_bias:
         problems.append("attention_bias=true (an o_proj bias is not supported; only Qwen2's q/k/v biases are)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (the MLP has no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only silu / SwiGLU is supported)")
-    max_seq_len = hf.get("max_position_embeddings", _DEFAULT_CONTEXT[architecture])
+    max_seq_len = hf.get("max_position_embeddings", family.default_context)
     rope_theta, rope_scaling, rope_problem = _rope(hf)
-    problems += [p for p in (rope_problem, _sliding_window_problem(hf, architecture, max_seq_len)) if p]
+    problems += [p for p in (rope_problem, _sliding_window_problem(hf, family, max_seq_len)) if p]
     if problems:
         raise CheckpointError(f"{source}: unsupported {architecture} config: " + "; ".join(problems))
     try:
-        return _model_config(hf, architecture, rope_theta, rope_scaling, max_seq_len)
+        return _model_config(hf, family, rope_theta, rope_scaling, max_seq_len)
     except ValueError as error:  # e.g. an odd head_dim: ModelConfig's own check, named with the file
         raise CheckpointError(f"{source}: {error}") from None
 
 
 def _model_config(
-    hf: dict[str, Any], architecture: str, rope_theta: float, rope_scaling: RopeScaling | None, max_seq_len: int
+    hf: dict[str, Any], family: Family, rope_theta: float, rope_scaling: RopeScaling | None, max_seq_len: int
 ) -> ModelConfig:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     return ModelConfig(
@@ -63,29 +65,32 @@ def _model_config(
         rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM",
-        hf_architecture=architecture,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        hf_architecture=family.hf_architecture,
     )
 
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
-# max_position_embeddings when config.json has none: the transformers config classes' defaults
-_DEFAULT_CONTEXT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
 
 
-def _architecture(hf: dict[str, Any], source: Path) -> str:
+def _family(hf: dict[str, Any], source: Path) -> Family:
     """The supported family config.json names (its architectures, else its model_type), or a one-line refusal."""
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
     for name in architectures:
-        if name in HF_FAMILIES:
-            return name
+        if name in HF_ARCHITECTURES:
+            return family_of(name)
     if not architectures:
-        for name, family_type in HF_FAMILIES.items():
-            if model_type == family_type:
-                return name
+        for family in FAMILIES:
+            if model_type == family.hf_model_type:
+                return family
     named = f"{architectures[0]!r} (model_type {model_type!r})" if architectures else f"model_type {model_type!r}"
-    raise CheckpointError(f"{source}: architecture {named} is not supported (supported: {', '.join(HF_FAMILIES)})")
+    reason = next((REFUSED_ARCHITECTURES[name] for name in architectures if name in REFUSED_ARCHITECTURES), None)
+    supported = f"supported: {', '.join(HF_ARCHITECTURES)}"
+    raise CheckpointError(
+        f"{source}: architecture {named} is not supported ({f'{reason}; ' if reason else ''}{supported})"
+    )
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, str | None]:
@@ -113,21 +118,11 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, str | None]:
     return rope_theta, None, f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)"
 
 
-def _sliding_window_problem(hf: dict[str, Any], architecture: str, max_seq_len: int) -> str | None:
-    """A sliding window shorter than the context on some layer (Mistral: every layer; Qwen2: the layers from
-    max_window_layers on, when use_sliding_window, or those layer_types names) is attention the model lacks."""
+def _sliding_window_problem(hf: dict[str, Any], family: Family, max_seq_len: int) -> str | None:
+    """A sliding window shorter than the context on some layer (models/families.py says which layers the family's
+    config.json windows) is attention the model lacks."""
     window = hf.get("sliding_window")
-    if architecture == "MistralForCausalLM":
-        sliding = window is not None
-    elif architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        layer_types = hf.get("layer_types")  # transformers 5 writes them; 4.x derived them from max_window_layers
-        if layer_types is not None:
-            sliding = "sliding_attention" in layer_types
-        else:
-            sliding = hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
-    else:
-        return None
-    if not sliding or window is None or window >= max_seq_len:
+    if not family.windowed(hf) or window is None or window >= max_seq_len:
         return None
     return (
         f"sliding_window={window} < max_position_embeddings={max_seq_len}: sliding-window attention is not implemented"
@@ -135,16 +130,19 @@ def _sliding_window_problem(hf: dict[str, Any], architecture: str, max_seq_len: 
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | list[int] | None) -> dict:
-    """The config.json of ``config.hf_architecture`` (Llama, Mistral or Qwen2), for transformers 4.x and 5."""
+    """The config.json of ``config.hf_architecture``'s family, for transformers 4.x and 5."""
     architecture = config.hf_architecture
+    family = family_of(architecture)
+    with_norm = [f.hf_architecture for f in FAMILIES if f.qk_norm]
+    with_bias = [f.hf_architecture for f in FAMILIES if f.qkv_bias]
     problems = []
-    if config.qk_norm:
-        problems.append("qk_norm=True")
+    if config.qk_norm and not family.qk_norm:
+        problems.append(f"qk_norm=True (QK norm: export as hf_architecture {' or '.join(with_norm)})")
     if config.logit_softcap is not None:
         problems.append(f"logit_softcap={config.logit_softcap}")
-    if config.qkv_bias and architecture != "Qwen2ForCausalLM":
-        problems.append("qkv_bias=True (q/k/v-only biases: export as hf_architecture Qwen2ForCausalLM)")
-    if problems:
+    if config.qkv_bias and not family.qkv_bias:
+        problems.append(f"qkv_bias=True (q/k/v-only biases: export as hf_architecture {' or '.join(with_bias)})")
+    if problems:  # (a family's own options are on in every ModelConfig of it: its check)
         raise ValueError(f"cannot export to Hugging Face {architecture}, which has no {' / '.join(problems)}")
     scaling = config.rope_scaling
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -164,7 +162,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: 
     dtype_name = str(dtype).removeprefix("torch.")
     values: dict[str, Any] = {
         "architectures": [architecture],
-        "model_type": HF_FAMILIES[architecture],
+        "model_type": family.hf_model_type,
         "hidden_size": config.dim,
         "intermediate_size": config.hidden_dim,
         "num_hidden_layers": config.n_layers,
@@ -188,13 +186,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: 
         "dtype": dtype_name,
         "torch_dtype": dtype_name,  # transformers 4.x name
     }
-    if architecture == "LlamaForCausalLM":
-        values.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif architecture == "MistralForCausalLM":
-        values.update(sliding_window=None)
-    else:  # Qwen2: full attention on every layer; head_dim only when it is not the derived one (Qwen2 reads it)
-        values.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layers)
-        values.update(layer_types=["full_attention"] * config.n_layers)
-        if config.head_dim_override is None:
-            del values["head_dim"]
+    values.update(family.hf_keys(config))
+    if not family.states_head_dim and config.head_dim_override is None:
+        del values["head_dim"]  # read only when it is not the derived one
     return values

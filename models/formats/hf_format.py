@@ -1,9 +1,10 @@
-"""The Hugging Face Llama-family folder (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``): the one
-table of parameter names (``HF_NAME_MAP``), the wq/wk permutation, reading and writing the weights (sharded or not,
-Hugging Face's ``max_shard_size`` units) and bos/eos ids, and LoRA adapters in peft's own folder format.
+"""The Hugging Face folder of a supported family (models/families.py): the one table of parameter names
+(``HF_NAME_MAP``), the wq/wk permutation, reading and writing the weights (sharded or not, Hugging Face's
+``max_shard_size`` units) and bos/eos ids, and LoRA adapters in peft's own folder format.
 
 Hugging Face rotates half-splits of each head where Meta and Lantern rotate interleaved pairs, so wq/wk rows (and
-Qwen2's wq/wk biases) are permuted both ways, as transformers' ``convert_llama_weights_to_hf`` does.
+Qwen2's wq/wk biases, and within its head Qwen3's QK-norm weights) are permuted both ways, as transformers'
+``convert_llama_weights_to_hf`` does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models.families import family_of
 from models.formats.checkpoint_io import (
     WEIGHTS,
     check_state,
@@ -52,6 +54,8 @@ HF_NAME_MAP: dict[str, str] = {
     "layers.{i}.attention.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",  # qkv_bias (Qwen2); + rope permute
     "layers.{i}.attention.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",  # + rope permute
     "layers.{i}.attention.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qk_norm (Qwen3); + permute
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",  # + rope permute (one head)
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
@@ -131,26 +135,31 @@ def hf_special_ids(directory: Path) -> dict[str, Any]:
 
 _Q = ("attention.wq.weight", "attention.wq.bias")
 _K = ("attention.wk.weight", "attention.wk.bias")
+_QK_NORM = ("attention.q_norm.weight", "attention.k_norm.weight")  # one head's width: permuted as one head
+
+
+def _heads_permuted(name: str, config: ModelConfig) -> int | None:
+    """How many heads of rows the RoPE permutation of parameter ``name`` spans (None: not permuted)."""
+    if name.endswith(_Q):
+        return config.n_heads
+    if name.endswith(_K):
+        return config.n_kv_heads
+    return 1 if name.endswith(_QK_NORM) else None
 
 
 def native_to_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Hugging Face names and wq/wk layout; a Qwen2 export of a model without ``qkv_bias`` gets zero q/k/v biases
-    (Qwen2 always has them; zeros compute the same)."""
+    """Hugging Face names and wq/wk layout; the export of a model without ``qkv_bias`` to a family that always has
+    them (Qwen2) gets zero q/k/v biases (zeros compute the same)."""
     out = {}
+    zero_biases = family_of(config.hf_architecture).qkv_bias and not config.qkv_bias
     for name, tensor in state.items():
-        if name.endswith(_Q):
-            tensor = _permute_to_hf(tensor, config.n_heads)
-        elif name.endswith(_K):
-            tensor = _permute_to_hf(tensor, config.n_kv_heads)
+        if (heads := _heads_permuted(name, config)) is not None:
+            tensor = _permute_to_hf(tensor, heads)
         hf_name = _rename(name, _NATIVE_TO_HF)
         if hf_name is None:
             raise ValueError(f"no Hugging Face name for parameter {name!r}")
         out[hf_name] = tensor.contiguous()
-        if (
-            config.hf_architecture == "Qwen2ForCausalLM"
-            and not config.qkv_bias
-            and name.endswith("attention.wv.weight")
-        ):
+        if zero_biases and name.endswith("attention.wv.weight"):
             for projection in ("q", "k", "v"):
                 width = state[name.replace("wv.weight", f"w{projection}.weight")].shape[0]
                 bias_name = hf_name.replace("v_proj.weight", f"{projection}_proj.bias")
@@ -204,10 +213,8 @@ def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: s
         out[native if native is not None else f"<unmapped Hugging Face key> {name}"] = tensor
     check_state(out, config, source)  # before permuting: a wrong shape would make the view below fail
     for name in out:
-        if name.endswith(_Q):
-            out[name] = _permute_from_hf(out[name], config.n_heads)
-        elif name.endswith(_K):
-            out[name] = _permute_from_hf(out[name], config.n_kv_heads)
+        if (heads := _heads_permuted(name, config)) is not None:
+            out[name] = _permute_from_hf(out[name], heads)
     return out
 
 

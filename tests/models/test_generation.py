@@ -14,10 +14,14 @@ from models.sampling import GenerationOutput, filter_logits, pick_next, sample_n
 
 VARIANTS = {
     "base": {},
+    # Qwen3's block (QK norm, heads wider than dim / n_heads, tied embeddings) under Llama 3.1 RoPE scaling, its
     # original_max_position_embeddings small enough that the scaling changes frequencies our positions reach.
-    "rope_scaling+qk_norm": {
+    "qwen3-block+rope_scaling": {
         "rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=32),
         "qk_norm": True,
+        "head_dim_override": 32,
+        "tie_embeddings": True,
+        "hf_architecture": "Qwen3ForCausalLM",
     },
 }
 

@@ -107,6 +107,44 @@ def test_load_gguf_gives_back_the_model(written) -> None:
         assert torch.allclose(loaded(ids), model(ids), atol=1e-6)
 
 
+# each family as its GGUF architecture: Qwen2 with its q/k/v biases, Qwen3 with QK norm and heads 128 wide (as every
+# Qwen3 has, not dim / n_heads; transformers' GGUF reader assumes 128 for "qwen3", Lantern reads the file's width)
+OTHER_FAMILIES = {
+    "qwen2": ("qwen2", dict(hf_architecture="Qwen2ForCausalLM", qkv_bias=True, tie_embeddings=True)),
+    "qwen3": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128)),
+    "qwen3-narrow-heads": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=24)),
+    "mistral": ("llama", dict(hf_architecture="MistralForCausalLM")),  # read back as Llama: the same computation
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_every_family_writes_its_gguf_architecture_and_reads_back(tmp_path: Path, tokenizer_folder, family) -> None:
+    """Written as llama.cpp's converter writes the family, read by transformers with the same logits, and read back
+    into the same family with the same weights."""
+    architecture, overrides = OTHER_FAMILIES[family]
+    model = tiny_model(**overrides)
+    with torch.no_grad():  # biases away from 0 (a dropped or unpermuted bias shows)
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    path = write_gguf(model, tmp_path / f"{family}.gguf", tokenizer_folder, dtype="f32")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == architecture
+    names = {t.name for t in reader.tensors}
+    assert ("blk.0.attn_q.bias" in names) == model.config.qkv_bias
+    assert ("blk.0.attn_q_norm.weight" in names) == model.config.qk_norm
+    ids = ids_of(TEXT)
+    loaded, _ = load_gguf(path)
+    read_as = "LlamaForCausalLM" if architecture == "llama" else model.config.hf_architecture
+    assert loaded.config == dataclasses.replace(model.config, hf_architecture=read_as)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    if family != "qwen3-narrow-heads":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        with torch.no_grad():
+            assert (hf(ids).logits - model(ids)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize(("dtype", "tolerance"), [("f16", 2e-3), ("bf16", 2e-2)])
 def test_half_precision_files_load_in_transformers(tmp_path: Path, tokenizer_folder, dtype, tolerance) -> None:
     model = tiny_model()  # untied: the file has an output tensor

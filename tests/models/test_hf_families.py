@@ -1,5 +1,5 @@
-"""The Llama family as transformers writes it: Llama (tied, head_dim != dim / heads, linear and llama3 RoPE), Qwen2
-(q/k/v biases) and Mistral import with transformers' logits and export back as the same family; what the native
+"""The families of models/families.py as transformers writes them: Llama (tied, head_dim != dim / heads, linear and
+llama3 RoPE), Qwen2 (q/k/v biases), Mistral and Qwen3 (QK norm, 128-wide heads) import with transformers' logits and export back as the same family; what the native
 model cannot represent is refused in one line naming it; the shipped presets have the published shapes."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ CASES = {
         dict(tie_word_embeddings=True, use_sliding_window=False, sliding_window=16, max_window_layers=1),
     ),
     "mistral": ("MistralConfig", dict(sliding_window=CONTEXT)),  # a window as long as the context: full attention
+    "qwen3-tied-head_dim": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=24, use_sliding_window=False)),
 }
 
 
@@ -93,7 +94,7 @@ def test_family_imports_and_exports_with_transformers_logits(tmp_path, case):
     model = load_checkpoint(tmp_path / "hf")
     config = model.config
     assert config.hf_architecture == architecture == type(hf).__name__
-    assert config.qkv_bias == (kind == "Qwen2Config")
+    assert config.qkv_bias == (kind == "Qwen2Config") and config.qk_norm == (kind == "Qwen3Config")
     assert config.head_dim == settings.get("head_dim", 16) and config.tie_embeddings == hf.config.tie_word_embeddings
     assert model.layers[0].attention.wq.weight.shape == (4 * config.head_dim, 64)
     assert model.layers[0].attention.wo.weight.shape == (64, 4 * config.head_dim)
@@ -139,6 +140,8 @@ def test_configs_written_before_the_new_fields_load_as_before():
         ModelConfig(rope_scaling={"rope_type": "yarn"})
     with pytest.raises(ValueError, match="head_dim_override"):
         ModelConfig(head_dim_override=15)
+    with pytest.raises(ValueError, match="qk_norm must be true for hf_architecture Qwen3ForCausalLM"):
+        ModelConfig(hf_architecture="Qwen3ForCausalLM")  # a family's own block options are on in each of its models
 
 
 def test_export_refuses_qkv_bias_outside_qwen2(tmp_path):
@@ -191,16 +194,28 @@ def test_sliding_window_shorter_than_the_context_is_refused(tmp_path):
     assert load_model_config(off).hf_architecture == "Qwen2ForCausalLM"
     no_layer = write_config(tmp_path / "qwen2-late", "Qwen2Config", **{**on, "max_window_layers": 2})
     assert load_model_config(no_layer).qkv_bias
+    refused(write_config(tmp_path / "qwen3", "Qwen3Config", **on), "Qwen3ForCausalLM", "sliding_window=16 <")
+    assert load_model_config(write_config(tmp_path / "qwen3-off", "Qwen3Config", use_sliding_window=False)).qk_norm
 
 
 @pytest.mark.parametrize(
-    "architecture, model_type", [("GPT2LMHeadModel", "gpt2"), ("GemmaForCausalLM", "gemma")], ids=["gpt2", "gemma"]
+    "architecture, model_type, reason",
+    [
+        ("GPT2LMHeadModel", "gpt2", "is not supported (supported:"),
+        ("GemmaForCausalLM", "gemma", "is not supported (supported:"),
+        (
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            "mixture-of-experts layers are not implemented (dense Qwen3 is supported)",
+        ),
+    ],
+    ids=["gpt2", "gemma", "qwen3-moe"],
 )
-def test_other_architecture_is_refused_naming_it_and_the_supported_ones(tmp_path, architecture, model_type):
+def test_other_architecture_is_refused_naming_it_and_the_supported_ones(tmp_path, architecture, model_type, reason):
     tmp_path.joinpath("config.json").write_text(
         json.dumps({"architectures": [architecture], "model_type": model_type, "n_embd": 64, "hidden_size": 64})
     )
-    refused(tmp_path, repr(architecture), *HF_ARCHITECTURES)
+    refused(tmp_path, repr(architecture), reason, *HF_ARCHITECTURES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,6 +229,8 @@ def test_other_architecture_is_refused_naming_it_and_the_supported_ones(tmp_path
         ("smollm2-360m", 361_821_120, "LlamaForCausalLM"),
         ("qwen2.5-0.5b", 494_032_768, "Qwen2ForCausalLM"),
         ("tinyllama-1.1b", 1_100_048_384, "LlamaForCausalLM"),
+        ("qwen3-0.6b", 596_049_920, "Qwen3ForCausalLM"),
+        ("qwen3-1.7b", 1_720_574_976, "Qwen3ForCausalLM"),
     ],
 )
 def test_hugging_face_presets_have_the_published_sizes(preset, params, architecture):
@@ -236,3 +253,18 @@ def test_published_qwen2_5_config_is_the_preset(tmp_path):
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(published))
     assert load_model_config(tmp_path) == ModelConfig.from_preset("qwen2.5-0.5b")
+
+
+def test_published_qwen3_config_is_the_preset(tmp_path):
+    """Qwen/Qwen3-0.6B's config.json as published (transformers 4.51 keys): the qwen3-0.6b preset."""
+    published = {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+        "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    assert load_model_config(tmp_path) == ModelConfig.from_preset("qwen3-0.6b")
