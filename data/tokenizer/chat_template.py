@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # Private-use code points that mark where a {% generation %} block starts and ends in the rendered text; they are
 # removed before the text is tokenized.
 _GEN_START, _GEN_END = "\ue000", "\ue001"
+_MARK = "\ue002"  # an assistant turn's content, swapped in to find where the turn is in a rendering
 
 
 class _GenerationTag(Extension):
@@ -121,24 +122,42 @@ class ChatTemplate:
         """The conversation as text, as ``apply_chat_template(..., tokenize=False)`` gives it."""
         return self._render_marked(messages, add_generation_prompt).replace(_GEN_START, "").replace(_GEN_END, "")
 
-    def render_with_spans(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """(text, the [start, end) character spans of the assistant turns in it)."""
+    def render_with_spans(
+        self, messages: Sequence[Mapping[str, Any]], end_of_turn: str
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(text, the [start, end) character spans of the assistant turns in it, each through its ``end_of_turn``
+        string): the template's own ``{% generation %}`` markers, else each turn found by rendering around it."""
         if self.has_generation_tags:
             return _strip_markers(self._render_marked(messages, False))
         text = self.render(messages)
-        spans = []
-        for index, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            before = self.render(messages[:index], add_generation_prompt=True) if index else ""
-            through = self.render(messages[: index + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise ChatTemplateError(
-                    f"{self.where} does not render a conversation as a prefix of its continuation (turn {index}), "
-                    "so its assistant tokens cannot be found; add {% generation %} markers to it"
-                )
-            spans.append((len(before), len(through)))
-        return text, spans
+        turns = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
+        return text, [self._turn_span(messages, index, text, end_of_turn) for index in turns]
+
+    def _turn_span(
+        self, messages: Sequence[Mapping[str, Any]], index: int, text: str, end_of_turn: str
+    ) -> tuple[int, int]:
+        """Assistant turn ``index`` is where the conversation before it, with the generation prompt, ends, through
+        where the conversation through it ends, when both are prefixes of the whole. A template that renders turns
+        otherwise once later messages follow (Qwen3 drops the thinking of turns before the last user message, and
+        writes an empty think block only in the last turn) is measured in the whole: rendered again with the turn's
+        content swapped for a marker, the two texts differ only inside the turn, which ends at the first
+        ``end_of_turn`` after the difference."""
+        before = self.render(messages[:index], add_generation_prompt=True) if index else ""
+        through = self.render(messages[: index + 1])
+        if text.startswith(before) and through.startswith(before) and text.startswith(through):
+            return len(before), len(through)
+        swapped = self.render([*messages[:index], {"role": "assistant", "content": _MARK}, *messages[index + 1 :]])
+        common = min(len(text), len(swapped))
+        prefix = next((i for i in range(common) if text[i] != swapped[i]), common)
+        suffix = next((i for i in range(common - prefix) if text[-1 - i] != swapped[-1 - i]), common - prefix)
+        end = text.find(end_of_turn, len(text) - suffix)
+        if swapped.count(_MARK) != 1 or _MARK not in swapped[prefix : len(swapped) - suffix] or end < 0:
+            raise ChatTemplateError(
+                f"{self.where} renders a conversation so that its assistant turns cannot be found (turn {index}); "
+                "add {% generation %} markers to it"
+            )
+        start = len(before) if text.startswith(before) and len(before) <= prefix else prefix
+        return start, end + len(end_of_turn)
 
 
 def _strip_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:

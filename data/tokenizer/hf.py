@@ -114,7 +114,7 @@ class HFTokenizer(TokenizerBase):
         if self.template is None:
             return self.eos_id
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}]
-        text, spans = self.template.render_with_spans(probe)
+        text, spans = self.template.render_with_spans(probe, end_of_turn=self._tk.id_to_token(self.eos_id))
         if not spans:
             return self.eos_id
         start, end = spans[-1]
@@ -230,7 +230,7 @@ class HFTokenizer(TokenizerBase):
         """Ids as ``apply_chat_template(messages)`` gives them; mask True on each assistant turn's content and its
         end-of-turn token."""
         self._check_messages(messages)
-        text, spans = self._require_template().render_with_spans(messages)
+        text, spans = self._require_template().render_with_spans(messages, self._tk.id_to_token(self.eot_id))
         encoding = self._tk.encode(text, add_special_tokens=False)
         ids = encoding.ids
         starts = [start for start, _ in encoding.offsets]

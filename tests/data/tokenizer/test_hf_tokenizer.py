@@ -225,13 +225,27 @@ def test_a_base_tokenizer_without_template_refuses_chats_in_one_line(tmp_path, b
         tok.encode_chat([{"role": "user", "content": "hi"}])
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, bpe_json):
-    # renders the conversation's length first: no rendering is a prefix of a longer one
+def test_a_template_whose_assistant_turns_cannot_be_found_is_refused(tmp_path, bpe_json):
+    # repeats the last message after the chat: no rendering is a prefix of a longer one, and a turn's content is
+    # written twice
+    template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}{{ messages[-1]['content'] }}"
+    (tmp_path / "tokenizer.json").write_bytes(bpe_json.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    with pytest.raises(ValueError, match="assistant turns cannot be found") as refused:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_template_that_rewrites_earlier_text_still_masks_each_turn(tmp_path, bpe_json):
+    # renders the conversation's length first: no rendering is a prefix of a longer one, yet each turn is one place
     template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     (tmp_path / "tokenizer.json").write_bytes(bpe_json.read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
-    with pytest.raises(ValueError, match="prefix of its continuation"):
-        load_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    ids, mask = tok.encode_chat([*chat, *chat])
+    assert tok.decode(ids) == "4Hi<|im_end|>Yo<|im_end|>Hi<|im_end|>Yo<|im_end|>"
+    assert [tok.decode([i for i, m in zip(ids, mask) if m])] == ["Yo<|im_end|>Yo<|im_end|>"]
 
 
 def test_loading_and_encoding_with_a_tokenizer_json_imports_no_torch(tmp_path, bpe_json):
@@ -353,3 +367,69 @@ def test_rl_prompts_and_dpo_pairs_are_what_transformers_gives(tmp_path, bpe_json
             full = hf_ids(theirs.apply_chat_template([*chat[:-1], {"role": "assistant", "content": reply}]))
             assert side.tolist() == full[: len(side)] and side[-1] == end and full[len(side) :] == theirs.encode("\n")
             assert tok.decode(side[response[index]].tolist()) == reply + "<|im_end|>"
+
+
+def qwen3_chats() -> list[list[dict]]:
+    """Qwen3's cases: thinking written in the content or as reasoning_content, kept after the last user message and
+    dropped before it; a final reply without thinking (the template writes an empty think block); tool calls and
+    their responses (several in a row are one user turn)."""
+    think = "<think>\nThe user greets.\n</think>\n\nHello!"
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+    return [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": think}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": think},
+            {"role": "user", "content": "What is 2 * 3?"},
+            {"role": "assistant", "content": "6", "reasoning_content": "Two threes."},
+        ],
+        [
+            {"role": "user", "content": "What is 2 * 3, and 4 * 5?"},
+            {"role": "assistant", "content": "", "tool_calls": [call, call]},
+            {"role": "tool", "name": "multiply", "content": "6"},
+            {"role": "tool", "name": "multiply", "content": "20"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "Both done.", "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": "6"},
+            {"role": "assistant", "content": "6 and 20."},
+            {"role": "user", "content": TURNS[4]},
+            {"role": "assistant", "content": TURNS[7]},
+        ],
+    ]
+
+
+def test_qwen3s_template_thinking_and_tool_calls_are_what_transformers_gives(tmp_path, bpe_json):
+    """Qwen3's own template (as TRL ships it for identity checks): ids as apply_chat_template gives them, and the
+    mask on exactly what each assistant turn renders after its header, through <|im_end|>, in the whole chat
+    (turns whose thinking the template drops once a later user message follows included)."""
+    import importlib.resources
+    import re
+
+    template = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(bpe_json.read_bytes())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = load_tokenizer(folder)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    dropped = 0
+    for chat in qwen3_chats():
+        ids, mask = ours.encode_chat(chat)
+        assert ids == hf_ids(theirs.apply_chat_template(chat, tokenize=True)), chat
+        text = theirs.apply_chat_template(chat, tokenize=False)
+        turns = re.findall(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, flags=re.DOTALL)
+        runs, current = [], []
+        for token, masked in zip(ids, mask):
+            if masked:
+                current.append(token)
+            elif current:
+                runs, current = [*runs, current], []
+        runs += [current] if current else []
+        assert [ours.decode(run) for run in runs] == turns, chat
+        dropped += text.count("The user greets.") < sum(m["content"].count("The user greets.") for m in chat)
+        prompt = chat[: max(i for i, m in enumerate(chat) if m["role"] != "assistant") + 1]
+        expected = theirs.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+        assert ours.encode_chat_prompt(prompt) == hf_ids(expected)
+    assert dropped == 1  # the multi-turn chat: its first turn's thinking is gone from the text, and from the mask
