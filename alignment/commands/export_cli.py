@@ -22,7 +22,7 @@ def add_export_command(commands: Any) -> None:
         "--format",
         choices=["native", "hf", "gguf"],
         default=None,
-        help="native (default), Hugging Face (the model's family: Llama, Mistral or Qwen2), or gguf (OUT is then a "
+        help="native (default), Hugging Face (the model's family: Llama, Mistral, Qwen2 or Qwen3), or gguf (OUT is then a "
         ".gguf file, for llama.cpp, Ollama and transformers' GGUF loader)",
     )
     export.add_argument(

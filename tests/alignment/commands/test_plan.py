@@ -182,3 +182,11 @@ def test_cpu_offload_costs_its_copies_and_the_host_optimizer_step(capsys):
     assert offload["communication_s"] - on_gpu["communication_s"] == pytest.approx(copies, rel=1e-3)
     assert offload["step_s"] == pytest.approx(max(offload["compute_s"], offload["communication_s"]) + offload["host_s"])
     assert on_gpu["host_s"] == 0 and offload["step_s"] > on_gpu["step_s"]
+
+
+@pytest.mark.parametrize(("model", "params"), [("qwen3-0.6b", "596M"), ("qwen3-1.7b", "1.72B")])
+def test_each_family_preset_plans_with_its_published_size(capsys, model, params):
+    """Qwen3's presets (QK norm, heads wider than dim / n_heads, tied embeddings) as the model of an SFT run."""
+    table = plan(capsys, "configs/sft/tiny.yaml", "--model", model)
+    assert f"model   {params} parameters (28 layers" in table and "vocab 151,936" in table
+    assert plan_json(capsys, "configs/sft/tiny.yaml", "--model", model)["verdict"] in ("fits", "fits, tight")
