@@ -1,0 +1,144 @@
+"""``ModelConfig``: the decoder's shape and block options, checked where a config is made, with its presets
+(``configs/model/NAME.yaml``) and its parameter and FLOP counts. The families it expresses are models/families.py's."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+
+from models.config_checks import bounded, read_yaml
+from models.families import HF_ARCHITECTURES, family_of
+from models.resources import model_preset_path, model_presets
+from models.rope import RopeScaling
+
+__all__ = ["ATTENTION_BACKENDS", "ModelConfig"]
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+@dataclass
+class ModelConfig:
+    # sizes bounded far past any model trained (Llama 3.1 405B: 126 layers, dim 16384): a value past them is a typo
+    dim: int = bounded(256, ge=1, le=2**20)
+    n_layers: int = bounded(4, ge=1, le=1024)
+    n_heads: int = bounded(8, ge=1, le=2**14)
+    n_kv_heads: int | None = bounded(None, ge=1, le=2**14)  # None: same as n_heads (plain multi-head attention)
+    # None: dim // n_heads; set when the heads are not dim wide (Mistral Nemo: 128 for dim 5120 / 32 heads). Kept
+    # None when derived, so a config merged over the defaults never inherits a stale value.
+    head_dim_override: int | None = bounded(None, ge=1, le=2**14)
+    vocab_size: int = bounded(4096, ge=1, le=2**24)
+    multiple_of: int = bounded(256, ge=1, le=2**20)  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = bounded(None, gt=0, le=256)
+    ffn_hidden_dim: int | None = bounded(None, ge=1, le=2**22)  # explicit hidden size; overrides the rule above
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = bounded(2048, ge=1, le=2**24)
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False  # biases on wq / wk / wv, none on wo (Qwen2)
+    logit_softcap: float | None = None
+    # auto: FlexAttention on CUDA when documents are masked, SDPA otherwise (CPU, plain causal, KV-cache decoding)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    hf_architecture: str = "LlamaForCausalLM"  # the Hugging Face family exported to, one of HF_ARCHITECTURES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        positive = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        override = self.head_dim_override
+        if override is not None and (not isinstance(override, int) or override <= 0 or override % 2):
+            raise ValueError(f"ModelConfig.head_dim_override must be a positive even integer (RoPE), got {override!r}")
+        if override is not None and override * self.n_heads == self.dim:
+            self.head_dim_override = None  # the derived value: kept unset, so equal configs compare equal
+        if self.head_dim_override is None and self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.norm_eps <= 0:
+            raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(f"ModelConfig.ffn_dim_multiplier must be > 0, got {self.ffn_dim_multiplier}")
+        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
+            raise ValueError(f"ModelConfig.ffn_hidden_dim must be > 0, got {self.ffn_hidden_dim}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        problem = self.rope_scaling.problem() if self.rope_scaling is not None else None
+        if problem:
+            raise ValueError(f"ModelConfig.rope_scaling {problem}")
+        if self.hf_architecture not in HF_ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
+            )
+        if family_of(self.hf_architecture).qk_norm and not self.qk_norm:
+            raise ValueError(
+                f"ModelConfig.qk_norm must be true for hf_architecture {self.hf_architecture}: every block of that "
+                "family normalises its query and key heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``head_dim_override``, else dim // n_heads."""
+        return self.head_dim_override if self.head_dim_override is not None else self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden size, computed exactly as Meta's reference does."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset from ``configs/model/NAME.yaml`` (or a path to such a YAML file)."""
+        path = model_preset_path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"no model preset {name!r} (looked for {path}); presets: {model_presets()}")
+        values = OmegaConf.to_container(read_yaml(path), resolve=True)  # a duplicate key: one line naming it
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
+        ffn = 3 * self.dim * self.hidden_dim
+        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + ffn + norms) + self.dim + embeddings
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 x matmul weights + attention's 12·L·d·T (PaLM, app. B),
+        d being the query width n_heads·head_dim (dim unless ``head_dim_override``).
+
+        The embedding lookup is no matmul; the output projection is, tied or not.
+        """
+        matmul_params = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        return 6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
