@@ -66,6 +66,21 @@ def attention_mask(document_ids: Tensor | None, kv_cache: KVCache | None, seq_le
     return (causal[None] & same_doc)[:, None]
 
 
+def sliding_window_mask(
+    mask: Tensor | None, window: int, query_start: int | Tensor, seq_len: int, key_len: int, device: torch.device
+) -> Tensor:
+    """``mask`` ((B or 1, 1, T, S) bool; None: plain causal) narrowed to the keys within ``window`` positions of each
+    query: the query at sequence index q (``query_start`` + its row) sees key k only if q - k < window. Within a
+    document indices and positions differ by a constant, so the window is the document's last ``window`` tokens."""
+    query_pos = torch.arange(seq_len, device=device) + query_start
+    key_pos = torch.arange(key_len, device=device)
+    distance = query_pos[:, None] - key_pos[None, :]  # (T, S)
+    near = distance < window
+    if mask is None:
+        return (near & (distance >= 0))[None, None]
+    return mask & near
+
+
 def use_flex_attention(config: ModelConfig, document_ids: Tensor | None, kv_cache: KVCache | None) -> bool:
     """Whether this forward runs FlexAttention. Only document-masked full-sequence passes ever do.
 
@@ -77,8 +92,9 @@ def use_flex_attention(config: ModelConfig, document_ids: Tensor | None, kv_cach
     return config.attention == "flex" or document_ids.device.type == "cuda"
 
 
-def document_block_mask(document_ids: Tensor) -> BlockMask:
-    """FlexAttention BlockMask (B, 1, T, T): causal and within one document, built once and shared by all layers.
+def document_block_mask(document_ids: Tensor, window: int | None = None) -> BlockMask:
+    """FlexAttention BlockMask (B, 1, T, T): causal and within one document (and the last ``window`` keys), built once
+    a forward and shared by every layer of its kind.
 
     Building it costs ~10 ms eagerly on an H100 at T=2048, more than one layer's attention, hence once per
     forward; on CUDA the builder is compiled (``block_mask_builder``; fully masked 128x128 blocks are then
@@ -89,8 +105,12 @@ def document_block_mask(document_ids: Tensor) -> BlockMask:
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+    def document_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     build = block_mask_builder(document_ids.device.type)
-    return build(document_causal, batch, None, seq_len, seq_len, device=document_ids.device)
+    rule = document_causal if window is None else document_window
+    return build(rule, batch, None, seq_len, seq_len, device=document_ids.device)
 
 
 _compiled: dict[str, Callable] = {}
@@ -119,10 +139,12 @@ def block_mask_builder(device_type: str) -> Callable[..., BlockMask]:
     return _compiled_on_cuda(device_type, "create_block_mask", create_block_mask)
 
 
-def flex_attention_kernel(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, enable_gqa: bool) -> Tensor:
+def flex_attention_kernel(
+    q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, enable_gqa: bool, scale: float | None = None
+) -> Tensor:
     """flex_attention, compiled on CUDA (eager flex materialises the scores: correct but slow) and eager on CPU."""
     kernel = _compiled_on_cuda(q.device.type, "flex_attention", flex_attention)
-    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 def positions_from_documents(document_ids: Tensor) -> Tensor:

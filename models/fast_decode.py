@@ -24,7 +24,7 @@ try:
 except ImportError:  # a torch built without torch.distributed: nothing is sharded (isinstance(x, ()) is False)
     FSDPModule = DTensor = ()
 
-from models.attention import attention_mask
+from models.attention import attention_mask, sliding_window_mask
 from models.model import KVCache, Transformer, rope_cos_sin
 from models.sampling import GenerationOutput, pick_next, sample_next, sampling_draws
 
@@ -108,7 +108,8 @@ def decode_step(
     visible = (key_position <= cache_position)[None, :] & (cache.document_ids == REAL_DOCUMENT)  # (B, S)
     mask = visible[:, None, None, :]  # (B, 1, T=1, S)
     cos, sin = rope_cos_sin(model.config, position)
-    x = _run_blocks(blocks, model.tok_embeddings(token), cos, sin, mask, _StepWriter(cache, cache_position))
+    local = _local(model, position, mask, cache_position, 1, cache.max_len)
+    x = _run_blocks(blocks, model.embed(token), cos, sin, mask, _StepWriter(cache, cache_position), local)
     return model.logits(model.norm(x)[:, -1])
 
 
@@ -126,17 +127,29 @@ def cached_forward(
     seq_len = input_ids.shape[1]
     cos, sin = rope_cos_sin(model.config, position_ids)
     mask = attention_mask(document_ids, kv_cache, seq_len)
-    x = _run_blocks(blocks, model.tok_embeddings(input_ids), cos, sin, mask, kv_cache)
+    local = _local(model, position_ids, mask, kv_cache.length, seq_len, kv_cache.length + seq_len)
+    x = _run_blocks(blocks, model.embed(input_ids), cos, sin, mask, kv_cache, local)
     kv_cache.length += seq_len
     return model.norm(x)
 
 
-def _run_blocks(blocks, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache) -> Tensor:
+def _local(model: Transformer, positions: Tensor, mask: Tensor, query_start, seq_len: int, key_len: int):
+    """The sliding-window layers' cos, sin and mask (as ``Transformer.hidden_states`` makes them), or None."""
+    window = model.config.sliding_window
+    if window is None:
+        return None
+    narrowed = sliding_window_mask(mask, window, query_start, seq_len, key_len, positions.device)
+    return (*rope_cos_sin(model.config, positions, local=True), narrowed)
+
+
+def _run_blocks(blocks, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache, local=None) -> Tensor:
     for block, dtype in blocks:
         if dtype is None:
-            x = block(x, cos, sin, mask, cache)
+            x = block(x, cos, sin, mask, cache, local)
         else:  # what FSDP2's pre-forward hook does to the inputs under mixed precision
-            x = block(x.to(dtype), cos.to(dtype), sin.to(dtype), mask, cache)
+            if local is not None:
+                local = (local[0].to(dtype), local[1].to(dtype), local[2])
+            x = block(x.to(dtype), cos.to(dtype), sin.to(dtype), mask, cache, local)
     return x
 
 

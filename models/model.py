@@ -2,8 +2,9 @@
 
 Parameter names follow Meta's reference implementation (``tok_embeddings``, ``layers.N.attention.wq`` ...), so Meta
 checkpoints load without renaming. RoPE rotates interleaved pairs (Meta's convention). The same module is Hugging
-Face's Llama, Mistral, Qwen2 (``qkv_bias``) and Qwen3 (``qk_norm``), the families of models/families.py. ``document_ids`` (B, T) keep attention and positions inside each
-document of a packed row (left padding is one more document).
+Face's Llama, Mistral, Qwen2 (``qkv_bias``), Qwen3 (``qk_norm``) and Gemma 3 (its block options and sliding-window
+layers), the families of models/families.py. ``document_ids`` (B, T) keep attention and positions inside each document
+of a packed row (left padding is one more document).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from models.attention import (
     document_block_mask,
     flex_attention_kernel,
     positions_from_documents,
+    sliding_window_mask,
     use_flex_attention,
 )
 from models.families import HF_ARCHITECTURES
@@ -43,19 +45,24 @@ __all__ = [
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm scaling by ``weight`` (Llama) or, with ``offset``, by (1 + weight) in fp32 (Gemma: weights start at 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32 for bf16 stability, as Meta's reference does; one fp32 copy of a bf16 x, which autograd
         # keeps for the backward (x.float() twice made two: a seventh of a bf16 Llama-3-8B block's saved activations).
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma scales before casting back, in fp32, as its reference does
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.weight) if self.offset else nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
@@ -67,8 +74,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        offset = config.norm_weight_offset
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, offset) if config.qk_norm else None
+        self.scale = config.attention_scale_dim**-0.5 if config.attention_scale_dim is not None else None
 
     def forward(
         self,
@@ -91,9 +100,11 @@ class Attention(nn.Module):
             k, v = kv_cache.update(layer_index, k, v)
         gqa = self.n_kv_heads != self.n_heads
         if isinstance(mask, BlockMask):
-            out = flex_attention_kernel(q, k, v, mask, gqa)
+            out = flex_attention_kernel(q, k, v, mask, gqa, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa, scale=self.scale
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -104,26 +115,46 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
         self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)
 
+        self.gelu = config.activation == "gelu_tanh"
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = F.gelu(self.w1(x), approximate="tanh") if self.gelu else F.silu(self.w1(x))
+        return self.w2(gate * self.w3(x))
+
+
+Local = tuple[Tensor, Tensor, Tensor | BlockMask]  # the sliding-window layers' cos, sin and mask
 
 
 class TransformerBlock(nn.Module):
-    """One pre-norm block; its own module so FSDP2 and activation checkpointing can wrap it alone."""
+    """One pre-norm block (with ``sandwich_norms``, its attention and MLP outputs normed too, as Gemma's); its own
+    module so FSDP2 and activation checkpointing can wrap it alone. A local layer takes ``local``'s RoPE and mask."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.layer_index = layer_index
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.layer_index, self.is_local = layer_index, config.is_local(layer_index)
+        norm = lambda: RMSNorm(config.dim, config.norm_eps, config.norm_weight_offset)  # noqa: E731
+        self.attention_norm = norm()
         self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = norm()
         self.feed_forward = FeedForward(config)
+        self.post_attention_norm = norm() if config.sandwich_norms else None
+        self.post_ffn_norm = norm() if config.sandwich_norms else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | BlockMask | None,
+        kv_cache: KVCache | None = None,
+        local: Local | None = None,
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer_index)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.is_local:
+            cos, sin, mask = local
+        attended = self.attention(self.attention_norm(x), cos, sin, mask, kv_cache, self.layer_index)
+        x = x + (self.post_attention_norm(attended) if self.post_attention_norm is not None else attended)
+        fed = self.feed_forward(self.ffn_norm(x))
+        return x + (self.post_ffn_norm(fed) if self.post_ffn_norm is not None else fed)
 
 
 class Transformer(nn.Module):
@@ -132,7 +163,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_weight_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -180,9 +211,10 @@ class Transformer(nn.Module):
                 position_ids = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
         cos, sin = rope_cos_sin(self.config, position_ids)
         mask: Tensor | BlockMask | None
+        flex = query_key_mask is None and use_flex_attention(self.config, document_ids, kv_cache)
         if query_key_mask is not None:
             mask = query_key_mask
-        elif use_flex_attention(self.config, document_ids, kv_cache):
+        elif flex:
             if input_ids.device.type == "cpu" and torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad:
                 raise ValueError(
                     "ModelConfig.attention='flex' has no backward on CPU (torch FlexAttention); use 'auto' or 'sdpa'"
@@ -190,12 +222,26 @@ class Transformer(nn.Module):
             mask = document_block_mask(document_ids)
         else:
             mask = attention_mask(document_ids, kv_cache, seq_len)
-        x = self.tok_embeddings(input_ids)
+        local = None
+        if self.config.sliding_window is not None:
+            window = self.config.sliding_window
+            local_mask = (
+                document_block_mask(document_ids, window)
+                if flex
+                else sliding_window_mask(mask, window, start, seq_len, start + seq_len, input_ids.device)
+            )
+            local = (*rope_cos_sin(self.config, position_ids, local=True), local_mask)
+        x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, kv_cache)
+            x = layer(x, cos, sin, mask, kv_cache, local)
         if kv_cache is not None:
             kv_cache.length += seq_len
         return self.norm(x)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The input embeddings, times sqrt(dim) with ``embedding_scale`` (Gemma: the factor in their dtype)."""
+        x = self.tok_embeddings(input_ids)
+        return x * torch.tensor(self.config.dim**0.5, dtype=x.dtype) if self.config.embedding_scale else x
 
     def logits(self, hidden: Tensor) -> Tensor:
         logits = self.output(hidden)

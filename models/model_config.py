@@ -40,6 +40,21 @@ class ModelConfig:
     qk_norm: bool = False
     qkv_bias: bool = False  # biases on wq / wk / wv, none on wo (Qwen2)
     logit_softcap: float | None = None
+    # Gemma 3's block, each option off for Llama's: embeddings times sqrt(dim); RMSNorm scaling by (1 + weight) in fp32
+    # (weights start at 0); a tanh-GELU gate (GeGLU) in place of SwiGLU's SiLU; a second RMSNorm after attention and
+    # after the MLP (four a block); attention scores scaled by 1/sqrt(attention_scale_dim) (query_pre_attn_scalar)
+    # instead of 1/sqrt(head_dim)
+    embedding_scale: bool = False
+    norm_weight_offset: bool = False
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    sandwich_norms: bool = False
+    attention_scale_dim: float | None = bounded(None, gt=0, le=2**20)
+    # Local layers: a query sees the last sliding_window positions of its document (itself included), with RoPE base
+    # rope_local_theta (None: rope_theta) and no RoPE scaling; with sliding_window_pattern N every Nth layer (the
+    # N-th, 2N-th, ...) is global (Gemma 3: 6), without it every layer is local (Mistral). None: all global.
+    sliding_window: int | None = bounded(None, ge=1, le=2**24)
+    sliding_window_pattern: int | None = bounded(None, ge=2, le=1024)
+    rope_local_theta: float | None = bounded(None, gt=0)
     # auto: FlexAttention on CUDA when documents are masked, SDPA otherwise (CPU, plain causal, KV-cache decoding)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     hf_architecture: str = "LlamaForCausalLM"  # the Hugging Face family exported to, one of HF_ARCHITECTURES
@@ -77,6 +92,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+        if self.sliding_window is None and (self.sliding_window_pattern or self.rope_local_theta) is not None:
+            raise ValueError("ModelConfig.sliding_window_pattern and rope_local_theta need a sliding_window")
         problem = self.rope_scaling.problem() if self.rope_scaling is not None else None
         if problem:
             raise ValueError(f"ModelConfig.rope_scaling {problem}")
@@ -84,11 +103,12 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
             )
-        if family_of(self.hf_architecture).qk_norm and not self.qk_norm:
-            raise ValueError(
-                f"ModelConfig.qk_norm must be true for hf_architecture {self.hf_architecture}: every block of that "
-                "family normalises its query and key heads"
-            )
+        for key, value in family_of(self.hf_architecture).block.items():
+            if getattr(self, key) != value:  # e.g. a Qwen3 without QK norm: not the family's model
+                raise ValueError(
+                    f"ModelConfig.{key} must be {value!r} for hf_architecture {self.hf_architecture} (every model of "
+                    f"that family has it), got {getattr(self, key)!r}"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -126,11 +146,17 @@ class ModelConfig:
         values.update(overrides)
         return cls.from_dict(values)
 
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_window_pattern is None or (layer + 1) % self.sliding_window_pattern != 0
+
     def num_params(self) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         ffn = 3 * self.dim * self.hidden_dim
-        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + self.dim + embeddings
 

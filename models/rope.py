@@ -44,11 +44,14 @@ class RopeScaling:
         return None
 
 
-def rope_frequencies(config: ModelConfig, device: torch.device | None = None) -> Tensor:
-    """Inverse frequencies (head_dim / 2,) in fp32, with Llama 3.1's or linear scaling when configured."""
+def rope_frequencies(config: ModelConfig, device: torch.device | None = None, local: bool = False) -> Tensor:
+    """Inverse frequencies (head_dim / 2,) in fp32, with Llama 3.1's or linear scaling when configured. ``local``:
+    the sliding-window layers', with base ``rope_local_theta`` and unscaled when that is set (Gemma 3)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
+    own = local and config.rope_local_theta is not None
+    theta = config.rope_local_theta if own else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    scaling = None if own else config.rope_scaling
     if scaling is not None and scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling is not None:
@@ -65,13 +68,14 @@ def rope_frequencies(config: ModelConfig, device: torch.device | None = None) ->
     return inv_freq.float()
 
 
-def rope_cos_sin(config: ModelConfig, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """cos/sin tables (B, T, head_dim / 2) for the given positions, computed in fp32.
+def rope_cos_sin(config: ModelConfig, position_ids: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos/sin tables (B, T, head_dim / 2) for the given positions, computed in fp32 (``local``: the sliding-window
+    layers' RoPE).
 
     Computed per forward from positions rather than stored as a buffer: it costs B·T·head_dim/2 multiplies,
     stays fp32 whatever precision the module is cast to, and needs no re-init after meta-device construction.
     """
-    inv_freq = rope_frequencies(config, position_ids.device)
+    inv_freq = rope_frequencies(config, position_ids.device, local)
     angles = position_ids.float()[..., None] * inv_freq
     return angles.cos(), angles.sin()
 

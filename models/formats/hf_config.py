@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from models.errors import CheckpointError
-from models.families import FAMILIES, HF_ARCHITECTURES, REFUSED_ARCHITECTURES, Family, family_of
+from models.families import BLOCK_OPTIONS, FAMILIES, HF_ARCHITECTURES, REFUSED_ARCHITECTURES, Family, family_of
 from models.model import ModelConfig, RopeScaling
 
 __all__ = ["HF_FAMILIES", "config_to_hf", "hf_to_config"]
@@ -35,21 +35,26 @@ def hf_to_config(hf: dict[str, Any], source: Path) -> ModelConfig:
         problems.append("attention_bias=true (an o_proj bias is not supported; only Qwen2's q/k/v biases are)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (the MLP has no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu / SwiGLU is supported)")
+    hf, values, family_problems = family.read(hf)  # the family's own keys; its global RoPE stated as Llama's
+    problems += family_problems
     max_seq_len = hf.get("max_position_embeddings", family.default_context)
     rope_theta, rope_scaling, rope_problem = _rope(hf)
     problems += [p for p in (rope_problem, _sliding_window_problem(hf, family, max_seq_len)) if p]
     if problems:
         raise CheckpointError(f"{source}: unsupported {architecture} config: " + "; ".join(problems))
     try:
-        return _model_config(hf, family, rope_theta, rope_scaling, max_seq_len)
+        return _model_config(hf, family, rope_theta, rope_scaling, max_seq_len, values)
     except ValueError as error:  # e.g. an odd head_dim: ModelConfig's own check, named with the file
         raise CheckpointError(f"{source}: {error}") from None
 
 
 def _model_config(
-    hf: dict[str, Any], family: Family, rope_theta: float, rope_scaling: RopeScaling | None, max_seq_len: int
+    hf: dict[str, Any],
+    family: Family,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None,
+    max_seq_len: int,
+    values: dict[str, Any],
 ) -> ModelConfig:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     return ModelConfig(
@@ -66,8 +71,9 @@ def _model_config(
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias,
-        qk_norm=family.qk_norm,
         hf_architecture=family.hf_architecture,
+        **family.block,
+        **values,
     )
 
 
@@ -133,13 +139,16 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: 
     """The config.json of ``config.hf_architecture``'s family, for transformers 4.x and 5."""
     architecture = config.hf_architecture
     family = family_of(architecture)
-    with_norm = [f.hf_architecture for f in FAMILIES if f.qk_norm]
     with_bias = [f.hf_architecture for f in FAMILIES if f.qkv_bias]
     problems = []
-    if config.qk_norm and not family.qk_norm:
-        problems.append(f"qk_norm=True (QK norm: export as hf_architecture {' or '.join(with_norm)})")
-    if config.logit_softcap is not None:
+    for key, off in BLOCK_OPTIONS.items():  # an option another family has (the family's own are always on)
+        if getattr(config, key) != family.block.get(key, off):
+            having = [f.hf_architecture for f in FAMILIES if f.block.get(key, off) == getattr(config, key)]
+            problems.append(f"{key}={getattr(config, key)!r} (export as hf_architecture {' or '.join(having)})")
+    if config.logit_softcap is not None and not family.softcap:
         problems.append(f"logit_softcap={config.logit_softcap}")
+    if config.sliding_window is not None and not family.sliding_layers:
+        problems.append(f"sliding_window={config.sliding_window} (sliding-window layers)")
     if config.qkv_bias and not family.qkv_bias:
         problems.append(f"qkv_bias=True (q/k/v-only biases: export as hf_architecture {' or '.join(with_bias)})")
     if problems:  # (a family's own options are on in every ModelConfig of it: its check)

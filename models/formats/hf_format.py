@@ -9,6 +9,7 @@ Qwen2's wq/wk biases, and within its head Qwen3's QK-norm weights) are permuted 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -69,8 +70,12 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
 
 
-_NATIVE_TO_HF = [(_pattern(native), hf) for native, hf in HF_NAME_MAP.items()]
-_HF_TO_NATIVE = [(_pattern(hf), native) for native, hf in HF_NAME_MAP.items()]
+@functools.cache
+def _tables(architecture: str) -> tuple[list[tuple[re.Pattern[str], str]], list[tuple[re.Pattern[str], str]]]:
+    """(native -> Hugging Face, Hugging Face -> native) name patterns of a family: HF_NAME_MAP with its own names."""
+    names = {**HF_NAME_MAP, **family_of(architecture).hf_names}
+    return [(_pattern(n), h) for n, h in names.items()], [(_pattern(h), n) for n, h in names.items()]
+
 
 # Buffers some older Hugging Face checkpoints carry; recomputed from the config, so safe to drop.
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -155,7 +160,7 @@ def native_to_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[st
     for name, tensor in state.items():
         if (heads := _heads_permuted(name, config)) is not None:
             tensor = _permute_to_hf(tensor, heads)
-        hf_name = _rename(name, _NATIVE_TO_HF)
+        hf_name = _rename(name, _tables(config.hf_architecture)[0])
         if hf_name is None:
             raise ValueError(f"no Hugging Face name for parameter {name!r}")
         out[hf_name] = tensor.contiguous()
@@ -179,7 +184,7 @@ def native_to_hf_adapter_state(state: dict[str, Tensor], config: ModelConfig) ->
     out = {}
     for name, tensor in state.items():
         match = _LORA_NAME.match(name)
-        hf_name = _rename(f"{match['module']}.weight", _NATIVE_TO_HF) if match else None
+        hf_name = _rename(f"{match['module']}.weight", _tables(config.hf_architecture)[0]) if match else None
         if hf_name is None:
             raise ValueError(f"no Hugging Face name for adapter tensor {name!r}")
         if match["side"] == "lora_B" and match["module"].endswith("attention.wq"):
@@ -207,7 +212,7 @@ def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: s
             continue
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # tied: transformers itself ignores a stored lm_head and uses embed_tokens
-        native = _rename(name, _HF_TO_NATIVE)
+        native = _rename(name, _tables(config.hf_architecture)[1])
         if native is not None and native.endswith(".bias") and not config.qkv_bias:
             native = None  # reported under its own name: this family has no such bias
         out[native if native is not None else f"<unmapped Hugging Face key> {name}"] = tensor

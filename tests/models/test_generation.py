@@ -23,6 +23,20 @@ VARIANTS = {
         "tie_embeddings": True,
         "hf_architecture": "Qwen3ForCausalLM",
     },
+    # Gemma 3's block with a local layer whose window (4) every prompt and generation here outgrows, then a global one
+    "gemma3-block+window": {
+        "hf_architecture": "Gemma3ForCausalLM",
+        "qk_norm": True,
+        "embedding_scale": True,
+        "norm_weight_offset": True,
+        "sandwich_norms": True,
+        "activation": "gelu_tanh",
+        "attention_scale_dim": 20.0,
+        "sliding_window": 4,
+        "sliding_window_pattern": 2,
+        "rope_local_theta": 10000.0,
+        "tie_embeddings": True,
+    },
 }
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7, 2], [100, 1, 64, 33]]  # different lengths: rows 1 and 2 get left-padded

@@ -140,7 +140,7 @@ def test_configs_written_before_the_new_fields_load_as_before():
         ModelConfig(rope_scaling={"rope_type": "yarn"})
     with pytest.raises(ValueError, match="head_dim_override"):
         ModelConfig(head_dim_override=15)
-    with pytest.raises(ValueError, match="qk_norm must be true for hf_architecture Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="qk_norm must be True for hf_architecture Qwen3ForCausalLM"):
         ModelConfig(hf_architecture="Qwen3ForCausalLM")  # a family's own block options are on in each of its models
 
 
@@ -268,3 +268,64 @@ def test_published_qwen3_config_is_the_preset(tmp_path):
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(published))
     assert load_model_config(tmp_path) == ModelConfig.from_preset("qwen3-0.6b")
+
+
+@torch.no_grad()
+def gemma3_model(seed: int = 0, **settings) -> transformers.PreTrainedModel:
+    """A tiny random Gemma 3 text model: two layers, the first local (window 8, shorter than the test's 20 tokens)
+    with its own RoPE base, the second global; scores scaled by query_pre_attn_scalar 20, not by head_dim 24."""
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(**{
+        **SHAPE, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 8, "layer_types":
+        ["sliding_attention", "full_attention"], "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, **settings,
+    })  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # Gemma's norms scale by 1 + weight: weights away from 0
+        param.copy_(
+            0.1 * torch.randn(param.shape, generator=gen)
+            if "norm" in name
+            else 0.15 * torch.randn(param.shape, generator=gen)
+        )
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+def test_gemma3_imports_and_exports_with_transformers_logits(tmp_path):
+    """Gemma 3's block (√dim embeddings, (1 + w) norms, four a block, QK norm, tanh-GELU, query_pre_attn_scalar) and
+    its local layers (a window shorter than the sequence, their own RoPE base) give transformers' logits, and go back
+    out as Gemma3ForCausalLM with every tensor unchanged."""
+    hf = gemma3_model()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = token_ids()
+    model = load_checkpoint(tmp_path / "hf")
+    config = model.config
+    assert config.hf_architecture == "Gemma3ForCausalLM" and config.qk_norm and config.sandwich_norms
+    assert (config.sliding_window, config.sliding_window_pattern, config.rope_local_theta) == (8, 2, 10000.0)
+    assert [layer.is_local for layer in model.layers] == [True, False] and config.attention_scale_dim == 20
+    assert (logits(model, ids) - logits(hf, ids)).abs().max().item() <= TOL
+    # the window matters here: the same weights with no local layers differ
+    unwindowed = Transformer(ModelConfig(**{**config.to_dict(), "sliding_window": None, "sliding_window_pattern": None,
+                                            "rope_local_theta": None})).eval()  # fmt: skip
+    unwindowed.load_state_dict(model.state_dict())
+    assert (logits(unwindowed, ids) - logits(hf, ids)).abs().max().item() > 1e-2
+
+    save_checkpoint(model, tmp_path / "native")
+    assert load_model_config(tmp_path / "native") == config
+    out = export_hf(tmp_path / "native", tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    assert type(back) is type(hf) and json.loads((out / "config.json").read_text())["model_type"] == "gemma3_text"
+    assert (logits(back.eval(), ids) - logits(hf, ids)).abs().max().item() <= TOL
+    original = hf.state_dict()
+    assert back.state_dict().keys() == original.keys()
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+
+
+def test_gemma3s_multimodal_checkpoint_is_refused_naming_why(tmp_path):
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refused(tmp_path, "'Gemma3ForConditionalGeneration'", "vision tower is not implemented", "Gemma3ForCausalLM")

@@ -23,6 +23,12 @@ from trainer.config import load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=128)
+# Gemma 3's block, its first layer local with a window (4) shorter than the documents here, its second global
+GEMMA3 = dict(
+    hf_architecture="Gemma3ForCausalLM", qk_norm=True, embedding_scale=True, norm_weight_offset=True,
+    sandwich_norms=True, activation="gelu_tanh", attention_scale_dim=20.0, sliding_window=4, sliding_window_pattern=2,
+    rope_local_theta=10000.0,
+)  # fmt: skip
 
 
 def tiny_model(**overrides) -> Transformer:
@@ -126,6 +132,7 @@ def test_causality():
         {"n_kv_heads": 1},  # MQA
         {"qk_norm": True, "logit_softcap": 30.0},
         {"rope_scaling": {"factor": 8.0, "original_max_position_embeddings": 16}},
+        GEMMA3,
     ],
 )
 def test_packed_row_equals_documents_alone(overrides):
@@ -151,7 +158,7 @@ def _packed_batch(lengths_per_row: list[list[int]]) -> tuple[torch.Tensor, torch
     return ids, document_ids
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}, {"n_kv_heads": 4, "qk_norm": True}])
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}, {"n_kv_heads": 4, "qk_norm": True}, GEMMA3])
 def test_flex_attention_equals_sdpa_on_packed_and_left_padded_rows(overrides):
     """FlexAttention's document BlockMask computes what SDPA's dense boolean mask does (GQA, MQA, MHA).
 
