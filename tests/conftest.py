@@ -66,6 +66,19 @@ def smollm2(tmp_path_factory):
         return prepare_real_model(scratch)
 
 
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory):
+    """Gemma 3 270M's GGUF file converted once per run, for all workers, to a native folder (tests/real_model.py;
+    read-only to the tests). Skips, naming why, where the file cannot be had or transformers or gguf is missing."""
+    from filelock import FileLock
+
+    from tests.real_model import prepare_gemma3
+
+    scratch = run_scratch(tmp_path_factory, "gemma3")
+    with FileLock(scratch.with_suffix(".lock")):
+        return prepare_gemma3(scratch)
+
+
 # The test files measured slowest (a cold run's --durations on 2 cores), handed out first: pytest-xdist gives each
 # worker whole files in collection order, so the long ones start early and the short ones fill the gaps at the end.
 SLOWEST_FILES = (
@@ -77,6 +90,7 @@ SLOWEST_FILES = (
     "trainer/test_resume_matrix.py",
     "test_benchmarks.py",
     "alignment/test_real_model.py",
+    "alignment/test_gemma3_real_model.py",
     "alignment/test_continued_pretraining.py",
     "trainer/test_harness.py",
     "alignment/commands/test_eval_cli.py",

