@@ -82,7 +82,9 @@ def _gemma3_read(hf: dict[str, Any]) -> Read:
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
     ]
-    periods = [p for p in range(2, n_layers + 2) if types == _layer_types(n_layers, p)]
+    # the pattern config.json states, else Gemma 3's, else the first that gives these layer types
+    candidates = [pattern, 6, *range(2, n_layers + 2)]
+    periods = [p for p in candidates if isinstance(p, int) and p >= 2 and types == _layer_types(n_layers, p)]
     if not periods:
         problems.append(f"layer_types {types} (local layers with every Nth one global are supported)")
     rope = hf.get("rope_parameters") or {}
@@ -140,6 +142,19 @@ def _gemma3_keys(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _gemma3_gguf(config: ModelConfig) -> list[str]:
+    """What llama.cpp's "gemma3" fixes rather than reads (and transformers' GGUF reader assumes): a model that differs
+    would be another model there."""
+    problems = []
+    if config.sliding_window is not None and config.sliding_window_pattern != 6:
+        problems.append(f"sliding_window_pattern={config.sliding_window_pattern} (llama.cpp: every 6th layer global)")
+    if config.rope_local_theta not in (None, 10000.0):
+        problems.append(f"rope_local_theta={config.rope_local_theta} (llama.cpp: 10000)")
+    if config.attention_scale_dim != config.head_dim:
+        problems.append(f"attention_scale_dim={config.attention_scale_dim} (llama.cpp: head_dim {config.head_dim})")
+    return problems
+
+
 # Gemma's block: the options every Gemma 3 model has (ModelConfig keys and values)
 _GEMMA3_BLOCK = {
     "qk_norm": True,
@@ -171,6 +186,10 @@ class Family:
     read: Callable[[dict[str, Any]], Read] = _read_silu  # config.json's family-specific values and problems
     softcap: bool = False  # config.json states a final logit softcap (Gemma's final_logit_softcapping)
     sliding_layers: bool = False  # sliding-window layers (Gemma 3's local ones) are the family's, imported and exported
+    gguf_norm_shift: float = (
+        0.0  # added to every norm weight in a GGUF file (llama.cpp's Gemma norms scale by w, not 1 + w)
+    )
+    gguf_problems: Callable[[ModelConfig], list[str]] = lambda config: []  # what GGUF cannot state of a model
     # config.json states head_dim even when it is dim // n_heads (Qwen2 reads it only when it differs)
     states_head_dim: bool = True
     # whether config.json turns a sliding window on for some layer shorter than the context (not implemented)
@@ -227,6 +246,8 @@ FAMILIES: tuple[Family, ...] = (
         read=_gemma3_read,
         softcap=True,
         sliding_layers=True,
+        gguf_norm_shift=1.0,
+        gguf_problems=_gemma3_gguf,
         hf_keys=_gemma3_keys,
     ),
 )

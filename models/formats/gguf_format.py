@@ -323,8 +323,11 @@ def write_gguf(
     except ValueError as error:
         raise LanternError(f"cannot write {out}: {error}") from None
     scaling = config.rope_scaling
+    problems = family.gguf_problems(config)
     if scaling is not None and scaling.rope_type != "linear" and architecture != "llama":
-        raise LanternError(f"cannot write {out}: llama.cpp's {architecture!r} has no Llama 3.1 RoPE scaling")
+        problems.append("Llama 3.1 RoPE scaling")
+    if problems:
+        raise LanternError(f"cannot write {out} as llama.cpp's {architecture!r}, which fixes: {'; '.join(problems)}")
     state = native_to_hf_state(_native_state(model), config)
     names = get_tensor_name_map(next(a for a, n in MODEL_ARCH_NAMES.items() if n == architecture), config.n_layers)
 
@@ -350,6 +353,8 @@ def write_gguf(
             if config.head_dim * config.n_heads != config.dim:  # llama.cpp's names for heads not dim / n_heads wide
                 writer.add_key_length(config.head_dim)
                 writer.add_value_length(config.head_dim)
+            if config.sliding_window is not None:
+                writer.add_sliding_window(config.sliding_window)
             if scaling is not None:
                 writer.add_string(LANTERN_ROPE_KEY, json.dumps(dataclasses.asdict(scaling)))
                 if scaling.rope_type == "linear":
@@ -373,6 +378,8 @@ def write_gguf(
                 if family.gguf_interleaved_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
                     heads = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
                     tensor = _llama_cpp_permute(tensor, heads)
+                if module.endswith("norm") and family.gguf_norm_shift:
+                    tensor = tensor.float() + family.gguf_norm_shift
                 array, raw_dtype = _gguf_array(tensor, dtype)
                 writer.add_tensor(f"{gguf_name}.{kind}", array, raw_dtype=raw_dtype)
             writer.write_header_to_file()

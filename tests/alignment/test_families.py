@@ -33,6 +33,23 @@ ROOT = Path(__file__).resolve().parents[2]
 # transformers' GGUF reader assumes)
 FAMILIES = {
     "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128, tie_embeddings=True),
+    # Gemma 3: its block, 256-wide heads and scores scaled by 1/sqrt(256), both layers local with a window (8) shorter
+    # than the rows (as llama.cpp and transformers' GGUF reader take Gemma 3: every 6th layer global, local RoPE base
+    # 10,000)
+    "gemma3": dict(
+        hf_architecture="Gemma3ForCausalLM",
+        qk_norm=True,
+        embedding_scale=True,
+        norm_weight_offset=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        head_dim_override=256,
+        attention_scale_dim=256.0,
+        sliding_window=8,
+        sliding_window_pattern=6,
+        rope_local_theta=10000.0,
+        tie_embeddings=True,
+    ),
 }
 SHORT = ["trainer.max_steps=2", "trainer.val_every_n_steps=1000", "checkpoint.every_n_steps=2", "logger.kind=csv"]
 

@@ -114,6 +114,24 @@ OTHER_FAMILIES = {
     "qwen3": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128)),
     "qwen3-narrow-heads": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=24)),
     "mistral": ("llama", dict(hf_architecture="MistralForCausalLM")),  # read back as Llama: the same computation
+    # Gemma 3: norms stored as 1 + w, a window shorter than the text, 256-wide heads and scores scaled by 1/sqrt(256)
+    "gemma3": (
+        "gemma3",
+        dict(
+            hf_architecture="Gemma3ForCausalLM",
+            qk_norm=True,
+            embedding_scale=True,
+            norm_weight_offset=True,
+            sandwich_norms=True,
+            activation="gelu_tanh",
+            head_dim_override=256,
+            attention_scale_dim=256.0,
+            sliding_window=6,
+            sliding_window_pattern=6,
+            rope_local_theta=10000.0,
+            tie_embeddings=True,
+        ),
+    ),
 }
 
 
