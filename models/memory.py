@@ -7,117 +7,17 @@ compute) and ``autocast`` (bf16-mixed without FSDP). The tests hold the tally to
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-from torch import nn
-
-from models.adapter_config import PeftConfig
-from models.model import ModelConfig, Transformer, TransformerBlock
+from models.model import ModelConfig
+from models.parameter_shapes import ParameterShapes, meta_parameters
 
 Numerics = Literal["fp32", "bf16", "autocast"]
 AttentionPath = Literal["causal", "dense-mask", "flex"]
 NUMERICS = ("fp32", "bf16", "autocast")
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class ParameterShapes:
-    """Every distinct parameter of a model (tied ones once): its shape, whether it trains, and whether it sits in a
-    transformer block (what FSDP2 shards and gathers block by block) or at the root (embeddings, final norm, heads)."""
-
-    tensors: tuple[tuple[tuple[int, ...], bool, bool], ...]  # (shape, trains, in a block)
-    n_blocks: int
-
-    def numel(self, *, trains: bool | None = None, in_block: bool | None = None) -> int:
-        return sum(
-            math.prod(shape)
-            for shape, trainable, block in self.tensors
-            if (trains is None or trainable == trains) and (in_block is None or block == in_block)
-        )
-
-    @property
-    def total(self) -> int:
-        return self.numel()
-
-    @property
-    def trainable(self) -> int:
-        return self.numel(trains=True)
-
-    @property
-    def trainable_tensors(self) -> int:
-        return sum(1 for _, trainable, _ in self.tensors if trainable)
-
-    def shard_numel(self, world: int, rank: int = 0, *, trains: bool | None = None) -> int:
-        """Elements rank ``rank`` of ``world`` holds when FSDP2 shards every parameter on dim 0 (torch.chunk's
-        split: ceil(rows / world) rows to each rank in turn, the last ones fewer or none)."""
-        total = 0
-        for shape, trainable, _ in self.tensors:
-            if trains is not None and trainable != trains:
-                continue
-            rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-            per_rank = -(-rows // world)
-            total += max(0, min(per_rank, rows - rank * per_rank)) * rest
-        return total
-
-    def block_numel(self, *, trains: bool | None = None) -> int:
-        """Elements of one transformer block (they are all alike); ``trains``: only those that train (or not)."""
-        return self.numel(trains=trains, in_block=True) // max(self.n_blocks, 1)
-
-
-def build_meta_model(
-    config: ModelConfig, *, scalar_head: bool = False, peft: PeftConfig | None = None, trainable: tuple[str, ...] = ()
-) -> nn.Module:
-    """The model a stage trains, on the meta device (no memory): a ``Transformer``, or a ``ScalarModel`` (reward model,
-    critic) whose unused LM head is frozen, with ``peft``'s LoRA adapters when enabled (``trainable``: what trains
-    beside them, e.g. a scalar head's ``head.``)."""
-    from models.heads import ScalarModel  # heads reads checkpoints: imported only when a scalar model is asked for
-
-    with torch.device("meta"):
-        model: nn.Module = Transformer(config)
-        if scalar_head:
-            model = ScalarModel.from_backbone(model).freeze_lm_head()
-    if peft is not None and peft.enabled:
-        from models.adapters import add_adapters  # peft: only for adapters
-
-        with torch.device("meta"):
-            add_adapters(model, peft, trainable)
-    return model
-
-
-def parameter_shapes(model: nn.Module) -> ParameterShapes:
-    """Every distinct parameter of ``model``, a real one or one built by ``build_meta_model``."""
-    seen: set[int] = set()
-    tensors = []
-    for name, parameter in model.named_parameters():
-        if id(parameter) in seen:  # tied weights appear twice
-            continue
-        seen.add(id(parameter))
-        tensors.append((tuple(parameter.shape), parameter.requires_grad, ".layers." in f".{name}"))
-    blocks = sum(1 for module in model.modules() if isinstance(module, TransformerBlock))
-    return ParameterShapes(tuple(tensors), max(blocks, 1))
-
-
-@functools.lru_cache(maxsize=64)
-def _meta_parameters(config: str, scalar_head: bool, peft: str, trainable: tuple[str, ...]) -> ParameterShapes:
-    model_config = ModelConfig.from_dict(json.loads(config))
-    peft_config = PeftConfig(**json.loads(peft)) if peft else None
-    model = build_meta_model(model_config, scalar_head=scalar_head, peft=peft_config, trainable=trainable)
-    return parameter_shapes(model)
-
-
-def meta_parameters(
-    config: ModelConfig, *, scalar_head: bool = False, peft: PeftConfig | None = None, trainable: tuple[str, ...] = ()
-) -> ParameterShapes:
-    """The parameters of the model ``build_meta_model`` makes, counted once per distinct config (knob searches plan
-    the same models many times)."""
-    key = json.dumps(config.to_dict(), sort_keys=True)
-    peft_key = json.dumps(asdict(peft), sort_keys=True) if peft is not None and peft.enabled else ""
-    return _meta_parameters(key, scalar_head, peft_key, tuple(trainable))
 
 
 def attention_path(config: ModelConfig, *, masked: bool, device: str) -> AttentionPath:
@@ -154,18 +54,34 @@ def block_saved_bytes(
     ffn = config.hidden_dim
     residual, compute = numerics_bytes(numerics)
     mask = batch * seq * seq * compute if attention == "dense-mask" else 0  # SDPA's float copy, made by every layer
-    if compiled:
+    norm_count = 4 if config.sandwich_norms else 2
+    heads = config.n_heads + config.n_kv_heads
+    if compiled:  # QK and sandwich norms: their outputs (matmul or SDPA inputs) and rsqrt kept, the rest recomputed
         lse = 4 * batch * config.n_heads * seq
-        return residual * n * d + compute * n * (2 * d + 3 * q + 2 * kv + 3 * ffn) + lse + 2 * 4 * n + mask
+        extra = (norm_count - 2) * (compute * n * d + 4 * n)
+        extra += compute * n * (q + kv) + 4 * n * heads if config.qk_norm else 0
+        block = residual * n * d + compute * n * (2 * d + 3 * q + 2 * kv + 3 * ffn) + lse + 2 * 4 * n + mask
+        return block + extra
     if numerics == "bf16":  # RMSNorm keeps one fp32 copy of its input; the bf16 input itself is not kept
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 2 * n * d, 2 * n * d, 2 * n * d
     elif numerics == "autocast":  # fp32 stream; each linear casts its fp32 input to bf16 and keeps the copy
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 3 * 2 * n * d, 2 * 2 * n * d
     else:
         norm_input, normed, attn_inputs, ffn_inputs = 4 * n * d, 4 * n * d, 4 * n * d, 4 * n * d
-    norms = 2 * (norm_input + normed + 4 * n)  # attention_norm and ffn_norm, each with its (B, T, 1) rsqrt
+    if config.norm_weight_offset:  # Gemma's norms scale in fp32: the normalised output kept is fp32 whatever the stream
+        normed = 4 * n * d
+    # attention_norm and ffn_norm (and with sandwich_norms the attention's and the MLP's outputs), each with its rsqrt
+    norms = norm_count * (norm_input + normed + 4 * n)
+    if config.qk_norm:  # each query and key head normed: an fp32 copy of its input, its output, its rsqrt
+        qk_normed = 4 if config.norm_weight_offset or numerics == "fp32" else 2
+        norms += (4 + qk_normed) * n * (q + kv) + 4 * n * heads
     sdpa = compute * (2 * n * q + 2 * n * kv) + 4 * batch * config.n_heads * seq  # q, out, k, v; lse
     return norms + attn_inputs + sdpa + mask + ffn_inputs + 4 * compute * n * ffn
+
+
+def local_layers(config: ModelConfig) -> int:
+    """How many layers attend through the sliding window."""
+    return sum(config.is_local(layer) for layer in range(config.n_layers))
 
 
 @dataclass
@@ -190,14 +106,17 @@ class ActivationEstimate:
         return max(self.moments, key=self.moments.__getitem__) if self.moments else "end of forward"
 
 
+def _wrapped_indices(n_layers: int, ac: str, every: int) -> set[int]:
+    """The indices of the blocks activation checkpointing wraps (as ``checkpointed_blocks`` counts them)."""
+    if ac == "full":
+        return set(range(n_layers))
+    return set(range(0, n_layers, max(every, 1))) if ac == "selective" else set()
+
+
 def checkpointed_blocks(n_layers: int, ac: str, every: int) -> int:
     """Blocks activation checkpointing wraps: all (full), every ``every``-th from the
     first (selective), none."""
-    if ac == "full":
-        return n_layers
-    if ac == "selective":
-        return len(range(0, n_layers, max(every, 1)))
-    return 0
+    return len(_wrapped_indices(n_layers, ac, every))
 
 
 def activation_bytes(
@@ -236,15 +155,24 @@ def activation_bytes(
     wrapped = checkpointed_blocks(layers, ac, ac_every)
     estimate = ActivationEstimate()
     estimate.saved["blocks"] = (layers - wrapped) * block + wrapped * residual * n * d
-    # cos / sin (B, T, head_dim / 2) fp32, shared by every block; the token ids the embedding keeps
-    estimate.saved["rope, ids"] = 4 * n * config.head_dim + 8 * n
+    # cos / sin (B, T, head_dim / 2) fp32, shared by every block (the local layers' a second pair); the token ids
+    local = local_layers(config)
+    estimate.saved["rope, ids"] = 4 * n * config.head_dim * (2 if config.sliding_window is not None else 1) + 8 * n
     if attention == "dense-mask" and wrapped:
         estimate.saved["masks"] = batch * seq * seq  # the boolean (B, 1, T, T) mask a checkpointed block keeps
+    if attention == "causal" and local:  # causal rows: the local layers alone take a dense (1, 1, T, T) window mask
+        unwrapped_local = sum(
+            config.is_local(i) for i in range(layers) if i not in _wrapped_indices(layers, ac, ac_every)
+        )
+        estimate.saved["masks"] = unwrapped_local * seq * seq * compute + (seq * seq if wrapped else 0)
+    if config.norm_weight_offset:  # each norm's fp32 (1 + weight)
+        norms = (4 if config.sandwich_norms else 2) * d + (2 * config.head_dim if config.qk_norm else 0)
+        estimate.saved["norm gains"] = 4 * (layers * norms + d)
     if numerics == "autocast":  # bf16 copies of the weights of every block whose forward is not recomputed
         params = meta_parameters(config) if params is None else params
         estimate.saved["autocast weight copies"] = (layers - wrapped) * autocast_block_weight_bytes(params)
     final_input = 4 * n * d  # the final norm's fp32 input (a copy of a bf16 stream)
-    final_normed = (2 if numerics == "bf16" else 4) * n * d
+    final_normed = (2 if numerics == "bf16" and not config.norm_weight_offset else 4) * n * d
     estimate.saved["final norm"] = final_input + final_normed + 4 * n
     if head == "scalar":  # the head reads the final norm's output (a bf16 cast of it under autocast)
         estimate.saved["head"] = (2 if numerics == "autocast" else residual) * n * d + 8 * batch

@@ -8,7 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from models.memory import GiB, Numerics, ParameterShapes
+from models.memory import GiB, Numerics
+from models.parameter_shapes import ParameterShapes
 from trainer.hardware import (
     COLLECTIVE_EFFICIENCY,
     CONTEXT_GIB,

@@ -40,8 +40,8 @@ from models.memory import (
     inference_bytes,
     kv_cache_bytes,
     logprob_pass_bytes,
-    meta_parameters,
 )
+from models.parameter_shapes import meta_parameters
 from trainer.hardware import mfu_for
 from trainer.plan import model_state, peak_flops
 

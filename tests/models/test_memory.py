@@ -29,10 +29,9 @@ from models.memory import (
     inference_bytes,
     kv_cache_bytes,
     logprob_pass_bytes,
-    meta_parameters,
-    parameter_shapes,
 )
 from models.model import ModelConfig, Transformer
+from models.parameter_shapes import meta_parameters, parameter_shapes
 from trainer.parallel import apply_activation_checkpointing, apply_compile
 
 TOLERANCE = 0.15
@@ -78,9 +77,33 @@ def within(predicted: int, measured: int) -> bool:
     return abs(predicted - measured) <= TOLERANCE * measured
 
 
+# the blocks of the families beyond Llama on the tiny shape ("tiny+qwen3"): QK norm; Gemma 3's block with two local
+# layers (a 64-token window) and two global ones
+FAMILY_BLOCKS = {
+    "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True),
+    "gemma3": dict(
+        hf_architecture="Gemma3ForCausalLM",
+        qk_norm=True,
+        embedding_scale=True,
+        norm_weight_offset=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        attention_scale_dim=32.0,
+        sliding_window=64,
+        sliding_window_pattern=2,
+        rope_local_theta=10000.0,
+    ),
+}
+
+
 def lm_case(preset: str, batch: int, seq: int, layers: int | None = None, ac: str = "none", numerics: str = "fp32",
             masked: bool = True, chunk: int | None = 1024, z_loss: float = 0.0):  # fmt: skip
-    overrides = {"max_seq_len": max(seq, 256), **({"n_layers": layers} if layers else {})}
+    preset, _, family = preset.partition("+")
+    overrides = {
+        "max_seq_len": max(seq, 256),
+        **({"n_layers": layers} if layers else {}),
+        **FAMILY_BLOCKS.get(family, {}),
+    }
     config = ModelConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
     model = Transformer(config)
@@ -120,6 +143,12 @@ SAVED_CASES = [
     ("small", 1, 512, None, "none", "fp32", True, 1024),
     ("small", 1, 512, None, "full", "fp32", True, 1024),
     ("small", 1, 512, None, "selective", "fp32", True, 1024),
+    ("tiny+qwen3", 2, 256, None, "none", "bf16", True, 1024),
+    ("tiny+qwen3", 2, 256, None, "none", "autocast", False, 1024),
+    ("tiny+gemma3", 2, 256, None, "none", "fp32", True, 1024),
+    ("tiny+gemma3", 2, 256, None, "none", "bf16", False, 1024),
+    ("tiny+gemma3", 2, 256, None, "selective", "autocast", False, 1024),
+    ("tiny+gemma3", 2, 256, None, "full", "bf16", True, 1024),
 ]  # the 1B shape is checked against the allocator's peak below, which is what a plan's verdict rests on
 
 
@@ -134,6 +163,7 @@ def test_saved_activations_match_what_autograd_keeps(preset, batch, seq, layers,
 PEAK_CASES = [
     pytest.param("tiny", 2, 512, None, "none", id="tiny-no-ac"),
     pytest.param("tiny", 2, 512, None, "full", id="tiny-full-ac"),
+    pytest.param("tiny+gemma3", 2, 512, None, "none", id="tiny-gemma3-no-ac"),
     pytest.param("small", 1, 512, None, "none", id="small-no-ac", marks=pytest.mark.slow),
     pytest.param("small", 1, 512, None, "full", id="small-full-ac", marks=pytest.mark.slow),
     pytest.param("llama3.2-1b", 1, 512, 2, "none", id="1b-2-layers-no-ac", marks=SLOW_1B),

@@ -16,8 +16,9 @@ from models.adapter_config import PeftConfig
 from models.adapters import add_adapters
 from models.errors import ConfigError
 from models.heads import ScalarModel
-from models.memory import GiB, meta_parameters
+from models.memory import GiB
 from models.model import ModelConfig, Transformer
+from models.parameter_shapes import meta_parameters
 from tests.helpers import ROOT, subprocess_env
 from trainer.config import OptimConfig
 from trainer.hardware import COLLECTIVE_EFFICIENCY, GPUS, MFU_FIGURES, gpu_from_device_name, gpu_named, mfu_for

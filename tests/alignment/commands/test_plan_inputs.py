@@ -9,8 +9,9 @@ import json
 import pytest
 
 from alignment.commands.cli import main
-from models.memory import GiB, meta_parameters
+from models.memory import GiB
 from models.model import ModelConfig
+from models.parameter_shapes import meta_parameters
 
 TITAN = [  # torchtitan's Llama 3.1 8B on 8 H100s (docs/performance.md): FSDP2, selective checkpointing, compiled
     "configs/pretrain/llama3.2-1b.yaml",
