@@ -195,7 +195,7 @@ def gib(value: float) -> str:
 def count(value: float) -> str:
     """A parameter or token count for a person: 1.24B, 11.3M, 512k."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
+        if value >= 0.9995 * scale:  # what rounds to 1000 of the unit below is 1 of this one (Gemma 3 1B: 1B)
             return f"{value / scale:.3g}{unit}"
     return f"{value:.0f}"
 

@@ -199,6 +199,7 @@ def test_formatting_and_verdicts():
     assert verdict(50, 100) == "fits" and verdict(95, 100) == "fits, tight" and verdict(101, 100) == "does not fit"
     assert gib(71.3 * GiB) == "71.3" and gib(0.5 * GiB) == "0.50" and gib(143 * GiB) == "143"
     assert count(1_235_814_400) == "1.24B" and count(11_272_192) == "11.3M"
+    assert count(999_885_952) == "1B" and count(999_400_000) == "999M"  # never "1e+03M"
     assert duration(0.004) == "4 ms" and duration(5400) == "90 min" and duration(10 * 86400) == "10 days"
 
 

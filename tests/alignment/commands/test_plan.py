@@ -184,9 +184,18 @@ def test_cpu_offload_costs_its_copies_and_the_host_optimizer_step(capsys):
     assert on_gpu["host_s"] == 0 and offload["step_s"] > on_gpu["step_s"]
 
 
-@pytest.mark.parametrize(("model", "params"), [("qwen3-0.6b", "596M"), ("qwen3-1.7b", "1.72B")])
+@pytest.mark.parametrize(
+    ("model", "params"),
+    [
+        ("qwen3-0.6b", "596M parameters (28 layers, dim 1024, vocab 151,936)"),
+        ("qwen3-1.7b", "1.72B parameters (28 layers, dim 2048, vocab 151,936)"),
+        ("gemma3-270m", "268M parameters (18 layers, dim 640, vocab 262,144)"),
+        ("gemma3-1b", "1B parameters (26 layers, dim 1152, vocab 262,144)"),
+    ],
+)
 def test_each_family_preset_plans_with_its_published_size(capsys, model, params):
-    """Qwen3's presets (QK norm, heads wider than dim / n_heads, tied embeddings) as the model of an SFT run."""
+    """Qwen3's and Gemma 3's presets (QK norm, wide heads, tied embeddings; Gemma's block and local layers) as the
+    model of an SFT run."""
     table = plan(capsys, "configs/sft/tiny.yaml", "--model", model)
-    assert f"model   {params} parameters (28 layers" in table and "vocab 151,936" in table
+    assert f"model   {params}" in table
     assert plan_json(capsys, "configs/sft/tiny.yaml", "--model", model)["verdict"] in ("fits", "fits, tight")
