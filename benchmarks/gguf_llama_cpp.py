@@ -1,0 +1,118 @@
+"""llama.cpp as the client of Lantern's GGUF export: each family's model written by ``lantern export --format gguf``'s
+writer (``models.formats.gguf_format.write_gguf``, f32) is loaded by llama.cpp (``llama-cpp-python``) and greedily
+continues the same prompts as Lantern does, token for token (docs/benchmarks.md).
+
+    pip install llama-cpp-python==0.3.36   # builds llama.cpp from source: ~10 minutes on 2 cores (say it in the note)
+    python -m benchmarks.gguf_llama_cpp [--families llama,mistral,qwen2,qwen3,gemma3] [--new-tokens 16] [--json PATH]
+
+Each family is a small random model of its own block (Qwen2's q/k/v biases, Qwen3's QK norm and 128-wide heads,
+Gemma 3's block with local layers shorter than the prompts and every 6th layer global) over the bundled tokenizer,
+its weights drawn wide enough (std 0.08, norms away from 1) that the greedy choice is never a near-tie. Both sides
+start from the same token ids (llama.cpp's own tokenization of each prompt is checked against Lantern's); llama.cpp
+decodes with ``Llama.eval`` and the argmax of its logits, Lantern with ``models.generation.generate(temperature=0)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "gguf_llama_cpp.json"
+PROMPTS = ["ROMEO: What, ho!", "The king is dead", "Once upon a time", "To be, or not to be", "First Citizen:"]
+SHAPE = dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_hidden_dim=256, max_seq_len=512)
+GEMMA3 = dict(
+    qk_norm=True, embedding_scale=True, norm_weight_offset=True, sandwich_norms=True, activation="gelu_tanh",
+    head_dim_override=256, attention_scale_dim=256.0, sliding_window=4, sliding_window_pattern=6,
+    rope_local_theta=10000.0, tie_embeddings=True,
+)  # fmt: skip
+FAMILIES = {
+    "llama": dict(hf_architecture="LlamaForCausalLM"),
+    "mistral": dict(hf_architecture="MistralForCausalLM"),
+    "qwen2": dict(hf_architecture="Qwen2ForCausalLM", qkv_bias=True, tie_embeddings=True),
+    "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128, tie_embeddings=True),
+    "gemma3": dict(hf_architecture="Gemma3ForCausalLM", **GEMMA3),
+}
+
+
+def family_model(name: str):
+    import torch
+
+    from models.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**SHAPE, "rope_theta": 10000.0, **FAMILIES[name]})).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.add_(0.2 * torch.randn_like(parameter))
+            elif parameter.ndim == 2 or parameter_name.endswith("bias"):
+                parameter.normal_(0.0, 0.08)
+    return model
+
+
+def llama_cpp_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
+    import numpy as np
+
+    llm.reset()
+    llm.eval(prompt)
+    out: list[int] = []
+    for _ in range(new_tokens):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(token)
+        llm.eval([token])
+    return out
+
+
+def check(name: str, args: argparse.Namespace, work: Path) -> dict:
+    from llama_cpp import Llama
+
+    from data.tokenizer.convert import write_hf_tokenizer
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.formats.gguf_format import write_gguf
+    from models.generation import generate
+
+    tokenizer = Tokenizer.load("default")
+    folder = work / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        write_hf_tokenizer(tokenizer, folder)
+    model = family_model(name)
+    path = write_gguf(model, work / f"{name}.gguf", folder, dtype="f32", overwrite=True)
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=args.threads, logits_all=True, verbose=False)
+    rows = []
+    for text in PROMPTS:
+        ids = tokenizer.encode(text, bos=True)
+        theirs_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+        ours = generate(model, [ids], max_new_tokens=args.new_tokens, temperature=0.0, stop_ids=()).tokens[0].tolist()
+        theirs = llama_cpp_greedy(llm, ids, args.new_tokens)
+        rows.append({"prompt": text, "tokenization_equal": theirs_ids == ids, "greedy_equal": ours == theirs,
+                     "first_difference": next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)})  # fmt: skip
+    equal = sum(row["greedy_equal"] for row in rows)
+    print(f"{name}: {equal} of {len(rows)} prompts with llama.cpp's greedy tokens", flush=True)
+    return {"prompts": rows, "greedy_equal": f"{equal} of {len(rows)}", "file_bytes": path.stat().st_size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    import llama_cpp
+
+    results = {"llama_cpp_python": llama_cpp.__version__, "new_tokens": args.new_tokens,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "families": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="lantern-llama-cpp-") as work:
+        for name in args.families.split(","):
+            results["families"][name] = check(name, args, Path(work))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
