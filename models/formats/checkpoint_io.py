@@ -125,7 +125,8 @@ def check_state(state: Mapping[str, Tensor], config: ModelConfig, source: str) -
         raise CheckpointError(f"{source} does not match its config: " + " | ".join(problems))
 
 
-# what decides a model's tensors and their shapes; the rest (max_seq_len, RoPE, attention backend) may change
+# what decides a model's tensors and their shapes, and what its block computes with them (Gemma's options: the same
+# tensors, another model); the rest (max_seq_len, RoPE, attention backend) may change
 ARCHITECTURE = (
     "dim",
     "n_layers",
@@ -137,6 +138,13 @@ ARCHITECTURE = (
     "tie_embeddings",
     "qk_norm",
     "qkv_bias",
+    "sandwich_norms",
+    "embedding_scale",
+    "norm_weight_offset",
+    "activation",
+    "attention_scale_dim",
+    "sliding_window",
+    "sliding_window_pattern",
 )
 
 

@@ -60,6 +60,15 @@ def test_resuming_with_another_model_is_one_line_and_rewrites_nothing(data_dir, 
     assert config_yaml.read_text() == before
 
 
+def test_resuming_with_the_same_tensors_computed_otherwise_is_refused(data_dir, pretrained, tmp_path):
+    """Gemma's tanh-GELU gate over the same weights is another model: named, not resumed."""
+    runs = copy_runs(pretrained, tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        run_pretrain(tiny_config(data_dir, runs, *QUICK, "trainer.max_steps=6", "model.activation=gelu_tanh"))
+    message = str(caught.value)
+    assert "holds checkpoints of another model (activation silu) than the config's (activation gelu_tanh)" in message
+
+
 def test_an_explicit_resume_of_another_models_checkpoint_is_one_line(data_dir, pretrained, tmp_path):
     checkpoint = pretrained / RUN_NAME / "checkpoints" / "step-00000004.ckpt"
     overrides = (*QUICK, "model=small", "run.name=other", f"checkpoint.resume={checkpoint}")
