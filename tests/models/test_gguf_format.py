@@ -260,6 +260,10 @@ def test_what_cannot_be_written_is_refused(tmp_path: Path, tokenizer_folder, wri
         write_gguf(tiny_model(qkv_bias=True), tmp_path / "c.gguf", tokenizer_folder)
     with pytest.raises(LanternError, match="logit_softcap"):
         write_gguf(tiny_model(logit_softcap=30.0), tmp_path / "d.gguf", tokenizer_folder)
+    gemma = {**OTHER_FAMILIES["gemma3"][1], "sliding_window_pattern": 2, "attention_scale_dim": 20.0}
+    with pytest.raises(LanternError, match=r"llama.cpp's 'gemma3', which fixes: sliding_window_pattern=2 .*; "
+                                           r"attention_scale_dim=20.0"):  # fmt: skip
+        write_gguf(tiny_model(**gemma), tmp_path / "e.gguf", tokenizer_folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-file-only"]  # nothing half-written left
 
 
