@@ -94,8 +94,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"ModelConfig.activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
-        if self.sliding_window is None and (self.sliding_window_pattern or self.rope_local_theta) is not None:
-            raise ValueError("ModelConfig.sliding_window_pattern and rope_local_theta need a sliding_window")
+        for key in ("sliding_window_pattern", "rope_local_theta"):
+            if self.sliding_window is None and getattr(self, key) is not None:
+                raise ValueError(f"ModelConfig.{key} is for local layers: it needs a ModelConfig.sliding_window")
         problem = self.rope_scaling.problem() if self.rope_scaling is not None else None
         if problem:
             raise ValueError(f"ModelConfig.rope_scaling {problem}")

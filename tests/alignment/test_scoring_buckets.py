@@ -115,9 +115,9 @@ def test_twenty_rollouts_of_varying_length_compile_flex_once_per_bucket(
     compiled_flex = torch.compile(flex_attention, dynamic=False, backend=counting_backend)
     lengths: list[int] = []
 
-    def kernel(q, k, v, block_mask, enable_gqa):
+    def kernel(q, k, v, block_mask, enable_gqa, scale=None):
         lengths.append(q.shape[2])
-        return compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
     monkeypatch.setattr(model_module, "flex_attention_kernel", kernel)
     results = score(policy, critic, reward, batches)
