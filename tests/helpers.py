@@ -43,6 +43,13 @@ WORDS = [
 ]
 
 
+def family_block(architecture: str) -> dict:
+    """ModelConfig options that make a model of the family ``architecture`` (its record's own block options)."""
+    from models.families import family_of
+
+    return {"hf_architecture": architecture, **family_of(architecture).block}
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 

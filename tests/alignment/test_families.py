@@ -23,7 +23,7 @@ from data.tokenizer.tokenizer import Tokenizer
 from models.formats.checkpoint import load_checkpoint, load_model_config, save_checkpoint
 from models.model import ModelConfig, Transformer
 from tests.alignment.conftest import TINY
-from tests.helpers import run_cli
+from tests.helpers import family_block, run_cli
 from trainer.config import load_config
 from trainer.plots import read_metrics_csv
 
@@ -32,17 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # each family's own block options, on the tiny shape (Qwen3: QK norm, tied, heads 128 wide as in every Qwen3, which
 # transformers' GGUF reader assumes)
 FAMILIES = {
-    "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128, tie_embeddings=True),
+    "qwen3": dict(**family_block("Qwen3ForCausalLM"), head_dim_override=128, tie_embeddings=True),
     # Gemma 3: its block, 256-wide heads and scores scaled by 1/sqrt(256), both layers local with a window (8) shorter
     # than the rows (as llama.cpp and transformers' GGUF reader take Gemma 3: every 6th layer global, local RoPE base
     # 10,000)
     "gemma3": dict(
-        hf_architecture="Gemma3ForCausalLM",
-        qk_norm=True,
-        embedding_scale=True,
-        norm_weight_offset=True,
-        sandwich_norms=True,
-        activation="gelu_tanh",
+        **family_block("Gemma3ForCausalLM"),
         head_dim_override=256,
         attention_scale_dim=256.0,
         sliding_window=8,

@@ -11,6 +11,7 @@ import torch
 from models.generation import generate, left_pad, sequence_logprobs
 from models.model import ModelConfig, RopeScaling, Transformer
 from models.sampling import GenerationOutput, filter_logits, pick_next, sample_next
+from tests.helpers import family_block
 
 VARIANTS = {
     "base": {},
@@ -25,12 +26,7 @@ VARIANTS = {
     },
     # Gemma 3's block with a local layer whose window (4) every prompt and generation here outgrows, then a global one
     "gemma3-block+window": {
-        "hf_architecture": "Gemma3ForCausalLM",
-        "qk_norm": True,
-        "embedding_scale": True,
-        "norm_weight_offset": True,
-        "sandwich_norms": True,
-        "activation": "gelu_tanh",
+        **family_block("Gemma3ForCausalLM"),
         "attention_scale_dim": 20.0,
         "sliding_window": 4,
         "sliding_window_pattern": 2,

@@ -26,6 +26,7 @@ from models.formats.checkpoint import load_checkpoint  # noqa: E402
 from models.formats.gguf_format import convert_gguf, load_gguf, read_gguf, write_gguf  # noqa: E402
 from models.formats.hf_config import config_to_hf  # noqa: E402
 from models.model import ModelConfig, RopeScaling, Transformer  # noqa: E402
+from tests.helpers import family_block  # noqa: E402
 
 TEXT = "ROMEO:\nWhat, ho! 12345 héllo 日本語 😀  \n\n  x"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
@@ -111,19 +112,14 @@ def test_load_gguf_gives_back_the_model(written) -> None:
 # Qwen3 has, not dim / n_heads; transformers' GGUF reader assumes 128 for "qwen3", Lantern reads the file's width)
 OTHER_FAMILIES = {
     "qwen2": ("qwen2", dict(hf_architecture="Qwen2ForCausalLM", qkv_bias=True, tie_embeddings=True)),
-    "qwen3": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128)),
-    "qwen3-narrow-heads": ("qwen3", dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=24)),
+    "qwen3": ("qwen3", dict(**family_block("Qwen3ForCausalLM"), head_dim_override=128)),
+    "qwen3-narrow-heads": ("qwen3", dict(**family_block("Qwen3ForCausalLM"), head_dim_override=24)),
     "mistral": ("llama", dict(hf_architecture="MistralForCausalLM")),  # read back as Llama: the same computation
     # Gemma 3: norms stored as 1 + w, a window shorter than the text, 256-wide heads and scores scaled by 1/sqrt(256)
     "gemma3": (
         "gemma3",
         dict(
-            hf_architecture="Gemma3ForCausalLM",
-            qk_norm=True,
-            embedding_scale=True,
-            norm_weight_offset=True,
-            sandwich_norms=True,
-            activation="gelu_tanh",
+            **family_block("Gemma3ForCausalLM"),
             head_dim_override=256,
             attention_scale_dim=256.0,
             sliding_window=6,

@@ -32,6 +32,7 @@ from models.memory import (
 )
 from models.model import ModelConfig, Transformer
 from models.parameter_shapes import meta_parameters, parameter_shapes
+from tests.helpers import family_block
 from trainer.parallel import apply_activation_checkpointing, apply_compile
 
 TOLERANCE = 0.15
@@ -80,14 +81,9 @@ def within(predicted: int, measured: int) -> bool:
 # the blocks of the families beyond Llama on the tiny shape ("tiny+qwen3"): QK norm; Gemma 3's block with two local
 # layers (a 64-token window) and two global ones
 FAMILY_BLOCKS = {
-    "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True),
+    "qwen3": family_block("Qwen3ForCausalLM"),
     "gemma3": dict(
-        hf_architecture="Gemma3ForCausalLM",
-        qk_norm=True,
-        embedding_scale=True,
-        norm_weight_offset=True,
-        sandwich_norms=True,
-        activation="gelu_tanh",
+        **family_block("Gemma3ForCausalLM"),
         attention_scale_dim=32.0,
         sliding_window=64,
         sliding_window_pattern=2,

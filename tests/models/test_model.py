@@ -18,6 +18,7 @@ from models.model import (
     rope_frequencies,
     use_flex_attention,
 )
+from tests.helpers import family_block
 from trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -25,10 +26,12 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=128)
 # Gemma 3's block, its first layer local with a window (4) shorter than the documents here, its second global
 GEMMA3 = dict(
-    hf_architecture="Gemma3ForCausalLM", qk_norm=True, embedding_scale=True, norm_weight_offset=True,
-    sandwich_norms=True, activation="gelu_tanh", attention_scale_dim=20.0, sliding_window=4, sliding_window_pattern=2,
+    **family_block("Gemma3ForCausalLM"),
+    attention_scale_dim=20.0,
+    sliding_window=4,
+    sliding_window_pattern=2,
     rope_local_theta=10000.0,
-)  # fmt: skip
+)
 
 
 def tiny_model(**overrides) -> Transformer:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import subprocess_env
+from tests.helpers import family_block, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -215,8 +215,7 @@ def test_export_consolidates_fsdp_shards(fsdp_fp32, tmp_path):
 # Gemma 3's block on the tiny preset: its local layers (a 16-token window, shorter than the rows) take their own RoPE
 # tables and mask as block inputs, through FSDP2's hooks and activation checkpointing's wrapper
 GEMMA3 = (
-    "model.hf_architecture=Gemma3ForCausalLM", "model.qk_norm=true", "model.embedding_scale=true",
-    "model.norm_weight_offset=true", "model.sandwich_norms=true", "model.activation=gelu_tanh",
+    *(f"model.{key}={value}" for key, value in family_block("Gemma3ForCausalLM").items()),
     "model.attention_scale_dim=32", "model.sliding_window=16", "model.sliding_window_pattern=2",
     "model.rope_local_theta=10000",
 )  # fmt: skip
