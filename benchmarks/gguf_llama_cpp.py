@@ -20,20 +20,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from models.families import family_of
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "gguf_llama_cpp.json"
 PROMPTS = ["ROMEO: What, ho!", "The king is dead", "Once upon a time", "To be, or not to be", "First Citizen:"]
 SHAPE = dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_hidden_dim=256, max_seq_len=512)
 GEMMA3 = dict(
-    qk_norm=True, embedding_scale=True, norm_weight_offset=True, sandwich_norms=True, activation="gelu_tanh",
-    head_dim_override=256, attention_scale_dim=256.0, sliding_window=4, sliding_window_pattern=6,
-    rope_local_theta=10000.0, tie_embeddings=True,
+    **family_of("Gemma3ForCausalLM").block, head_dim_override=256, attention_scale_dim=256.0, sliding_window=4,
+    sliding_window_pattern=6, rope_local_theta=10000.0, tie_embeddings=True,
 )  # fmt: skip
 FAMILIES = {
     "llama": dict(hf_architecture="LlamaForCausalLM"),
     "mistral": dict(hf_architecture="MistralForCausalLM"),
     "qwen2": dict(hf_architecture="Qwen2ForCausalLM", qkv_bias=True, tie_embeddings=True),
-    "qwen3": dict(hf_architecture="Qwen3ForCausalLM", qk_norm=True, head_dim_override=128, tie_embeddings=True),
+    "qwen3": dict(
+        hf_architecture="Qwen3ForCausalLM",
+        **family_of("Qwen3ForCausalLM").block,
+        head_dim_override=128,
+        tie_embeddings=True,
+    ),
     "gemma3": dict(hf_architecture="Gemma3ForCausalLM", **GEMMA3),
 }
 
