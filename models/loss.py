@@ -1,9 +1,10 @@
 """Language-model losses shared by every stage, per token (stages reduce them differently), without ever holding the
 full (B, T, V) fp32 logits.
 
-* ``fused_linear_cross_entropy`` (what the model uses): forward keeps each token's logsumexp; backward recomputes
-  one chunk's logits and writes the logit gradient in closed form (softmax - onehot, scaled), so the only extra work
-  is one head matmul per chunk. Under autocast its backward matmuls run in the autocast dtype too.
+* ``fused_linear_cross_entropy`` (what the model uses): forward keeps each token's logsumexp (and the last chunk's
+  logits); backward recomputes the other chunks' logits and writes the logit gradient in closed form (softmax -
+  onehot, scaled), so the only extra work is one head matmul per chunk but the last. Under autocast its backward
+  matmuls run in the autocast dtype too.
 * ``chunked_cross_entropy``: the same chunking through activation checkpointing; slower, kept as an independent
   reference for the fused path.
 """
@@ -123,23 +124,22 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype | None:
     return None
 
 
-def _chunk_forward(hidden: Tensor, weight: Tensor, targets: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
-    """One chunk's fp32 logsumexp and target logit (chunk,), from its logits (chunk, V) that are then dropped."""
-    logits = _project(hidden, weight, softcap)
+def _chunk_forward(raw: Tensor, targets: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """One chunk's fp32 logsumexp and target logit (chunk,), from its raw logits h·Wᵀ (chunk, V)."""
+    logits = _capped(raw, softcap)
     return torch.logsumexp(logits, dim=-1), logits.gather(-1, targets[:, None]).squeeze(-1)
 
 
 def _chunk_grad_logits(
-    hidden: Tensor, weight: Tensor, targets: Tensor, log_z: Tensor, scale: Tensor, scale_p: Tensor,
-    softcap: float | None,
-) -> Tensor:  # fmt: skip
-    """One chunk's gradient wrt the raw logits h·Wᵀ, in the weight's (the compute) dtype: see the Function."""
-    logits = _project(hidden, weight, softcap)
+    raw: Tensor, targets: Tensor, log_z: Tensor, scale: Tensor, scale_p: Tensor, softcap: float | None
+) -> Tensor:
+    """One chunk's gradient wrt its raw logits h·Wᵀ, in their (the compute) dtype: see the Function."""
+    logits = _capped(raw, softcap)
     grad_logits = torch.exp(logits - log_z[:, None]).mul_(scale_p)  # in place: one (chunk, V) buffer eagerly
     grad_logits.scatter_add_(-1, targets[:, None], -scale)
     if softcap is not None:
         grad_logits.mul_(1 - (logits / softcap).square())
-    return grad_logits.to(weight.dtype)
+    return grad_logits.to(raw.dtype)
 
 
 _compiled_bodies: tuple[Callable[..., Any], Callable[..., Any]] | None = None
@@ -148,8 +148,8 @@ _compiled_bodies: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 def _chunk_bodies(device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The per-chunk forward and backward bodies: compiled on CUDA, eager elsewhere.
 
-    Compiled, the elementwise work on a (chunk, V) block (fp32 cast, soft-cap, logsumexp and gather; exp,
-    scaling, scatter, cast) fuses into one pass over it next to the cuBLAS matmul, instead of a kernel and a
+    Compiled, the elementwise work on a (chunk, V) block of raw logits (fp32 cast, soft-cap, logsumexp and gather;
+    exp, scaling, scatter, cast) fuses into one pass over it after the cuBLAS matmul, instead of a kernel and a
     round trip through memory per op. On CPU the tests' small shapes would spend far longer compiling than
     running, and CPU is not where throughput matters. Compiled once, lazily, like FlexAttention's kernel.
     """
@@ -198,20 +198,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         with _autocast_off(hidden.device.type, compute_dtype):
             for start in range(0, targets.numel(), chunk_size):
                 end = start + chunk_size
-                log_z[start:end], target_logits[start:end] = chunk_forward(
-                    hidden_c[start:end], weight_c, safe_targets[start:end], softcap
-                )
+                raw = hidden_c[start:end] @ weight_c.t()
+                log_z[start:end], target_logits[start:end] = chunk_forward(raw, safe_targets[start:end], softcap)
         losses = log_z - target_logits
         if z_loss:
             losses = losses + z_loss * log_z.square()
         losses = torch.where(valid, losses, torch.zeros_like(losses))
-        ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z)
+        # The last chunk's raw logits are kept for backward, which starts with them: no more memory than the
+        # forward's own peak (that chunk), and one head matmul fewer; all of the recomputation when one chunk
+        # holds every token (docs/benchmarks.md, the families on CPU)
+        last = raw if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z, last)
         ctx.chunk_size, ctx.softcap, ctx.z_loss, ctx.compute_dtype = chunk_size, softcap, z_loss, compute_dtype
         return losses
 
     @staticmethod
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets, valid, log_z = ctx.saved_tensors
+        hidden, weight, targets, valid, log_z, last = ctx.saved_tensors
         softcap, z_loss = ctx.softcap, ctx.z_loss
         # cast once, not a chunk at a time: a bf16 copy of the head lives for this backward only
         hidden_c, weight_c = _cast(hidden, ctx.compute_dtype), _cast(weight, ctx.compute_dtype)
@@ -221,13 +224,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = (
             torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         )
-        for start in range(0, targets.numel(), ctx.chunk_size):
+        starts = range(0, targets.numel(), ctx.chunk_size)
+        for start in reversed(starts):  # the kept last chunk first, then it is freed
             end = start + ctx.chunk_size
             scale = grad_losses[start:end, None]
             scale_p = scale * (1 + 2 * z_loss * log_z[start:end, None]) if z_loss else scale
-            grad_logits = chunk_grad_logits(
-                hidden_c[start:end], weight_c, targets[start:end], log_z[start:end], scale, scale_p, softcap
-            )
+            if start == starts[-1]:
+                raw, last = last, None
+            else:
+                raw = hidden_c[start:end] @ weight_c.t()
+            grad_logits = chunk_grad_logits(raw, targets[start:end], log_z[start:end], scale, scale_p, softcap)
+            del raw
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight_c
             if grad_weight is not None:
@@ -244,7 +251,11 @@ def _cast(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 def _project(hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
     """One chunk's fp32 logits (chunk, V), soft-capped when configured."""
-    logits = (hidden @ weight.t()).float()
+    return _capped(hidden @ weight.t(), softcap)
+
+
+def _capped(raw: Tensor, softcap: float | None) -> Tensor:
+    logits = raw.float()
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 

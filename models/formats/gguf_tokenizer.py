@@ -1,16 +1,18 @@
 """Tokenizers between GGUF files and Hugging Face tokenizer files: writing ``tokenizer.json`` + ``tokenizer_config.json``
 as transformers 4.45+ and 5 both load them (``write_tokenizer_files``), a GGUF's tokenizer as those files
-(``write_gguf_tokenizer_files``), and a byte-level BPE ``tokenizer.json`` as llama.cpp's ``tokenizer.ggml.*`` fields
+(``write_gguf_tokenizer_files``), and a BPE ``tokenizer.json`` as llama.cpp's ``tokenizer.ggml.*`` fields
 (``gguf_tokenizer_fields``).
 
-Only byte-level BPE is written, with a pre-tokenizer llama.cpp names (``_PRE_NAMES``); anything else is refused in
-one line rather than written with splits llama.cpp would not reproduce. gguf and transformers are imported inside
+Two kinds of BPE are written: byte-level (``gpt2``, with a pre-tokenizer llama.cpp names: ``_PRE_NAMES``) and
+sentencepiece-spelled with byte fallback (``llama``: Gemma's, Llama 2's; merge order as scores). Anything else is
+refused in one line rather than written with splits llama.cpp would not reproduce. gguf and transformers are imported inside
 the functions.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,10 @@ _PRE_NAMES = {
     ("bytelevel",): "gpt-2",
     ("digits", "bytelevel"): "smollm",
 }
-_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # gguf.TokenType values
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 3, 4, 5, 6  # gguf.TokenType values
+_SPACE = "\u2581"  # sentencepiece's spelling of a space
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")  # byte fallback's tokens
+_SPECIAL_SCORE = -1000.0  # what llama.cpp's converters give control and added tokens (never merged)
 
 
 def write_tokenizer_files(
@@ -91,7 +96,7 @@ def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> lis
     if not path.is_file():
         raise LanternError(f"GGUF file not found: {path}")
     loaded = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    backend = loaded.backend_tokenizer
+    backend = _spaces_as_llama_cpp(loaded.backend_tokenizer)
     eos_ids = [backend.token_to_id(loaded.eos_token)] if loaded.eos_token is not None else None
     template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
     return write_tokenizer_files(
@@ -105,6 +110,22 @@ def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> lis
         add_bos_token=bool(getattr(loaded, "add_bos_token", False)),
         eos_token_ids=eos_ids,
     )
+
+
+def _spaces_as_llama_cpp(backend: Any) -> Any:
+    """A sentencepiece tokenizer read with transformers' ``Metaspace``, which skips the prefix "\u2581" on text that
+    starts with a space, spelled instead as llama.cpp tokenizes GGUF files: every space "\u2581", and the prefix
+    always (``add_space_prefix``), as a normalizer (the same as ``_adds_space_prefix`` reads back)."""
+    from tokenizers import normalizers
+
+    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    if backend.normalizer is not None or pre.get("type") != "Metaspace" or pre.get("split", True):
+        return backend
+    spaces = normalizers.Replace(" ", _SPACE)
+    prefix = pre.get("prepend_scheme", "always") != "never"
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if prefix else spaces
+    backend.pre_tokenizer = None
+    return backend
 
 
 def _pre_name(pre: Any, where: Path) -> str:
@@ -131,8 +152,64 @@ def _pre_name(pre: Any, where: Path) -> str:
     return name
 
 
+def _bpe_kind(data: Mapping[str, Any], where: Path) -> str:
+    """``byte-level`` (GPT-2's byte alphabet: Llama 3, Qwen, SmolLM) or ``sentencepiece`` (a BPE over "\u2581"-spelled
+    text with byte fallback: Gemma, Llama 2, Mistral v0.1), or a one-line refusal of anything GGUF cannot express."""
+    model, decoder = data.get("model") or {}, data.get("decoder") or {}
+    if model.get("type") == "BPE" and "ByteLevel" in json.dumps([data.get("pre_tokenizer"), decoder]):
+        if data.get("normalizer") is not None:
+            raise LanternError(f"{where}: a normalizer ({data['normalizer'].get('type')}) has no GGUF equivalent")
+        return "byte-level"
+    if model.get("type") == "BPE" and model.get("byte_fallback") and _SPACE in json.dumps(decoder, ensure_ascii=False):
+        if _adds_space_prefix(data) is not None:
+            return "sentencepiece"
+        raise LanternError(
+            f"{where}: its normalizer {json.dumps(data.get('normalizer'))[:160]} and pre-tokenizer "
+            f"{json.dumps(data.get('pre_tokenizer'))[:160]} are not a sentencepiece spelling llama.cpp reproduces"
+        )
+    raise LanternError(
+        f"{where}: GGUF export handles byte-level and sentencepiece BPE tokenizers, this one is {model.get('type')}"
+        + ("" if model.get("type") != "BPE" else " without either's spelling")
+    )
+
+
+def _adds_space_prefix(data: Mapping[str, Any]) -> bool | None:
+    """Whether a sentencepiece-spelled tokenizer.json puts "\u2581" before the text (llama.cpp's
+    ``add_space_prefix``); None when its spaces are not simply spelled "\u2581" (then it is not written)."""
+    normalizer, pre = data.get("normalizer"), data.get("pre_tokenizer")
+    steps = normalizer.get("normalizers", []) if isinstance(normalizer, Mapping) and normalizer.get(
+        "type") == "Sequence" else [normalizer]  # fmt: skip
+    shape = [json.dumps(step, sort_keys=True) for step in steps if step is not None]
+    spaces = json.dumps({"content": _SPACE, "pattern": {"String": " "}, "type": "Replace"}, sort_keys=True)
+    prefix = json.dumps({"prepend": _SPACE, "type": "Prepend"}, sort_keys=True)
+    # after spaces became "\u2581", a Split on " " (Gemma's) finds none: it changes nothing
+    inert = pre is None or (pre.get("type") == "Split" and pre.get("pattern") == {"String": " "})
+    if shape == [spaces] and inert:
+        return False
+    if shape == [prefix, spaces] and inert:
+        return True
+    metaspace = isinstance(pre, Mapping) and pre.get("type") == "Metaspace" and pre.get("replacement") == _SPACE
+    if not shape and metaspace and not pre.get("split", True):
+        return pre.get("prepend_scheme", "always") != "never"
+    return None
+
+
+def _merge_scores(tokens: list[str], types: list[int], merges: list[str]) -> list[float]:
+    """llama.cpp's sentencepiece scores: it merges the adjacent pair whose joined token scores highest, so a token
+    scores minus the rank of the first merge making it, which replays the tokenizer.json's merge order. Tokens no
+    merge makes score below every merged one (a single character is never a merge's result)."""
+    rank: dict[str, int] = {}
+    for index, merge in enumerate(merges):
+        rank.setdefault(merge.replace(" ", "", 1), index)
+    unmerged = -float(len(merges) + 1)
+    return [
+        -float(rank[token]) if token in rank else {_NORMAL: unmerged, _BYTE: 0.0}.get(kind, _SPECIAL_SCORE)
+        for token, kind in zip(tokens, types)
+    ]
+
+
 def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` fields (and ``tokenizer.chat_template``) for the byte-level BPE ``tokenizer.json`` in
+    """The ``tokenizer.ggml.*`` fields (and ``tokenizer.chat_template``) for the BPE ``tokenizer.json`` in
     ``folder``, with its tokenizer_config.json (special tokens, add_bos_token, chat template) or chat_template.jinja.
     ``vocab_size`` (the model's) pads the token list with UNUSED ``[PAD<id>]`` tokens; fewer is refused."""
     folder = Path(folder)
@@ -146,14 +223,10 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         raise LanternError(f"no {TOKENIZER_JSON} in {folder}: GGUF export needs the tokenizer as Hugging Face files")
     data = read_json_if_present(where)
     model = data.get("model") or {}
-    decoder = data.get("decoder") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps([data.get("pre_tokenizer"), decoder]):
-        raise LanternError(
-            f"{where}: GGUF export handles byte-level BPE tokenizers only, this one is {model.get('type')}"
-        )
-    if data.get("normalizer") is not None:
-        raise LanternError(f"{where}: a normalizer ({data['normalizer'].get('type')}) has no GGUF equivalent")
+    kind = _bpe_kind(data, where)
     entries = {int(i): (token, _NORMAL) for token, i in model["vocab"].items()}
+    if kind == "sentencepiece":  # byte fallback's <0xXX> tokens are llama.cpp's BYTE tokens
+        entries.update({i: (t, _BYTE) for i, (t, _) in entries.items() if _BYTE_TOKEN.fullmatch(t)})
     for added in data.get("added_tokens", []):
         entries[int(added["id"])] = (added["content"], _CONTROL if added.get("special") else _USER_DEFINED)
     size = max(entries) + 1
@@ -161,20 +234,21 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         raise LanternError(f"{where}: {size} tokens do not fit the model's vocab_size {vocab_size}")
     tokens, types = [], []
     for i in range(max(size, vocab_size or 0)):
-        token, kind = entries.get(i, (f"[PAD{i}]", _UNUSED))
+        token, token_type = entries.get(i, (f"[PAD{i}]", _UNUSED))
         tokens.append(token)
-        types.append(kind)
+        types.append(token_type)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    # the merges too with sentencepiece: llama.cpp merges by the scores, transformers' reader (and so `lantern convert
+    # --from gguf`) takes the merges a file lists, rather than rebuilding them from the vocabulary in another order
+    fields: dict[str, Any] = {"tokens": tokens, "token_type": types, "merges": merges}
+    if kind == "byte-level":
+        fields |= {"model": "gpt2", "pre": _pre_name(data.get("pre_tokenizer"), where)}
+    else:
+        fields |= {"model": "llama", "pre": "default", "scores": _merge_scores(tokens, types, merges),
+                   "add_space_prefix": _adds_space_prefix(data)}  # fmt: skip
 
     config = read_json_if_present(folder / TOKENIZER_CONFIG)
     ids = {token: i for i, token in enumerate(tokens)}
-    fields: dict[str, Any] = {
-        "model": "gpt2",
-        "pre": _pre_name(data.get("pre_tokenizer"), where),
-        "tokens": tokens,
-        "token_type": types,
-        "merges": merges,
-    }
     for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("pad", "pad_token"), ("unk", "unk_token")):
         token = special_token_string(config.get(key))
         if token is not None and token not in ids:
@@ -203,6 +277,9 @@ def add_tokenizer_fields(writer: Any, fields: Mapping[str, Any]) -> None:
     writer.add_token_list(fields["tokens"])
     writer.add_token_types(fields["token_type"])
     writer.add_token_merges(fields["merges"])
+    if "scores" in fields:
+        writer.add_token_scores(fields["scores"])
+        writer.add_add_space_prefix(fields["add_space_prefix"])
     for name, add in (
         ("bos_id", writer.add_bos_token_id),
         ("eos_id", writer.add_eos_token_id),

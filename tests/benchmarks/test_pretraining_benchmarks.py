@@ -9,7 +9,7 @@ import random
 import pytest
 
 from benchmarks.continued_pretraining import bits_per_byte, paired_change
-from benchmarks.pretrain_recipes import mean_se, steps_to_reach, summarise
+from benchmarks.pretrain_recipes import finished, mean_se, steps_to_reach, summarise
 
 
 def test_steps_to_reach_interpolates_between_validations():
@@ -36,6 +36,15 @@ def test_summary_ratios_are_against_the_baselines_mean_final_loss():
     assert summary["muon_wsd"]["final_val_loss"] == mean_se([2.5, 2.7])
     assert summary["muon_wsd"]["runs_reaching_target"] == "2 of 2"
     assert summary["muon_wsd"]["steps_ratio_to_baseline"]["mean"] == pytest.approx((10 + 10 + 2 / 0.6) / 2 / 19.0)
+
+
+def test_a_run_is_finished_once_validated_at_its_last_step(tmp_path):
+    assert not finished(tmp_path, 20)  # no metrics yet: trained (or resumed)
+    rows = ["metric,step,value", "train/loss,20,3.0", "val/loss,10,4.0"]
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    assert not finished(tmp_path, 20)  # interrupted after step 20's training loss, before its validation
+    (tmp_path / "metrics.csv").write_text("\n".join([*rows, "val/loss,20,3.5"]) + "\n")
+    assert finished(tmp_path, 20) and not finished(tmp_path, 30)
 
 
 def test_paired_bits_per_byte_change_and_its_standard_error():

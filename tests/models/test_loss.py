@@ -118,11 +118,27 @@ def test_chunked_loss_matmuls_run_in_autocast_dtype_forward_and_backward(loss_fn
     with _MatmulDtypes() as backward_log:
         loss.backward()
     chunks = 4  # 26 tokens, 8 a chunk
-    # forward: one matmul a chunk; backward: the recomputed logits and the two gradient matmuls
-    assert len(forward_log.calls) == chunks and len(backward_log.calls) == 3 * chunks
+    # forward: one matmul a chunk; backward: the recomputed logits and the two gradient matmuls (the fused loss keeps
+    # its last chunk's logits from the forward: one recomputation fewer)
+    kept = 1 if loss_fn is fused_linear_cross_entropy else 0
+    assert len(forward_log.calls) == chunks and len(backward_log.calls) == 3 * chunks - kept
     for name, dtypes in forward_log.calls + backward_log.calls:
         assert all(d == torch.bfloat16 for d in dtypes), (name, dtypes)
     assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+
+
+def test_tokens_in_one_chunk_are_never_recomputed():
+    """Every token in one chunk: backward runs only the two gradient matmuls, from the forward's logits, and gives
+    the full-logits gradients."""
+    hidden, weight, targets = _case(torch.float32)
+    with _MatmulDtypes() as forward_log:
+        loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=64, softcap=5.0)
+    with _MatmulDtypes() as backward_log:
+        grads = torch.autograd.grad(loss, (hidden, weight))
+    assert len(forward_log.calls) == 1 and len(backward_log.calls) == 2
+    reference = torch.autograd.grad(_full(hidden, weight, targets, 5.0, 0.0, "mean"), (hidden, weight))
+    for ours, theirs in zip(grads, reference):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss_fn", [fused_linear_cross_entropy, chunked_cross_entropy])
