@@ -221,9 +221,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         _, chunk_grad_logits = _chunk_bodies(hidden.device.type)
         grad_losses = torch.where(valid, grad_losses.float(), torch.zeros_like(log_z))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        )
+        grad_weight: Tensor | None = None  # fp32; the first chunk's product starts it (no zero-filled V x dim buffer)
         starts = range(0, targets.numel(), ctx.chunk_size)
         for start in reversed(starts):  # the kept last chunk first, then it is freed
             end = start + ctx.chunk_size
@@ -237,11 +235,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             del raw
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight_c
-            if grad_weight is not None:
-                if grad_weight.dtype == weight_c.dtype:
+            if ctx.needs_input_grad[1]:
+                if grad_weight is None:
+                    grad_weight = (grad_logits.t() @ hidden_c[start:end]).float()
+                elif grad_weight.dtype == weight_c.dtype:
                     grad_weight.addmm_(grad_logits.t(), hidden_c[start:end])
                 else:  # low-precision matmuls: accumulate chunks in fp32, round once at the end
                     grad_weight.add_(grad_logits.t() @ hidden_c[start:end])
+        if ctx.needs_input_grad[1] and grad_weight is None:  # no tokens at all
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
 
 
