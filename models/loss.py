@@ -204,17 +204,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if z_loss:
             losses = losses + z_loss * log_z.square()
         losses = torch.where(valid, losses, torch.zeros_like(losses))
-        # The last chunk's raw logits are kept for backward, which starts with them: no more memory than the
-        # forward's own peak (that chunk), and one head matmul fewer; all of the recomputation when one chunk
-        # holds every token (docs/benchmarks.md, the families on CPU)
-        last = raw if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z, last)
+        # The last chunk's raw logits are kept for backward, which starts with them and then drops them: one head
+        # matmul fewer, all of the recomputation when one chunk holds every token (docs/benchmarks.md, the families
+        # on CPU). An attribute, not a saved tensor, so that backward can free it (autograd would hold a saved one
+        # to the end of backward); a second backward (retain_graph) finds it gone and recomputes.
+        ctx.last_raw = raw if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, log_z)
         ctx.chunk_size, ctx.softcap, ctx.z_loss, ctx.compute_dtype = chunk_size, softcap, z_loss, compute_dtype
         return losses
 
     @staticmethod
     def backward(ctx: Any, grad_losses: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets, valid, log_z, last = ctx.saved_tensors
+        hidden, weight, targets, valid, log_z = ctx.saved_tensors
+        last, ctx.last_raw = ctx.last_raw, None
         softcap, z_loss = ctx.softcap, ctx.z_loss
         # cast once, not a chunk at a time: a bf16 copy of the head lives for this backward only
         hidden_c, weight_c = _cast(hidden, ctx.compute_dtype), _cast(weight, ctx.compute_dtype)
@@ -227,7 +229,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             end = start + ctx.chunk_size
             scale = grad_losses[start:end, None]
             scale_p = scale * (1 + 2 * z_loss * log_z[start:end, None]) if z_loss else scale
-            if start == starts[-1]:
+            if start == starts[-1] and last is not None:
                 raw, last = last, None
             else:
                 raw = hidden_c[start:end] @ weight_c.t()

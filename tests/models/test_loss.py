@@ -141,6 +141,16 @@ def test_tokens_in_one_chunk_are_never_recomputed():
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+def test_a_second_backward_recomputes_the_chunk_the_first_freed():
+    """retain_graph: the first backward used and dropped the forward's last chunk; the second recomputes it."""
+    hidden, weight, targets = _case(torch.float32)
+    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("loss_fn", [fused_linear_cross_entropy, chunked_cross_entropy])
 @pytest.mark.parametrize(("softcap", "z_loss"), [(None, 0.0), (5.0, 1e-2)])
 def test_chunked_loss_under_autocast_matches_full_logits(loss_fn, softcap, z_loss):
