@@ -217,7 +217,7 @@ def loss_bytes(
     Fused and chunked (``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
     validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
     a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
-    softmax gradient at a time. Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept;
+    softmax gradient at a time (the first of them kept from the forward). Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept;
     with ``z_loss`` (logsumexp - gather, ``models.loss._token_losses``) the fp32 logits themselves."""
     d, vocab = config.dim, config.vocab_size
     residual, compute = numerics_bytes(numerics)
@@ -244,14 +244,19 @@ def loss_bytes(
     # one chunk at a time: its fp32 logits, logits - lse and their exp (the gradient of the logits, returned in the
     # compute dtype and alive until the next chunk's replaces it); in bf16 the product added into the fp32 weight
     # gradient is a (V, d) bf16 tensor of its own, as is that gradient's cast back at the end
-    previous = (2 if low else 4) * chunk if tokens > chunk_size else 0
-    product = 2 * chunk + 2 * vocab * d if low and weight_trains else 0
-    working = previous + max(3 * 4 * chunk, product)
+    grad_chunk = (2 if low else 4) * chunk  # a chunk's logit gradient, in the compute dtype
+    # the first chunk backward takes (the forward's kept last one) starts the fp32 weight gradient from its product
+    # (in bf16: the product, then its fp32 copy); the later ones add theirs into it
+    first_product = grad_chunk + (6 if low else 4) * vocab * d if weight_trains else 0
+    first = max(3 * 4 * chunk, first_product)
+    later = 0
+    if tokens > chunk_size:
+        product = 2 * chunk + 2 * vocab * d if low and weight_trains else 0
+        later = (4 * vocab * d if weight_trains else 0) + grad_chunk + max(3 * 4 * chunk, product)
     backward = (
-        (4 * vocab * d if weight_trains else 0)  # the fp32 weight gradient, accumulated chunk by chunk
-        + (2 * vocab * d + 2 * tokens * d if cast else 0)  # autocast: bf16 copies of the weight and hidden
+        (2 * vocab * d + 2 * tokens * d if cast else 0)  # autocast: bf16 copies of the weight and hidden
         + residual * tokens * d  # the hidden states' gradient
-        + working
+        + max(first, later)
     )
     forward = 8 * tokens + 3 * 4 * chunk + (2 * vocab * d + 2 * tokens * d if cast else 0)
     return saved, {"loss backward": backward, "loss forward": forward}
