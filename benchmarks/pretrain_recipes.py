@@ -10,8 +10,9 @@ cosine's mean final validation loss (linear between validations; ``null`` when a
 to AdamW + cosine's own. The branch: a constant-rate run (WSD's stable phase) to the cooldown's first step, then
 ``checkpoint.resume`` of its checkpoint into a new run with ``optim.schedule=wsd`` and the full length, against the
 seed-0 AdamW + WSD run (and the spread of that run over seeds). A run folder already validated at its last step is
-read back rather than retrained, and an interrupted one resumes, so the sweep can be stopped and run again. Every run is ``lantern pretrain`` in its own process; results go to
-``benchmarks/results/pretrain_recipes.json`` after every run, and the validation curves to ``pretrain_recipes.png``.
+read back rather than retrained, and an interrupted one resumes, so the sweep can be stopped and run again. Every
+run is ``lantern pretrain`` in its own process; results go to ``benchmarks/results/pretrain_recipes.json`` after
+every run, and the validation curves to ``pretrain_recipes.png``.
 """
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
         log_z = torch.empty(targets.shape, device=hidden.device, dtype=torch.float32)
         target_logits = torch.empty_like(log_z)
+        raw = None  # no tokens: no chunk
         with _autocast_off(hidden.device.type, compute_dtype):
             for start in range(0, targets.numel(), chunk_size):
                 end = start + chunk_size

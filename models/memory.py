@@ -217,8 +217,9 @@ def loss_bytes(
     Fused and chunked (``fused_linear_cross_entropy``): it keeps the hidden states, the targets, a
     validity mask and each token's fp32 log-sum-exp; its backward holds the fp32 gradient of the head's weight (and
     a compute-dtype copy of the weight under autocast), the hidden states' gradient, and one chunk's fp32 logits and
-    softmax gradient at a time (the first of them kept from the forward). Full logits (``chunk_size`` None, ``F.cross_entropy``): their fp32 log-softmax is kept;
-    with ``z_loss`` (logsumexp - gather, ``models.loss._token_losses``) the fp32 logits themselves."""
+    softmax gradient at a time (the first of them kept from the forward). Full logits (``chunk_size`` None,
+    ``F.cross_entropy``): their fp32 log-softmax is kept; with ``z_loss`` (logsumexp - gather,
+    ``models.loss._token_losses``) the fp32 logits themselves."""
     d, vocab = config.dim, config.vocab_size
     residual, compute = numerics_bytes(numerics)
     ids = 8 * tokens + tokens  # the targets (int64) and the valid mask (bool)

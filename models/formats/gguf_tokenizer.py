@@ -5,8 +5,8 @@ as transformers 4.45+ and 5 both load them (``write_tokenizer_files``), a GGUF's
 
 Two kinds of BPE are written: byte-level (``gpt2``, with a pre-tokenizer llama.cpp names: ``_PRE_NAMES``) and
 sentencepiece-spelled with byte fallback (``llama``: Gemma's, Llama 2's; merge order as scores). Anything else is
-refused in one line rather than written with splits llama.cpp would not reproduce. gguf and transformers are imported inside
-the functions.
+refused in one line rather than written with splits llama.cpp would not reproduce. gguf and transformers are
+imported inside the functions.
 """
 
 from __future__ import annotations
@@ -116,13 +116,13 @@ def _spaces_as_llama_cpp(backend: Any) -> Any:
     """A sentencepiece tokenizer read with transformers' ``Metaspace``, which skips the prefix "\u2581" on text that
     starts with a space, spelled instead as llama.cpp tokenizes GGUF files: every space "\u2581", and the prefix
     always (``add_space_prefix``), as a normalizer (the same as ``_adds_space_prefix`` reads back)."""
-    from tokenizers import normalizers
+    from tokenizers import normalizers, pre_tokenizers
 
-    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
-    if backend.normalizer is not None or pre.get("type") != "Metaspace" or pre.get("split", True):
+    pre = backend.pre_tokenizer  # read as an object: serialising the tokenizer would copy its whole vocabulary
+    if backend.normalizer is not None or not isinstance(pre, pre_tokenizers.Metaspace) or pre.split:
         return backend
     spaces = normalizers.Replace(" ", _SPACE)
-    prefix = pre.get("prepend_scheme", "always") != "never"
+    prefix = pre.prepend_scheme != "never"
     backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if prefix else spaces
     backend.pre_tokenizer = None
     return backend
@@ -152,17 +152,18 @@ def _pre_name(pre: Any, where: Path) -> str:
     return name
 
 
-def _bpe_kind(data: Mapping[str, Any], where: Path) -> str:
-    """``byte-level`` (GPT-2's byte alphabet: Llama 3, Qwen, SmolLM) or ``sentencepiece`` (a BPE over "\u2581"-spelled
-    text with byte fallback: Gemma, Llama 2, Mistral v0.1), or a one-line refusal of anything GGUF cannot express."""
+def _bpe_kind(data: Mapping[str, Any], where: Path) -> tuple[str, bool | None]:
+    """(``byte-level``: GPT-2's byte alphabet, Llama 3, Qwen, SmolLM; or ``sentencepiece``: a BPE over
+    "\u2581"-spelled text with byte fallback, Gemma, Llama 2, Mistral v0.1; and then whether it adds the prefix
+    "\u2581", else None), or a one-line refusal of anything GGUF cannot express."""
     model, decoder = data.get("model") or {}, data.get("decoder") or {}
     if model.get("type") == "BPE" and "ByteLevel" in json.dumps([data.get("pre_tokenizer"), decoder]):
         if data.get("normalizer") is not None:
             raise LanternError(f"{where}: a normalizer ({data['normalizer'].get('type')}) has no GGUF equivalent")
-        return "byte-level"
+        return "byte-level", None
     if model.get("type") == "BPE" and model.get("byte_fallback") and _SPACE in json.dumps(decoder, ensure_ascii=False):
-        if _adds_space_prefix(data) is not None:
-            return "sentencepiece"
+        if (space_prefix := _adds_space_prefix(data)) is not None:
+            return "sentencepiece", space_prefix
         raise LanternError(
             f"{where}: its normalizer {json.dumps(data.get('normalizer'))[:160]} and pre-tokenizer "
             f"{json.dumps(data.get('pre_tokenizer'))[:160]} are not a sentencepiece spelling llama.cpp reproduces"
@@ -201,9 +202,9 @@ def _merge_scores(tokens: list[str], types: list[int], merges: list[str]) -> lis
     rank: dict[str, int] = {}
     for index, merge in enumerate(merges):
         rank.setdefault(merge.replace(" ", "", 1), index)
-    unmerged = -float(len(merges) + 1)
+    unmerged = {_NORMAL: -float(len(merges) + 1), _BYTE: 0.0}  # by token type; the rest: _SPECIAL_SCORE
     return [
-        -float(rank[token]) if token in rank else {_NORMAL: unmerged, _BYTE: 0.0}.get(kind, _SPECIAL_SCORE)
+        -float(rank[token]) if token in rank else unmerged.get(kind, _SPECIAL_SCORE)
         for token, kind in zip(tokens, types)
     ]
 
@@ -223,7 +224,7 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         raise LanternError(f"no {TOKENIZER_JSON} in {folder}: GGUF export needs the tokenizer as Hugging Face files")
     data = read_json_if_present(where)
     model = data.get("model") or {}
-    kind = _bpe_kind(data, where)
+    kind, space_prefix = _bpe_kind(data, where)
     entries = {int(i): (token, _NORMAL) for token, i in model["vocab"].items()}
     if kind == "sentencepiece":  # byte fallback's <0xXX> tokens are llama.cpp's BYTE tokens
         entries.update({i: (t, _BYTE) for i, (t, _) in entries.items() if _BYTE_TOKEN.fullmatch(t)})
@@ -245,7 +246,7 @@ def gguf_tokenizer_fields(folder: str | Path, vocab_size: int | None = None) -> 
         fields |= {"model": "gpt2", "pre": _pre_name(data.get("pre_tokenizer"), where)}
     else:
         fields |= {"model": "llama", "pre": "default", "scores": _merge_scores(tokens, types, merges),
-                   "add_space_prefix": _adds_space_prefix(data)}  # fmt: skip
+                   "add_space_prefix": space_prefix}  # fmt: skip
 
     config = read_json_if_present(folder / TOKENIZER_CONFIG)
     ids = {token: i for i, token in enumerate(tokens)}

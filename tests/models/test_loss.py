@@ -205,3 +205,13 @@ def test_compiled_per_chunk_bodies_give_the_eager_numbers(monkeypatch):
     torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(compiled[1:], eager[1:]):  # a bf16 rounding of a logit gradient may differ by one ulp
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+def test_no_tokens_give_zero_loss_and_zero_gradients():
+    """A batch of no tokens (a reduction of nothing) runs forward and backward with no chunk at all."""
+    hidden = torch.randn(2, 0, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.zeros(2, 0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.shape == (2, 0, 16)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
