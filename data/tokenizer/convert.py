@@ -129,9 +129,11 @@ def write_hf_tokenizer(tokenizer: Tokenizer | str | Path, folder: str | Path) ->
 
 
 def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:
-    """``scratch`` filled with the Hugging Face files of the tokenizer a checkpoint folder carries (the one every
-    command would read, ``load_tokenizer``): copied when it is a tokenizer.json, converted (``write_hf_tokenizer``)
-    when it is a tiktoken rank file. Raises LanternError when the folder carries none."""
+    """A folder of the Hugging Face files of the tokenizer a checkpoint folder carries (the one every command would
+    read, ``load_tokenizer``): the folder holding its tokenizer.json when the file has that name (so that errors
+    about it name the user's own file), else ``scratch`` with the files copied (a tokenizer.json saved under the
+    rank file's name) or converted (``write_hf_tokenizer``: a tiktoken rank file). Raises LanternError when the
+    folder carries none."""
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     try:
@@ -141,7 +143,10 @@ def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:
     if isinstance(tokenizer, Tokenizer):
         write_hf_tokenizer(tokenizer, scratch)
         return scratch
-    for name, path in tokenizer.files.items():  # generation_config.json among them, when the folder has one
+    files = tokenizer.files  # generation_config.json among them, when the folder has one
+    if files["tokenizer.json"].name == "tokenizer.json":  # its companions are read from the same folder
+        return files["tokenizer.json"].parent
+    for name, path in files.items():
         shutil.copyfile(path, scratch / name)
     return scratch
 

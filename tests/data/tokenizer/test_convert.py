@@ -117,13 +117,18 @@ def test_special_ids_must_follow_the_ranks() -> None:
 
 
 def test_hf_tokenizer_folder(tmp_path: Path) -> None:
-    """A checkpoint with a rank file is converted; one with tokenizer.json is copied; one with neither is refused."""
+    """A checkpoint with a rank file is converted; one with tokenizer.json is read where it is (copied when the file
+    bears the rank file's name); one with neither is refused."""
     tiktoken_checkpoint = tmp_path / "native"
     tiktoken_checkpoint.mkdir()
     (tiktoken_checkpoint / "tokenizer.model").write_bytes(DEFAULT_TOKENIZER_PATH.read_bytes())
     converted = hf_tokenizer_folder(tiktoken_checkpoint, tmp_path / "scratch1")
     assert (converted / "tokenizer.json").is_file() and (converted / "tokenizer_config.json").is_file()
-    copied = hf_tokenizer_folder(converted, tmp_path / "scratch2")
+    assert hf_tokenizer_folder(converted, tmp_path / "scratch2") == converted  # read where it is
+    (tmp_path / "renamed").mkdir()  # a tokenizer.json saved under the rank file's name: copied under its own
+    (tmp_path / "renamed" / "tokenizer.model").write_bytes((converted / "tokenizer.json").read_bytes())
+    (tmp_path / "renamed" / "tokenizer_config.json").write_bytes((converted / "tokenizer_config.json").read_bytes())
+    copied = hf_tokenizer_folder(tmp_path / "renamed", tmp_path / "scratch4")
     assert (copied / "tokenizer.json").read_bytes() == (converted / "tokenizer.json").read_bytes()
     (tmp_path / "empty").mkdir()
     with pytest.raises(LanternError, match="no tokenizer in"):
