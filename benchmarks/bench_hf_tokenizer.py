@@ -17,6 +17,9 @@ falls on every contender alike; the table gives the median):
                       strings read as text, as prepare reads them
     raw-tokenizers-batches  the same in consecutive calls of RAW_BATCH_CHARS (1 MiB) of text, only the calls timed:
                       on 100 MB, faster than one call (whose millions of encodings outgrow the caches)
+    raw-tokenizers-ids  the same batches with what a caller needs to have the token ids timed too: each encoding's
+                      ``ids`` (the library gives them only as Python lists) and freeing the encodings (their token
+                      strings and offsets); not counted as a raw baseline, shown to say where prepare's time goes
     prepare-hf        prepare(PrepareConfig(tokenizer=DIR, num_proc=--threads)): hash and check the inputs, load
                       them, encode, write the shards and the manifest
     raw-tiktoken      tiktoken.Encoding(cl100k_base's ranks and regex).encode_ordinary_batch(docs,
@@ -50,7 +53,14 @@ MODELS = REPO.parent / "shared" / "models"  # ../shared/models beside the checko
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # each prepare contender and its raw encoders: the ratio takes the fastest of them (median), the library at its best
 PAIRS = {"prepare-hf": ["raw-tokenizers", "raw-tokenizers-batches"], "prepare-tiktoken": ["raw-tiktoken"]}
-MODES = ["raw-tokenizers", "raw-tokenizers-batches", "prepare-hf", "raw-tiktoken", "prepare-tiktoken"]
+MODES = [
+    "raw-tokenizers",
+    "raw-tokenizers-batches",
+    "raw-tokenizers-ids",
+    "prepare-hf",
+    "raw-tiktoken",
+    "prepare-tiktoken",
+]
 RAW_BATCH_CHARS = 1 << 20  # raw-tokenizers-batches: text per call
 GOAL = 0.9
 
@@ -84,18 +94,22 @@ if mode.startswith("raw-"):
         count = lambda encoded: sum(map(len, encoded))
     batches, size = [[]], 0
     for doc in docs:  # one batch, or consecutive ones of RAW_BATCH_CHARS characters
-        if mode.endswith("-batches") and size >= RAW_BATCH_CHARS:
+        if mode.endswith(("-batches", "-ids")) and size >= RAW_BATCH_CHARS:
             batches.append([])
             size = 0
         batches[-1].append(doc)
         size += len(doc)
     secs = cpus = 0.0
     tokens, n_docs = 0, len(docs)
-    for batch in batches:  # only the encoder's calls are timed: counting and freeing the results are not
+    for batch in batches:  # only the encoder's calls are timed (raw-tokenizers-ids: and taking the ids, freeing)
         c0, t0 = cpu(), time.perf_counter()
         encoded = encode(batch)
+        if mode.endswith("-ids"):
+            ids = [e.ids for e in encoded]
+            del encoded
+            encoded = ids
         secs, cpus = secs + time.perf_counter() - t0, cpus + cpu() - c0
-        tokens += count(encoded)
+        tokens += sum(map(len, encoded)) if mode.endswith("-ids") else count(encoded)
         del encoded
 else:
     import datasets
@@ -177,6 +191,12 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         ours["vs_raw_per_round"] = rounds  # each round's fastest raw encoder / prepare in that round
         ours["vs_raw_median_of_rounds"] = statistics.median(rounds)
         ours["vs_raw_cpu"] = min(rows[m]["cpu_s_median"] for m in raw_modes) / ours["cpu_s_median"]
+    # where prepare's time goes: the raw encoder with its ids taken and its encodings freed (not a baseline)
+    ids, ours = rows["raw-tokenizers-ids"], rows["prepare-hf"]
+    ours["vs_raw_ids"] = ids["seconds_median"] / ours["seconds_median"]
+    ours["vs_raw_ids_per_round"] = [
+        a["seconds"] / b["seconds"] for a, b in zip(runs["raw-tokenizers-ids"], runs["prepare-hf"])
+    ]
     return rows
 
 
@@ -233,6 +253,8 @@ def main() -> None:
                   if "vs_raw" in r else "")  # fmt: skip
         print(f"{m:<22} {r['seconds_median']:>9.2f} {r['cpu_s_median']:>7.1f} {r['tokens']:>12,} "
               f"{r['tokens_per_s']:>11,.0f} {size / 1e6 / r['seconds_median']:>6.2f} {ratios}")  # fmt: skip
+    print(f"prepare-hf against raw-tokenizers-ids (ids taken, encodings freed): {rows['prepare-hf']['vs_raw_ids']:.3f}, "
+          f"per round {[round(x, 3) for x in rows['prepare-hf']['vs_raw_ids_per_round']]}")  # fmt: skip
     for mode in PAIRS:
         if rows[mode]["extra_tokens"]:
             print(f"{mode}: {rows[mode]['extra_tokens']} tokens more than its raw encoder's plus BOS/EOS")

@@ -56,6 +56,17 @@ from trainer.storage import (
 log = logging.getLogger(__name__)
 
 
+class _WithoutAdvert(logging.Filter):
+    """Drops Lightning's tip to install its cloud logger (litlogger), which every Trainer prints: noise a user did
+    not ask for, about a service Lantern does not use."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_WithoutAdvert())
+
+
 def run_directory(out_dir: str, name: str) -> Path:
     """OUT_DIR/NAME, where NAME must stay inside OUT_DIR: a run writes, locks and may replace what is in it."""
     name_path = PurePath(name)

@@ -208,6 +208,16 @@ def command_device(flag: str | None) -> str:
     from models.errors import LanternError
 
     device = flag or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise LanternError(f"--device {device}: not a device (cpu, cuda, cuda:N, mps)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
         raise LanternError(f"--device {device}: CUDA is not available on this machine")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise LanternError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise LanternError(f"--device {device}: MPS is not available on this machine")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise LanternError(f"--device {device}: Lantern runs on cpu, cuda or mps")
     return device

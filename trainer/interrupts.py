@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import shlex
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 from trainer.checkpoints import latest_checkpoint
 
 WATCHED = (signal.SIGTERM, signal.SIGINT)
+log = logging.getLogger("lantern")
 
 
 class Terminated(SystemExit):
@@ -76,6 +78,15 @@ def watch_signals() -> Iterator[None]:
     for signum, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(signum, _handle)
+    if previous[signal.SIGINT] is signal.SIG_IGN:
+        # POSIX's convention, which Python and the shell keep: whoever started this process ignoring SIGINT (a shell
+        # for `cmd &` without job control, nohup) chose that a Ctrl-C meant for something else spares it. Kept, and
+        # said, with what does stop the run the same way.
+        log.warning(
+            "SIGINT (Ctrl-C, kill -INT) is ignored: this process was started with it ignored (nohup, or `&` in a "
+            "script) and keeps it so; stop it with SIGTERM (kill %d), which saves a checkpoint and exits 143",
+            os.getpid(),
+        )
     try:
         yield
     finally:

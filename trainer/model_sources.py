@@ -100,6 +100,9 @@ def source_tokenizer(path: str | Path, cache: str | Path) -> str | None:
     if kind == "folder":
         found = find_tokenizer(path) if path.is_dir() else None
         return str(found.absolute()) if found is not None else None
+    from models.formats.gguf_format import check_gguf_file
+
+    check_gguf_file(path)  # before transformers parses it
     folder = Path(cache).expanduser().absolute() / f"{path.stem}-{folder_fingerprint(path)}"
     if not (folder / "tokenizer.json").is_file():
         from models.formats.gguf_tokenizer import write_gguf_tokenizer_files

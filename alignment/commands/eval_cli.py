@@ -81,8 +81,10 @@ def add_eval_command(commands: Any) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    from trainer.hardware import command_device
     from trainer.harness_tasks import load_tasks, refuse_unsafe_code, resolve_tasks, task_manager
 
+    device = command_device(args.device)  # a bad --device in one line, before tasks and weights are read
     manager = task_manager(args.include_path, args.tasks)
     tasks = resolve_tasks(args.tasks, manager)
     refuse_unsafe_code(tasks, args.confirm_run_unsafe_code, key="--tasks", opt_in="--confirm-run-unsafe-code")
@@ -93,7 +95,7 @@ def run_eval(args: argparse.Namespace) -> None:
     load_tasks(tasks, manager)
     with tempfile.TemporaryDirectory(prefix="lantern-eval-") as scratch:
         model, tokenizer = load_model(args.checkpoint, args.tokenizer, scratch)
-        lm = _harness_model(model, tokenizer, args)
+        lm = _harness_model(model, tokenizer, device, args)
         from trainer.harness import evaluate
 
         results = evaluate(
@@ -127,13 +129,11 @@ def load_model(checkpoint: str, tokenizer_spec: str | None, scratch: str) -> tup
     return model, tokenizer
 
 
-def _harness_model(model: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
+def _harness_model(model: Any, tokenizer: Any, device: str, args: argparse.Namespace) -> Any:
     import torch
 
-    from trainer.hardware import command_device
     from trainer.harness import LanternLM
 
-    device = command_device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     model = model.to(device=device, dtype=dtype)
     return LanternLM(model, tokenizer, batch_size=args.batch_size, max_length=args.max_length)

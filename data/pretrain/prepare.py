@@ -113,7 +113,7 @@ def _pack(
 
 
 def _kept(text: str) -> bool:
-    # Whitespace-only documents would add nothing but BOS/EOS pairs: dropped.
+    # Whitespace-only documents would add nothing but BOS/EOS pairs: dropped (validate_dataset counts the same).
     return bool(text) and not text.isspace()
 
 
@@ -132,9 +132,10 @@ _BATCH_BYTES = 256 << 10
 
 @contextlib.contextmanager
 def _encoded(
-    column, tokenizer: TokenizerBase, config: PrepareConfig, dtype: np.dtype, strip_newlines: bool
+    column, documents: int, tokenizer: TokenizerBase, config: PrepareConfig, dtype: np.dtype, strip_newlines: bool
 ) -> Iterator[Encoded]:
-    """The column's non-empty documents, counted, then encoded batch by batch ahead of the writer."""
+    """The column's ``documents`` non-empty documents (validate_dataset's count), encoded batch by batch ahead of
+    the writer."""
     # tiktoken encodes on the calling thread: num_proc forked workers (its Python side, the id lists, would
     # serialise threads on the GIL). A tokenizer.json has the tokenizers library's thread pool over all cores: one
     # thread feeds it batch after batch while this one turns each encoded batch into arrays (a second feeding
@@ -152,8 +153,6 @@ def _encoded(
         dtype=dtype,
     )
     with mapped_in_order(encode, column, batches, workers, processes) as results:
-        # Counted while the first batches encode: the seeded choice of validation documents needs their number.
-        documents = sum(sum(map(_kept, column.slice(a, b - a).to_pylist())) for a, b in batches)
         yield Encoded(documents, results)
 
 
@@ -230,7 +229,7 @@ def _write_splits(encoded: Encoded, config: PrepareConfig, dtype: np.dtype, buil
             writers["val"].add(values[val_tokens], lengths[val_docs])
             row += len(lengths)
             bar.update(len(lengths))
-    if row != num_docs:  # the counting pass and the encoding pass must agree, or the split is not the seeded one
+    if row != num_docs:  # validate_dataset's count and the encoding must agree, or the split is not the seeded one
         raise RuntimeError(f"prepare counted {num_docs} documents but encoded {row}")
     return {s: w.close() for s, w in writers.items()}
 
@@ -348,9 +347,8 @@ def _prepare_locked(
 
         dtype = token_dtype(tokenizer.vocab_size)
         column = ds.data.column(text_field)
-        with _encoded(
-            column, tokenizer, config, dtype, strip_newlines=fmt == "text" and config.sample_by == "paragraph"
-        ) as encoded:
+        strip_newlines = fmt == "text" and config.sample_by == "paragraph"
+        with _encoded(column, non_empty, tokenizer, config, dtype, strip_newlines) as encoded:
             splits = _write_splits(encoded, config, dtype, build_dir)
         del ds, column  # release the memory maps before the cache is deleted
 

@@ -220,7 +220,10 @@ def validate_dataset(ds, fmt: str, files: list[str], text_field: str) -> int:
         located = _diagnose_json(files, text_field) if fmt == "json" else None
         located = located or _locate_row(files, fmt, first_null)
         raise ValueError(f"{column.null_count} row(s) without a {text_field!r} string; the first: {located}")
-    non_empty = pc.sum(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0)).as_py() or 0
+    # a document is kept when it holds a character other than whitespace: utf8_is_space (true for a non-empty
+    # string of whitespace) agrees with Python's str.isspace on every code point, and reads without copying the text
+    blank = pc.or_(pc.utf8_is_space(column), pc.equal(pc.binary_length(column), 0))
+    non_empty = len(column) - (pc.sum(blank).as_py() or 0)
     if non_empty == 0:
         raise ValueError(f"empty corpus: no non-empty documents in {where}")
     return non_empty

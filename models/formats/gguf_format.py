@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import struct
 import tempfile
 from collections import Counter
 from collections.abc import Mapping
@@ -77,8 +78,8 @@ def _read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str], Tensor |
 
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise LanternError(f"{path}: cannot read it as GGUF ({error})") from None
+    except (ValueError, OSError, IndexError, struct.error) as error:  # a truncated or damaged file
+        raise LanternError(f"{path}: cannot read it as GGUF, truncated or damaged ({error})") from None
     fields = {name: _field_value(field) for name, field in reader.fields.items()}
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
     rope_freqs = next((torch.tensor(t.data.copy()) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -153,6 +154,13 @@ def _model_config(path: Path, fields: Mapping[str, Any], rope_freqs: Tensor | No
     if scaling is not None:
         hf = _with_scaling(hf, scaling)
     return hf_to_config(hf, path)
+
+
+def check_gguf_file(path: str | os.PathLike) -> None:
+    """Refuse, in one line naming the file, one that gguf's reader cannot read (truncated, damaged, not GGUF) or of
+    an architecture Lantern does not read: before transformers' own GGUF parser, whose errors name neither."""
+    path = _check_file(path)
+    _check_architecture(path, _read_metadata(path)[0])
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:

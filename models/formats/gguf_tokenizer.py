@@ -96,7 +96,7 @@ def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> lis
     if not path.is_file():
         raise LanternError(f"GGUF file not found: {path}")
     loaded = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    backend = _spaces_as_llama_cpp(loaded.backend_tokenizer)
+    backend = _spaces_as_llama_cpp(_only_the_files_tokens(loaded, path))
     eos_ids = [backend.token_to_id(loaded.eos_token)] if loaded.eos_token is not None else None
     template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
     return write_tokenizer_files(
@@ -110,6 +110,25 @@ def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> lis
         add_bos_token=bool(getattr(loaded, "add_bos_token", False)),
         eos_token_ids=eos_ids,
     )
+
+
+def _only_the_files_tokens(loaded: Any, path: Path) -> Any:
+    """The backend tokenizer of ``loaded`` without the tokens transformers' GGUF reader adds past the file's
+    vocabulary (GPT-2's "<|endoftext|>" to a ``gpt2`` tokenizer that lacks it): a model folder written from the file
+    would otherwise hold a tokenizer one token larger than its embeddings. A special token that was one is unset."""
+    from gguf import GGUFReader
+
+    count = len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    backend = loaded.backend_tokenizer
+    if backend.get_vocab_size(with_added_tokens=True) <= count:
+        return backend
+    spec = json.loads(backend.to_str())
+    extra = {token["content"] for token in spec.get("added_tokens", []) if token["id"] >= count}
+    spec["added_tokens"] = [token for token in spec.get("added_tokens", []) if token["id"] < count]
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(loaded, name, None) in extra:
+            setattr(loaded, name, None)
+    return type(backend).from_str(json.dumps(spec))
 
 
 def _spaces_as_llama_cpp(backend: Any) -> Any:

@@ -86,6 +86,63 @@ def test_generate_from_checkpoint_uses_its_tokenizer_and_is_deterministic_greedy
     assert capsys.readouterr().out == first
 
 
+def test_generate_reads_a_gguf_file_as_it_reads_the_folder_it_came_from(small_checkpoint, tmp_path, capsys):
+    """`lantern generate --checkpoint FILE.gguf` (as `lantern eval` does): the same greedy text as the folder the
+    file was exported from. Before: "pass the checkpoint folder", naming no way to get one."""
+    pytest.importorskip("gguf")
+    gguf = tmp_path / "small.gguf"
+    assert main(["convert", str(small_checkpoint), "--to", "gguf", str(gguf), "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    texts = []
+    for source in (small_checkpoint, gguf):
+        args = ["generate", "--checkpoint", str(source), "--prompt", "KING:", "--max-new-tokens", "8"]
+        assert main([*args, "--temperature", "0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("KING:")
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:7"])
+def test_a_bad_device_is_one_line_before_any_weights_are_read(small_checkpoint, device, capsys, monkeypatch):
+    """Before: a RuntimeError traceback (`--device foo`) from torch, after the model had loaded."""
+    import models.formats.checkpoint as checkpoint_format
+
+    monkeypatch.setattr(checkpoint_format, "load_checkpoint", lambda *a, **k: pytest.fail("weights read"))
+    args = ["generate", "--checkpoint", str(small_checkpoint), "--prompt", "x", "--device", device]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lantern generate: error: --device {device}: ") and "\n" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("blocked", "command", "extra"),
+    [
+        ("lm_eval", ["eval", "CKPT", "--tasks", "lantern_demo_choice"], "eval"),
+        ("gguf", ["convert", "--from", "gguf", "GGUF", "--to", "native", "OUT"], "gguf"),
+        ("gguf", ["eval", "GGUF", "--tasks", "lantern_demo_choice"], "gguf"),
+        ("gguf", ["generate", "--checkpoint", "GGUF", "--prompt", "x"], "gguf"),
+    ],
+    ids=["eval-without-lm-eval", "convert-gguf-without-gguf", "eval-gguf-without-gguf", "generate-gguf-without-gguf"],
+)
+def test_a_command_needing_a_missing_extra_says_which_in_one_line(small_checkpoint, tmp_path, blocked, command, extra):
+    """Before: 12-21-line ModuleNotFoundError tracebacks. A real process with the module made unimportable."""
+    gguf = tmp_path / "small.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: the import fails first
+    words = [
+        {"CKPT": str(small_checkpoint), "GGUF": str(gguf), "OUT": str(tmp_path / "out")}.get(w, w) for w in command
+    ]
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None; from alignment.commands.cli import main; "
+        f"sys.exit(main({words!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lantern ") or "Traceback" in line]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert lines == [
+        f"lantern {command[0]}: error: needs {cli.EXTRA_OF_MODULE[blocked][1]}, which is not installed: "
+        f"pip install 'lantern[{extra}]' (in a checkout: pip install -e \".[{extra}]\")"
+    ], done.stderr[-3000:]
+
+
 def test_generate_decode_choices_print_the_same_greedy_text(small_checkpoint, capsys, monkeypatch):
     """--decode auto (the default: eager on this CPU), eager and static print the same greedy text; --compile is
     --decode compiled; --help names the choices."""
