@@ -28,7 +28,7 @@ from trainer.callbacks import (
     Throughput,
     device_peak_flops,
 )
-from trainer.checkpoints import has_checkpoints, latest_checkpoint, read_checkpoint_header
+from trainer.checkpoints import checkpoint_step, has_checkpoints, latest_checkpoint, read_checkpoint_header
 from trainer.checks import resolve_stage_tokenizer
 from trainer.config import (
     CPU_OFFLOAD_NEEDS_GPUS,
@@ -40,6 +40,7 @@ from trainer.config import (
     to_yaml,
 )
 from trainer.loggers import close_logger, make_logger
+from trainer.optim import OptimSettingsOnResume
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import planned_precision
 from trainer.plan_check import PlannedRun, PlanVersusMeasured
@@ -85,6 +86,10 @@ def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | No
         if is_global_rank_zero():
             lock_run_directory(run_dir)
         check_resumed_model(run_dir, config)
+        if config.checkpoint.resume == "auto":
+            found = latest_checkpoint(run_dir / "checkpoints", verified=False)
+            if found is not None:
+                check_steps_left(found, checkpoint_step(found), config)
         write_atomically(run_dir / "config.yaml", to_yaml(config), what="run config")
         if data_stats is not None:
             write_atomically(
@@ -99,6 +104,17 @@ def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | No
             str(error if isinstance(error, StorageError) else storage_error(error, run_dir, "run folder"))
         ) from error
     return run_dir
+
+
+def check_steps_left(checkpoint: Path, step: int, config: Any) -> None:
+    """A resume from a checkpoint already past ``trainer.max_steps`` is refused: Lightning would stop at once and
+    the run export the step-``step`` model as if it had trained to max_steps, config.yaml saying so."""
+    trainer = getattr(config, "trainer", None)
+    if trainer is not None and step > trainer.max_steps:
+        raise ConfigError(
+            f"trainer.max_steps={trainer.max_steps}: {checkpoint} is already at step {step}; set trainer.max_steps "
+            f"above {step} to train on from it, or run.name to another folder for a new run"
+        )
 
 
 def check_resumed_model(run_dir: Path, config: Any) -> None:
@@ -281,6 +297,8 @@ def resolve_resume(
         differences = describe_differences(ModelConfig.from_dict(saved), model)
         if differences:
             raise ConfigError(f"checkpoint.resume: {path} is a checkpoint of another model {differences}")
+    if config.resume != "auto" and isinstance(header.get("global_step"), int):  # auto: start_run_directory did
+        check_steps_left(path, header["global_step"], stage)
     if stage is not None:
         check_resumed_optim(stage, header, str(path))
     return str(path)
@@ -375,7 +393,7 @@ def fit_stage(
         resume = resolve_resume(config.checkpoint, run_dir / "checkpoints", getattr(config, "model", None), config)
         # the same W&B run as before when training resumes from this folder's checkpoint
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config), resume=resume)
-        callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps()]
+        callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps(), OptimSettingsOnResume()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
         with warnings.catch_warnings():
             # Lightning 2.6's own pytree code builds torch's deprecated LeafSpec, and torch >= 2.10 warns about it

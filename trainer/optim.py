@@ -3,8 +3,10 @@ AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import lightning as L
 import torch
 from torch import Tensor, nn
 
@@ -13,7 +15,9 @@ from trainer.config import OptimConfig
 from trainer.muon import MuonWithAdamW, muon_parameters
 from trainer.schedules import scheduled_lr, warmup_cosine
 
-__all__ = ["build_optimizer", "optimizer_from_config", "parameter_groups", "warmup_cosine"]
+__all__ = ["OptimSettingsOnResume", "build_optimizer", "optimizer_from_config", "parameter_groups", "warmup_cosine"]
+
+log = logging.getLogger(__name__)
 
 
 def parameter_groups(
@@ -106,3 +110,44 @@ def muon_optimizer(matrices: list[Tensor], optim: OptimConfig) -> torch.optim.Mu
         ns_steps=muon.ns_steps,
         adjust_lr_fn=muon.adjust_lr_fn,
     )
+
+
+class OptimSettingsOnResume(L.Callback):
+    """A resumed run trains with its own config's optimizer settings (lr and the schedule, weight decay, betas, eps,
+    Muon's), not the checkpoint's: Lightning restores each param group's hyperparameters and the scheduler's base
+    rates with the optimizer state, so `optim.lr=1e-5` on a resume of a 1e-3 run trained at 1e-3 (and advice to
+    lower the lr after a divergence could not work). The optimizer state (Adam's moments, Muon's momentum) and the
+    step are kept; what changed is logged."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after configure_optimizers, before the checkpoint's state is restored: the settings this config asks for
+        self._configured = [
+            [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+            for optimizer in trainer.optimizers
+        ]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        configured, self._configured = getattr(self, "_configured", None), None
+        if not trainer.ckpt_path or configured is None:
+            return
+        changed: dict[str, tuple[Any, Any]] = {}
+        for optimizer, groups in zip(trainer.optimizers, configured, strict=True):
+            for group, wanted in zip(optimizer.param_groups, groups, strict=True):
+                for key, value in wanted.items():
+                    if key != "lr" and group.get(key) != value:
+                        changed.setdefault("lr" if key == "initial_lr" else key, (group.get(key), value))
+                    if key != "lr":
+                        group[key] = value
+        for config in trainer.lr_scheduler_configs:  # the schedule from the restored step, over the new base rates
+            schedule = config.scheduler
+            if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+                schedule.base_lrs = [group["initial_lr"] for group in schedule.optimizer.param_groups]
+                rates = [
+                    base * scale(schedule.last_epoch) for scale, base in zip(schedule.lr_lambdas, schedule.base_lrs)
+                ]
+                for group, rate in zip(schedule.optimizer.param_groups, rates, strict=True):
+                    group["lr"] = rate
+                schedule._last_lr = rates
+        if changed:
+            said = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
+            log.warning("resumed with this config's optimizer settings, not the checkpoint's: %s", said)

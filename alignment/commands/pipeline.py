@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
@@ -40,10 +39,10 @@ from models.adapter_config import PeftConfig
 from models.config_checks import bounded
 from models.errors import ConfigError
 from models.files.digests import content_key, folder_fingerprint
-from models.files.folders import claim_folder
+from models.files.folders import claim_folder, lock_folder, release_folder
 from trainer.config import HarnessEvalConfig, load_config, to_yaml
 from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
-from trainer.storage import claim_run_directory
+from trainer.storage import claim_run_directory, lock_run_directory, release_run_directory
 
 log = logging.getLogger("lantern.pipeline")
 
@@ -261,8 +260,20 @@ class Pipeline:
         self.check_heldout_disjoint()
 
     def run(self) -> None:
-        # the pipeline moves, replaces and removes stage folders in out_dir: only in a folder that is its own
+        # the pipeline moves and replaces stage folders in out_dir: only in a folder that is its own, and one pipeline
+        # at a time (a second one would move the first one's live stage away)
         claim_folder(self.root, "pipeline", key="out_dir", adopt=older_pipeline)
+        lock_folder(
+            self.root,
+            what="pipeline folder",
+            hint="wait for that pipeline to finish, stop it, or set out_dir to another folder",
+        )
+        try:
+            self._run_stages()
+        finally:
+            release_folder(self.root)
+
+    def _run_stages(self) -> None:
         self.write_demo()
         for index, stage in enumerate(self.config.stages, start=1):
             where = f"stage {index}/{len(self.config.stages)}"
@@ -335,18 +346,31 @@ class Pipeline:
             # new or changed: never resume another config's checkpoints; keep one backup, not a pile of them. Only
             # this stage's Lantern runs are moved or removed: anything else there is refused, untouched.
             if run_dir.exists():
-                claim_run_directory(run_dir, stage)
-                backup = run_dir.with_name(f"{stage}.previous")
-                if backup.exists():
-                    claim_run_directory(backup, stage)
-                    shutil.rmtree(backup)
-                run_dir.rename(backup)
-                log.info("%s: config or inputs changed; moved the old run to %s", stage, backup)
+                backup = move_aside(run_dir, stage)
+                log.info("%s: config or inputs changed; moved the old run to %s (nothing deleted)", stage, backup)
             record.training_section(config).checkpoint.resume, self.status[stage] = "none", "ran"
         claim_run_directory(run_dir, stage)  # before the pipeline's record is written into it
         self.tracking.save()  # the group this stage's W&B run is in, for its resume and the stages after it
         write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
         record.run(config)
+
+
+def move_aside(run_dir: Path, stage: str) -> Path:
+    """Move the stage's old run to STAGE.previous, else STAGE.previous-2, -3, ... (the first name free) and return
+    where. Earlier runs are kept, never deleted: a finished one holds checkpoints and a final model only the user may
+    decide to remove. Refused (FolderInUse, naming the process) while a run is live in it, and for a folder that is
+    not this stage's Lantern run."""
+    claim_run_directory(run_dir, stage)
+    lock_run_directory(run_dir)  # a `lantern STAGE` started by hand may be training there
+    try:
+        backup, number = run_dir.with_name(f"{run_dir.name}.previous"), 1
+        while backup.exists():
+            number += 1
+            backup = run_dir.with_name(f"{run_dir.name}.previous-{number}")
+        run_dir.rename(backup)
+    finally:
+        release_run_directory(run_dir)  # the lock is held under the name it was taken by (the fd moved with it)
+    return backup
 
 
 def load_pipeline_config(config_path: str | None, overrides: list[str]) -> Any:

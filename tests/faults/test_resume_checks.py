@@ -140,3 +140,48 @@ def test_an_explicit_resume_that_is_not_a_training_checkpoint_says_why(data_dir,
     assert status == 2
     assert error.startswith(f"lantern pretrain: error: checkpoint.resume: {path}") and cause in error, error
     assert "weights_only" not in error and "truncated or corrupt" not in error
+
+
+def test_a_resumed_run_trains_at_its_own_optimizer_settings_not_the_checkpoints(data_dir, tmp_path, caplog):
+    """Before: a run resumed with `optim.lr=1e-5 optim.min_lr=1e-6` kept training at the checkpoint's 1e-3
+    schedule (Lightning restores the param groups' lr and the scheduler's base rates), while config.yaml said 1e-5,
+    so lowering the lr after a divergence, as Lantern advises, could not work. Now the new schedule continues from
+    the checkpoint's step, Adam's moments kept, and the change is logged."""
+    from trainer.schedules import scheduled_lr
+
+    first = ("trainer.max_steps=2", "checkpoint.every_n_steps=2", "optim.lr=1e-3", "optim.warmup_steps=0")
+    run_pretrain(tiny_config(data_dir, tmp_path, *QUICK[1:], *first))
+    again = (
+        "trainer.max_steps=4",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=5",
+        "optim.lr=1e-5",
+        "optim.min_lr=1e-6",
+    )
+    config = tiny_config(data_dir, tmp_path, *QUICK[1:], "optim.warmup_steps=0", *again)
+    caplog.set_level(logging.WARNING, logger="trainer.optim")
+    run_dir = run_pretrain(config)
+    assert "resumed with this config's optimizer settings, not the checkpoint's: lr 0.001 -> 1e-05" in caplog.text
+
+    def saved(step: int) -> dict:
+        path = run_dir / "checkpoints" / f"step-{step:08d}.ckpt"
+        return torch.load(path, map_location="cpu", weights_only=True)["optimizer_states"][0]["param_groups"][0]
+
+    assert saved(2)["initial_lr"] == 1e-3  # the first run's schedule
+    for step in (3, 4):  # the lr after each resumed step: the new schedule at that step
+        assert saved(step)["initial_lr"] == 1e-5
+        assert saved(step)["lr"] == pytest.approx(scheduled_lr(step, config.optim, 4), rel=1e-6), step
+
+
+def test_resuming_a_run_past_a_lower_max_steps_is_one_line_and_rewrites_nothing(data_dir, pretrained, tmp_path):
+    """Before: a run at step 4 rerun with trainer.max_steps=3 exited 0, its final/ the step-4 model and config.yaml
+    saying 3."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(pretrained, runs)
+    before = {p: p.read_bytes() for p in (runs / RUN_NAME).rglob("*") if p.is_file() and p.name != ".lantern.lock"}
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=3: .*step-00000004.ckpt is already at step 4; set "):
+        run_pretrain(tiny_config(data_dir, runs, *QUICK[1:], "trainer.max_steps=3"))
+    after = {p: p.read_bytes() for p in (runs / RUN_NAME).rglob("*") if p.is_file() and p.name != ".lantern.lock"}
+    assert after == before
