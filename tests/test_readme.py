@@ -4,7 +4,11 @@ every test the fault table in `docs/faults.md` names exists."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +49,34 @@ def test_every_test_named_in_the_fault_table_exists() -> None:
             assert name is None or name == "" or f"def {name}(" in source, (
                 f"docs/faults.md fault table: {path}::{name} not found"
             )
+
+
+def test_the_readmes_installs_take_the_versions_ci_tested() -> None:
+    """Both README installs use constraints.txt, which pins (name==version) every distribution pyproject.toml asks
+    for, base and extras, torch aside (installed first, by the README's own line)."""
+    for heading in ("**Main job**", "**Tests**"):
+        assert "pip install torch==2.13.0 && pip install -c constraints.txt -e " in readme_command(heading), heading
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    names = {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", r).group()).lower() for r in wanted}
+    assert names - {"torch", "lantern"} <= set(pins), sorted(names - {"torch", "lantern"} - set(pins))
+    assert "torch" not in pins
+
+
+def test_check_installed_names_a_package_whose_version_is_not_its_pin(tmp_path) -> None:
+    import importlib.metadata
+
+    numpy = importlib.metadata.version("numpy")
+    script = [sys.executable, str(ROOT / ".ci" / "check_installed.py")]
+    (tmp_path / "same.txt").write_text(f"# comment\nnumpy=={numpy}\nnot-installed-anywhere==1.0\n")
+    assert subprocess.run([*script, str(tmp_path / "same.txt")], capture_output=True, text=True).returncode == 0
+    (tmp_path / "other.txt").write_text("NumPy==0.0.1\n")
+    done = subprocess.run([*script, str(tmp_path / "other.txt")], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"check_installed: numpy {numpy} is installed, {tmp_path / 'other.txt'} pins 0.0.1" in done.stderr
