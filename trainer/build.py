@@ -12,14 +12,11 @@ from typing import Any
 
 import lightning as L
 import torch
-import yaml
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.loggers import Logger
 
-from models.errors import CheckpointError, LanternError
+from models.errors import LanternError
 from models.files.atomic import StorageError, storage_error, write_atomically
-from models.formats.checkpoint_io import architecture_differences
-from models.model import ModelConfig
 from trainer.callbacks import (
     DataProgress,
     ExportFinal,
@@ -28,11 +25,9 @@ from trainer.callbacks import (
     Throughput,
     device_peak_flops,
 )
-from trainer.checkpoints import checkpoint_step, has_checkpoints, latest_checkpoint, read_checkpoint_header
 from trainer.checks import resolve_stage_tokenizer
 from trainer.config import (
     CPU_OFFLOAD_NEEDS_GPUS,
-    CheckpointConfig,
     ConfigError,
     HarnessEvalConfig,
     TrainerConfig,
@@ -44,7 +39,7 @@ from trainer.optim import OptimSettingsOnResume
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import planned_precision
 from trainer.plan_check import PlannedRun, PlanVersusMeasured
-from trainer.schedules import check_resumed_optim
+from trainer.resume import check_resumable, resolve_resume
 from trainer.stopping import StoppingDDPStrategy
 from trainer.storage import (
     AtomicCheckpoint,
@@ -85,11 +80,7 @@ def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | No
         claim_run_directory(run_dir, stage)
         if is_global_rank_zero():
             lock_run_directory(run_dir)
-        check_resumed_model(run_dir, config)
-        if config.checkpoint.resume == "auto":
-            found = latest_checkpoint(run_dir / "checkpoints", verified=False)
-            if found is not None:
-                check_steps_left(found, checkpoint_step(found), config)
+        check_resumable(run_dir, config)
         write_atomically(run_dir / "config.yaml", to_yaml(config), what="run config")
         if data_stats is not None:
             write_atomically(
@@ -104,36 +95,6 @@ def start_run_directory(config: Any, stage: str, data_stats: dict[str, Any] | No
             str(error if isinstance(error, StorageError) else storage_error(error, run_dir, "run folder"))
         ) from error
     return run_dir
-
-
-def check_steps_left(checkpoint: Path, step: int, config: Any) -> None:
-    """A resume from a checkpoint already past ``trainer.max_steps`` is refused: Lightning would stop at once and
-    the run export the step-``step`` model as if it had trained to max_steps, config.yaml saying so."""
-    trainer = getattr(config, "trainer", None)
-    if trainer is not None and step > trainer.max_steps:
-        raise ConfigError(
-            f"trainer.max_steps={trainer.max_steps}: {checkpoint} is already at step {step}; set trainer.max_steps "
-            f"above {step} to train on from it, or run.name to another folder for a new run"
-        )
-
-
-def check_resumed_model(run_dir: Path, config: Any) -> None:
-    """A run folder whose checkpoints ``checkpoint.resume=auto`` would resume must be resumed with the model they
-    hold (config.yaml records it): another one is refused in one line naming both, before config.yaml changes."""
-    model = getattr(config, "model", None)
-    if model is None or config.checkpoint.resume != "auto" or not has_checkpoints(run_dir / "checkpoints"):
-        return
-    try:
-        recorded = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))["model"]
-        previous = ModelConfig.from_dict(recorded)
-    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
-        return  # no readable record: the checkpoint's own shapes are checked when it loads (LanguageModelModule)
-    differences = describe_differences(previous, model)
-    if differences:
-        raise ConfigError(
-            f"model: {run_dir} holds checkpoints of another model {differences}: resume it with "
-            "its own model, or set run.name to a new folder (or checkpoint.resume=none there) to start afresh"
-        )
 
 
 def peak_flops(config: TrainerConfig) -> float:
@@ -258,50 +219,6 @@ def lightning_precision(config: TrainerConfig) -> str:
     if config.strategy == "fsdp" and config.precision == "bf16-mixed":
         return "32-true"
     return config.precision
-
-
-def describe_differences(saved: ModelConfig, configured: ModelConfig) -> str:
-    """'(dim 128, ...) than the config's (dim 512, ...)' for the architecture fields that differ; '' if none."""
-    differences = architecture_differences(saved, configured)
-    if not differences:
-        return ""
-    was = ", ".join(f"{key} {old}" for key, old, _ in differences)
-    now = ", ".join(f"{key} {new}" for key, _, new in differences)
-    return f"({was}) than the config's ({now})"
-
-
-def resolve_resume(
-    config: CheckpointConfig, checkpoint_dir: Path, model: ModelConfig | None = None, stage: Any = None
-) -> str | None:
-    """The checkpoint to resume: ``auto`` the newest of this run that verifies and loads, if any; ``none`` none; else
-    the path given. One of another model than ``model``, or of another optimizer or past a WSD cooldown's start than
-    the ``stage`` config's (``check_resumed_optim``), is refused in one line naming both."""
-    if config.resume == "none":
-        return None
-    if config.resume == "auto":
-        found = latest_checkpoint(checkpoint_dir)
-        if found is None:
-            return None
-        log.info("resuming from %s", found)
-        path = found
-    else:
-        path = Path(config.resume)
-        if not path.exists():
-            raise ConfigError(f"checkpoint.resume: {path} does not exist")
-    try:
-        header = read_checkpoint_header(path)
-    except CheckpointError as error:
-        raise CheckpointError(f"checkpoint.resume: {error}") from None
-    saved = ((header.get("hyper_parameters") or {}).get("config") or {}).get("model")
-    if model is not None and isinstance(saved, dict):
-        differences = describe_differences(ModelConfig.from_dict(saved), model)
-        if differences:
-            raise ConfigError(f"checkpoint.resume: {path} is a checkpoint of another model {differences}")
-    if config.resume != "auto" and isinstance(header.get("global_step"), int):  # auto: start_run_directory did
-        check_steps_left(path, header["global_step"], stage)
-    if stage is not None:
-        check_resumed_optim(stage, header, str(path))
-    return str(path)
 
 
 def make_trainer(

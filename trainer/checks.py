@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -9,6 +10,8 @@ from typing import Any, Protocol
 from data.tokenizer.base import TokenizerBase, load_tokenizer, resolve_tokenizer_spec
 from data.tokenizer.files import find_tokenizer
 from models.errors import ConfigError
+from models.files.checksums import sha256_file
+from models.formats.checkpoint import TOKENIZER_RECORD
 from models.model import ModelConfig
 from trainer.model_sources import source_kind, source_model_config, source_tokenizer
 
@@ -91,6 +94,7 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
     says nothing of its tokenizer, so the bundled default, which could fit its vocabulary all the same, is refused
     there."""
     folder = Path(checkpoint_dir)
+    check_recorded_tokenizer(folder)
     found = find_tokenizer(folder) if folder.is_dir() else None
     if found is not None:
         if Path(tokenizer.path).resolve() == found.resolve():
@@ -108,6 +112,24 @@ def check_same_tokenizer(tokenizer, checkpoint_dir: str | Path, *, key: str) -> 
             f"{folder} carries no tokenizer (tokenizer.json, tokenizer.model or original/tokenizer.model): "
             f"{_naming(key, 'TOKENIZER')}, the tokenizer the model was trained with, not the bundled default"
         )
+
+
+def check_recorded_tokenizer(folder: Path) -> None:
+    """A native folder's tokenizer files must be the ones its weights were saved with (lantern.json records their
+    sha256): another tokenizer put in their place (a 4,096-token tokenizer.json beside SmolLM2's weights) would
+    encode every text into other ids, and generation print garbage with exit 0."""
+    try:
+        recorded = json.loads((folder / "lantern.json").read_text(encoding="utf-8")).get(TOKENIZER_RECORD) or {}
+    except (OSError, ValueError, AttributeError):
+        return  # no record (a Hugging Face or Meta folder, an older Lantern's): the other checks apply
+    for name, digest in recorded.items():
+        path = folder / name
+        if not path.is_file() or sha256_file(path) != digest:
+            state = "is missing" if not path.is_file() else "is not the one its weights were saved with"
+            raise ConfigError(
+                f"{path} {state} (lantern.json records the sha256 of the tokenizer the model was trained with): put "
+                f"the model's own {name} back, or convert the model again from its source with its tokenizer"
+            )
 
 
 def resolve_stage_tokenizer(config: Any) -> None:

@@ -296,14 +296,26 @@ def _type_at(schema: type, path: list[str]) -> type | None:
     return current if is_dataclass(current) else None
 
 
+def existing_config_file(path: str | Path) -> Path:
+    """``path`` as a config file (a missing ``configs/...`` path: the installed preset), or a one-line ConfigError:
+    a folder names the YAML files in it, a missing file says so."""
+    file = shipped_path(path)
+    if file.is_dir():
+        presets = sorted(p.name for p in file.glob("*.yaml"))
+        listed = ", ".join(presets[:6]) + (", ..." if len(presets) > 6 else "")
+        hint = f"give one of its YAML files: {listed}" if presets else "it holds no YAML file"
+        raise ConfigError(f"config file {path} is a folder; {hint}")
+    if not file.is_file():
+        raise ConfigError(f"config file {file} does not exist")
+    return file
+
+
 def load_config(schema: type[Schema], path: str | Path | None = None, overrides: list[str] | None = None) -> Schema:
     """Read YAML ``path`` (optional; a missing ``configs/...`` path is the installed preset, see ``shipped_path``),
     apply ``key=value`` overrides, check against ``schema``, return it."""
-    path = None if path is None else shipped_path(path)
+    path = None if path is None else existing_config_file(path)
     source = str(path) if path else "<defaults>"
     if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
         raw = read_yaml(path)
         # OmegaConf reads a file with no document (0 bytes, only comments or blank lines, a bare `null`) as {}:
         # every default, a full-size run nobody asked for (a file truncated or not yet written): refused

@@ -24,7 +24,7 @@ from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
 from models.errors import CheckpointError, one_line
 from models.files.atomic import IfExists, atomic_directory, check_destination
-from models.formats.checkpoint import export_hf, load_checkpoint, save_checkpoint, write_hf_folder
+from models.formats.checkpoint import export_hf, load_checkpoint, load_model_config, save_checkpoint, write_hf_folder
 from models.formats.checkpoint_io import read_torch_file
 from models.formats.gguf_format import check_gguf_destination, write_gguf
 from models.formats.hf_format import native_to_hf_adapter_state, write_hf_adapter
@@ -129,17 +129,39 @@ def training_checkpoint_model(
         for name, tensor in checkpoint["state_dict"].items()
         if name.startswith(prefix)
     }
+    if any(name.startswith("head.") for name in state):
+        raise CheckpointError(
+            f"{path} is a reward model's checkpoint (a backbone and a score head), not a language model's: the "
+            "run's final/ folder is its exported reward model (PPO and the report read it there)"
+        )
     tokenizer = recorded_tokenizer(config)
     metadata: dict[str, Any] = {"step": checkpoint.get("global_step"), "exported_from": str(path)}
     record = (checkpoint.get("adapters") or {}).get(prefix.removesuffix("."))
     if record is None:
-        return _plain_model(path, state, ModelConfig.from_dict(config["model"])), tokenizer, metadata, None
+        return _plain_model(path, state, _recorded_model(config, path)), tokenizer, metadata, None
     model = model_with_adapters(path, record, state)
     if merge:
         merge_adapters(model)
         metadata["merged_adapters"] = {k: record.get(k) for k in ("checkpoint", "seed", "fingerprint", "peft")}
         log.info("LoRA adapters of %s merged into their base %s", path, _base_name(record))
     return model, tokenizer, metadata, record
+
+
+def _recorded_model(config: Mapping[str, Any], path: str | Path) -> ModelConfig:
+    """The model a run's config records: its model section, or (RL stages, which have none) the config of the
+    policy folder it started from."""
+    if "model" in config:
+        return ModelConfig.from_dict(config["model"])
+    policy = (config.get("init") or {}).get("policy")
+    if not policy:
+        raise CheckpointError(f"{path}: its config records no model (no model section, no init.policy)")
+    try:
+        return load_model_config(policy)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path}: its model is that of init.policy, {policy}, which cannot be read now ({one_line(error)}): "
+            "put that folder back to export this checkpoint"
+        ) from None
 
 
 def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config: ModelConfig) -> Transformer:

@@ -118,7 +118,7 @@ def load_tasks(tasks: Sequence[str | dict], manager, *, key: str = "--tasks") ->
     for task in tasks:
         name = task["task"] if isinstance(task, dict) else task
         try:
-            manager.load([task])
+            loaded = manager.load([task])
         except (OSError, ValueError, ConnectionError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             source = task.get("dataset_path") if isinstance(task, dict) else _dataset_path(name, manager)
@@ -128,6 +128,25 @@ def load_tasks(tasks: Sequence[str | dict], manager, *, key: str = "--tasks") ->
                 "the task at local files: a task YAML with dataset_path: json and dataset_kwargs.data_files, "
                 "passed with --include-path (docs/evaluation.md)"
             ) from None
+        for task_name, loaded_task in (loaded.get("tasks") or {}).items():
+            check_targets(loaded_task, task_name, key=key)
+
+
+def check_targets(task: Any, name: str, *, key: str = "--tasks") -> None:
+    """A multiple-choice task whose target is not one of a document's choices (``doc_to_target`` naming a field the
+    data lacks reads as that text) would score every document wrong, 0 +- 0, without a word: one line naming the
+    task, the document and the field instead."""
+    if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
+        return
+    for index, doc in enumerate(task.eval_docs):
+        target, choices = task.doc_to_target(doc), task.doc_to_choice(doc)
+        targets = target if isinstance(target, list) else [target]
+        if not all((isinstance(t, int) and 0 <= t < len(choices)) or t in choices for t in targets):
+            raise DataError(
+                f"{key} {name}: document {index + 1}'s target {target!r} is not one of its {len(choices)} choices "
+                f"({', '.join(map(repr, choices[:4]))}{', ...' if len(choices) > 4 else ''}): check the task's "
+                f"doc_to_target ({task.config.doc_to_target!r}) against the data's fields"
+            )
 
 
 def _dataset_path(name: str, manager) -> str:

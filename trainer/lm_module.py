@@ -8,6 +8,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -116,11 +117,7 @@ class LanguageModelModule(L.LightningModule):
         if count > allowed:
             self.failed = True
             in_a_row = f" after {count - 1} skipped in a row (trainer.max_nonfinite_steps={allowed})" if allowed else ""
-            raise NonFiniteLossError(
-                f"{described} at step {step}{in_a_row}: training stopped before this update; checkpoints are never "
-                "written with a non-finite tensor, so the newest one is the last good step and a rerun resumes "
-                "from it (lower optim.lr, enable optim.grad_clip or check the data)"
-            )
+            raise NonFiniteLossError(f"{described} at step {step}{in_a_row}: {self._after_non_finite()}")
         self.skip_step = step
         log.warning(
             "%s at step %d: step skipped (%d of trainer.max_nonfinite_steps=%d in a row)",
@@ -130,6 +127,23 @@ class LanguageModelModule(L.LightningModule):
             allowed,
         )
         return True
+
+    def _after_non_finite(self) -> str:
+        """What a stop on a non-finite value leaves and what to do: the newest checkpoint, if there is one."""
+        from trainer.checkpoints import latest_checkpoint  # deferred: only on the way out
+
+        advice = "lower optim.lr (a rerun trains at the new one), enable optim.grad_clip or check the data"
+        folder = Path(self.trainer.default_root_dir) / "checkpoints"
+        newest = latest_checkpoint(folder, verified=False)
+        if newest is None:
+            return (
+                f"training stopped before this update, before any checkpoint was written (none in {folder}): a "
+                f"rerun starts over; {advice}"
+            )
+        return (
+            "training stopped before this update; checkpoints are never written with a non-finite tensor, so "
+            f"{newest} is the last good step and a rerun resumes from it; {advice}"
+        )
 
     def on_train_start(self) -> None:
         self._step_sums = torch.zeros(len(self.step_metrics), device=self.device)

@@ -144,7 +144,7 @@ def write_results(results: dict, out: Path, args: argparse.Namespace) -> None:
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
 
-    from models.files.atomic import write_atomically
+    from models.files.atomic import remove_path, storage_error, write_atomically
 
     tracker = EvaluationTracker(output_path=str(out))
     samples = results.pop("samples", None)
@@ -152,12 +152,20 @@ def write_results(results: dict, out: Path, args: argparse.Namespace) -> None:
         model_source="lantern", model_args=f"pretrained={args.checkpoint}", system_instruction=None,
         chat_template=None, fewshot_as_multiturn=args.apply_chat_template and bool(args.num_fewshot),
     )  # fmt: skip
-    tracker.save_results_aggregated(results=results, samples=samples)
-    if samples:
-        for task in results["configs"]:
-            tracker.save_results_samples(task_name=task, samples=samples[task])
+    before = set(out.rglob("*"))
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
-    write_atomically(out / "table.md", table)
+    try:
+        # lm-eval's tracker writes in place: on a full disk a half-written samples file and a results JSON would
+        # stay, so what this call wrote is removed and the error says so
+        tracker.save_results_aggregated(results=results, samples=samples)
+        if samples:
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+        write_atomically(out / "table.md", table)
+    except OSError as error:
+        for path in sorted(set(out.rglob("*")) - before, reverse=True):
+            remove_path(path)
+        raise storage_error(error, out, "evaluation results", kept="the files it had begun are removed") from error
     print(table)
     print(f"results: {out}")
     if args.wandb_project:

@@ -21,6 +21,7 @@ from alignment.commands.pipeline_records import (
     PENDING,
     RECORD,
     data_hash,
+    move_aside,
     older_pipeline,
     read_json,
     stage_state,
@@ -42,7 +43,7 @@ from models.files.digests import content_key, folder_fingerprint
 from models.files.folders import claim_folder, lock_folder, release_folder
 from trainer.config import HarnessEvalConfig, load_config, to_yaml
 from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
-from trainer.storage import claim_run_directory, lock_run_directory, release_run_directory
+from trainer.storage import claim_run_directory
 
 log = logging.getLogger("lantern.pipeline")
 
@@ -221,6 +222,20 @@ class Pipeline:
         self.configs[stage] = config
         return config, inputs
 
+    def check_stage_configs(self) -> None:
+        """Every stage's config (its preset, overrides and wiring) loaded and checked before the first stage runs,
+        each wired to the outputs the stages before it will write, as ``lantern plan`` does: a bad key or value in
+        a later stage's overrides is one line before any compute, not after prepare and pretrain have run."""
+        outputs, configs = dict(self.outputs), dict(self.configs)
+        self.demo_hash = getattr(self, "demo_hash", "check")
+        try:
+            for stage in self.config.stages:
+                self.load_stage_config(stage)
+                output = self.corpus if stage == PREPARE else self.stage_dir(stage) / "final"
+                self.outputs.setdefault(stage, (output, "check"))
+        finally:
+            self.outputs, self.configs = outputs, configs
+
     def peft_overrides(self, prefix: str) -> list[str]:
         """The pipeline's ``peft`` section as a stage's overrides (none while it is off)."""
         if not self.config.peft.enabled:
@@ -274,6 +289,7 @@ class Pipeline:
             release_folder(self.root)
 
     def _run_stages(self) -> None:
+        self.check_stage_configs()
         self.write_demo()
         for index, stage in enumerate(self.config.stages, start=1):
             where = f"stage {index}/{len(self.config.stages)}"
@@ -353,24 +369,6 @@ class Pipeline:
         self.tracking.save()  # the group this stage's W&B run is in, for its resume and the stages after it
         write_record(run_dir, {"stage": stage, "hash": digest}, name=PENDING)  # "started with this hash"
         record.run(config)
-
-
-def move_aside(run_dir: Path, stage: str) -> Path:
-    """Move the stage's old run to STAGE.previous, else STAGE.previous-2, -3, ... (the first name free) and return
-    where. Earlier runs are kept, never deleted: a finished one holds checkpoints and a final model only the user may
-    decide to remove. Refused (FolderInUse, naming the process) while a run is live in it, and for a folder that is
-    not this stage's Lantern run."""
-    claim_run_directory(run_dir, stage)
-    lock_run_directory(run_dir)  # a `lantern STAGE` started by hand may be training there
-    try:
-        backup, number = run_dir.with_name(f"{run_dir.name}.previous"), 1
-        while backup.exists():
-            number += 1
-            backup = run_dir.with_name(f"{run_dir.name}.previous-{number}")
-        run_dir.rename(backup)
-    finally:
-        release_run_directory(run_dir)  # the lock is held under the name it was taken by (the fd moved with it)
-    return backup
 
 
 def load_pipeline_config(config_path: str | None, overrides: list[str]) -> Any:

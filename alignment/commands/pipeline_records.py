@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from models.files.digests import content_key
+from trainer.storage import claim_run_directory, lock_run_directory, release_run_directory
 
 RECORD, PENDING = "pipeline_stage.json", "pipeline_stage.pending.json"
 StageState = Literal["up to date", "interrupted", "new"]
@@ -52,3 +53,21 @@ def older_pipeline(root: Path) -> bool:
     """A pipeline folder written before folder markers: it holds the records only a pipeline writes."""
     records = (root / "data" / "demo" / "demo_manifest.json", root / "data" / "corpus" / "manifest.json")
     return any(path.is_file() for path in records) or any(root.glob(f"*/{RECORD}"))
+
+
+def move_aside(run_dir: Path, stage: str) -> Path:
+    """Move the stage's old run to STAGE.previous, else STAGE.previous-2, -3, ... (the first name free) and return
+    where. Earlier runs are kept, never deleted: a finished one holds checkpoints and a final model only the user may
+    decide to remove. Refused (FolderInUse, naming the process) while a run is live in it, and for a folder that is
+    not this stage's Lantern run."""
+    claim_run_directory(run_dir, stage)
+    lock_run_directory(run_dir)  # a `lantern STAGE` started by hand may be training there
+    try:
+        backup, number = run_dir.with_name(f"{run_dir.name}.previous"), 1
+        while backup.exists():
+            number += 1
+            backup = run_dir.with_name(f"{run_dir.name}.previous-{number}")
+        run_dir.rename(backup)
+    finally:
+        release_run_directory(run_dir)  # the lock is held under the name it was taken by (the fd moved with it)
+    return backup

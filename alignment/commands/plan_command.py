@@ -23,8 +23,7 @@ from alignment.stages.registry import Stage
 from models.errors import ConfigError
 from models.memory import GiB
 from models.model import ModelConfig
-from models.resources import shipped_path
-from trainer.config import load_config, read_yaml
+from trainer.config import existing_config_file, load_config, read_yaml
 from trainer.hardware import fabric_named, gpu_by_numbers, gpu_named
 from trainer.plan import duration, gib
 
@@ -39,9 +38,7 @@ def detect_stage(path: str, overrides: list[str], stage: str | None) -> Stage | 
         if registry.find_stage(stage) is None:
             raise ConfigError(f"--stage {stage!r} is not a stage: one of {names}")
         return registry.stage_named(stage)
-    file = shipped_path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file {file} does not exist")
+    file = existing_config_file(path)
     raw = read_yaml(file)  # the loader every command reads a config with: a duplicate key is named, not guessed past
     if (isinstance(raw, DictConfig) and "stages" in raw) or file.resolve().parent.name == "pipeline":
         return None

@@ -18,7 +18,7 @@ import torch
 
 from alignment.shared.plan_models import ModelResolver, stage_models
 from alignment.shared.stage_plan import Models, StagePlan, Target, with_overrides
-from models.errors import ConfigError
+from models.errors import ConfigError, LanternError
 from models.memory import GiB
 from trainer.hardware import GPU, gpu_from_device_name
 from trainer.plan import gib
@@ -163,7 +163,11 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
     in_use = host_memory_now()[1]
     try:
         plan = stage.plan(config, stage_models(config, ModelResolver(None)), device_target(trainer))
-    except Exception as error:  # a missing model or bad rows are the stage's own errors to raise, a bug a warning
+    except LanternError:
+        # a missing or unreadable model, bad rows: the error the stage itself would stop on a moment later, after
+        # loading more (before: a warning that "training goes on", then that same error)
+        raise
+    except Exception as error:  # a bug of the estimate: advice lost, never the run
         log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
         return None
     line = plan.line()

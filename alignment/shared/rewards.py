@@ -16,7 +16,9 @@ against the prompt's reference. PPO, GRPO and rejection sampling all score respo
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.errors import ConfigError
+from models.errors import ConfigError, DataError, one_line
 from models.generation import flex_bucketed, ids_and_positions
 from models.heads import ScalarModel, gather_last, load_scalar_model
 
@@ -46,7 +48,20 @@ def load_checker(path: str, key: str) -> Checker | None:
     checker = getattr(module, function_name, None)
     if not callable(checker):
         raise ConfigError(f"{key}: {module_name!r} has no function {function_name!r}")
-    return checker
+
+    @functools.wraps(checker)
+    def named(record: dict[str, Any], answer: str) -> float | None:
+        try:
+            return checker(record, answer)
+        except Exception as error:  # a bug of the user's checker: stop, saying whose and on which row
+            row = json.dumps(record, default=str)
+            row = row if len(row) <= 160 else row[:157] + "..."
+            raise DataError(
+                f"{key} {path} raised {type(error).__name__} ({one_line(error)[:200]}) on the row {row} and the "
+                f"answer {answer[:80]!r}"
+            ) from error
+
+    return named
 
 
 def normalize_reward(reward: Tensor, metadata: dict[str, Any], eps: float = 1e-6) -> Tensor:

@@ -118,8 +118,8 @@ def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) 
     check_dpo_config(config)
     plan = stage_named("dpo").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
+    datamodule = preference_data(config, DPODataModule)  # bad data in one line before any weights are read
     policy, reference, adapter_bases = load_dpo_models(config, tokenizer)
-    datamodule = preference_data(config, DPODataModule)
     uses_reference = config.loss.kind != "simpo"
     precompute = uses_reference and config.loss.reference_logprobs == "precompute"
     scored = policy if reference is None else reference  # no frozen reference (peft.kind=lora): the policy's base

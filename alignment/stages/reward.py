@@ -167,19 +167,22 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     check_stage_config(config)
     plan = stage_named("rm").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
+    samples = config.policy_samples
+    sampling = bool(samples.policy and samples.checker and samples.train != "none")
+    # bad data in one line before any weights are read (pairs sampled from a policy join the data after it loads)
+    datamodule = None if sampling else preference_data(config)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
     stage_named("rm").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     # peft.kind=lora: the backbone's adapters and the whole score head train
     adapter_bases = add_stage_adapters(config, model, base=model.backbone, trainable=("head.",))
-    samples = config.policy_samples
-    if samples.policy and samples.checker and samples.train != "none":
+    if sampling:
         # every process of a launch samples the same pairs (seeded) and writes the same file atomically
         folder = run_directory(config.run.out_dir, config.run.name)
         claim_run_directory(folder, "rm")  # before the pairs are written into it
         pairs = str(write_policy_pairs(config, folder, tokenizer))
         config.data.train = [pairs] if samples.train == "replace" else [*config.data.train, pairs]
-    datamodule = preference_data(config)
+        datamodule = preference_data(config)
     run_dir = start_run_directory(config, "rm", data_stats=datamodule.stats)
     callbacks = [
         # the metadata is called at the end, on every rank: the normalisation pass runs forwards on all of them

@@ -114,6 +114,10 @@ def run_rl(
         reward = Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
     else:
         reward = algorithm.reward(config)
+    prompts_per_rollout = getattr(algorithm.hyperparameters(config), algorithm.rollout[0])
+    datamodule = PromptDataModule(config.data, batch_size=prompts_per_rollout)
+    datamodule.setup("fit")  # bad prompts in one line before any weights are read
+    check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
     policy = load_policy(config, algorithm)
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones.
     # The extra models come first: a critic copied from the policy is a copy of the policy as loaded, no adapters.
@@ -123,10 +127,6 @@ def run_rl(
     if adapter_bases:
         adapter_bases.update(algorithm.extra_adapters(config, extra, reward))
     models = {"policy": policy, "reference": None if adapter_bases else copy.deepcopy(policy), **extra}
-    prompts_per_rollout = getattr(algorithm.hyperparameters(config), algorithm.rollout[0])
-    datamodule = PromptDataModule(config.data, batch_size=prompts_per_rollout)
-    datamodule.setup("fit")
-    check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
 
     run_dir = start_run_directory(config, algorithm.stage)
     metadata = {"stage": algorithm.stage, "tokenizer": str(tokenizer.path)}

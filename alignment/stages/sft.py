@@ -225,17 +225,18 @@ def fine_tune(
     """``run_sft`` after its stage check and pre-flight ``plan``, for a stage that made them on the config it derived
     this one from (rejection sampling, which fine-tunes in its own folder)."""
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    model = load_initial_model(config)
-    check_initial_model(config, tokenizer, model.config)
-    stage_named("sft").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
-    adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     datamodule = SFTDataModule(
         config.data,
         micro_batch_size=config.loader.micro_batch_size,
         accumulate_grad_batches=config.trainer.accumulate_grad_batches,
         num_workers=config.loader.num_workers,
     )
-    datamodule.setup("fit")  # loading, encoding and packing errors surface before any process is launched
+    # loading, encoding and packing errors surface before any weights are read or any process is launched
+    datamodule.setup("fit")
+    model = load_initial_model(config)
+    check_initial_model(config, tokenizer, model.config)
+    stage_named("sft").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
+    adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     check_generation_budgets(config, datamodule.val_examples, tokenizer, model.config.max_seq_len)
 
     run_dir = start_run_directory(config, stage, data_stats=datamodule.stats)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import itertools
 import logging
@@ -53,6 +54,7 @@ from data.pretrain.prepared_folder import (
     disk_failure,
     lantern_manifest,
     prepared_by_lantern,
+    read_only_data,
 )
 from data.pretrain.sources import load_source, resolve_inputs, validate_dataset
 from data.pretrain.workers import workers_die_with_this_process
@@ -264,8 +266,15 @@ def prepare(config: PrepareConfig) -> dict:
         for path in files:
             check_utf8(path)
     # Only a folder Lantern prepared (or an empty one) is written into, by one prepare at a time.
-    claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
-    lock_folder(out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one")
+    try:
+        claim_folder(out_dir, PREPARED_KIND, key="data.out_dir", adopt=prepared_by_lantern)
+        lock_folder(
+            out_dir, what="data folder", hint="wait for it to finish, stop it, or set data.out_dir to another one"
+        )
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return read_only_data(config, tokenizer, None if fmt == "hub" else files, out_dir, error)
     try:
         # a kill -9 (the OOM killer) of this process must not leave the tokenizing workers running
         with workers_die_with_this_process():

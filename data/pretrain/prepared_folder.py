@@ -9,7 +9,9 @@ import os
 import shutil
 from pathlib import Path
 
+from data.pretrain.manifest import stale_reason
 from data.streams.shards import MANIFEST_NAME
+from models.files.atomic import StorageError
 from models.files.folders import LOCK_FILE, FolderNotLanterns, is_lanterns, listed_entries
 
 log = logging.getLogger("lantern.prepare")
@@ -112,3 +114,19 @@ def disk_failure(error: BaseException) -> OSError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def read_only_data(config, tokenizer, files: list[str] | None, out_dir: Path, error: OSError) -> dict:
+    """A data folder this process cannot write (a shared, read-only dataset): its manifest when the data there is
+    up to date, which needs no write; else one line saying it is read-only and why it would be rebuilt. ``files``:
+    None for a hub dataset (whose identity only a rebuild tells)."""
+    reason, old = stale_reason(config, tokenizer, files)
+    if reason is None and files is not None and lantern_manifest(out_dir) is not None:
+        log.info("prepared data in %s is up to date (read-only here); nothing to do", out_dir)
+        return old
+    why = reason or "a hub dataset is checked by rebuilding it"
+    raise StorageError(
+        error.errno or errno.EACCES,
+        f"data folder {out_dir} is read-only here ({error.strerror or error}) and its data is not up to date "
+        f"({why}): make it writable or set data.out_dir to a folder you can write",
+    ) from None

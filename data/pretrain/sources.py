@@ -105,7 +105,7 @@ def resolve_inputs(config: PrepareConfig, formats: Sequence[str] = READABLE) -> 
     files = [os.path.abspath(f) for f in dict.fromkeys(files)]  # drop duplicates, keep order
 
     if config.format != "auto":
-        return config.format, files
+        return _checked(config.format, files)
     formats = {f: _format_of(f) for f in files}
     unknown = [f for f, fmt in formats.items() if fmt is None]
     if unknown:
@@ -115,7 +115,22 @@ def resolve_inputs(config: PrepareConfig, formats: Sequence[str] = READABLE) -> 
     kinds = sorted(set(formats.values()))
     if len(kinds) > 1:
         raise ValueError(f"inputs mix formats ({', '.join(kinds)}); prepare each format separately or set format")
-    return kinds[0], files
+    return _checked(kinds[0], files)
+
+
+def _checked(fmt: str, files: list[str]) -> tuple[str, list[str]]:
+    """(fmt, files), each uncompressed Parquet file checked to be one (it starts and ends with PAR1): pyarrow's
+    error for one that is not names no file."""
+    for path in files if fmt == "parquet" else ():
+        if not path.lower().endswith(".parquet"):
+            continue  # compressed (datasets decompresses it first) or named otherwise: read as it comes
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+            handle.seek(max(os.path.getsize(path) - 4, 0))
+            tail = handle.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            raise ValueError(f"{path} is not a Parquet file (a Parquet file starts and ends with PAR1)")
+    return fmt, files
 
 
 def load_source(fmt: str, files: list[str], config: PrepareConfig, cache_dir: str, utf8_checked: bool = False):

@@ -18,7 +18,9 @@ import torch
 from data.pretrain.workers import workers_die_with_this_process
 from data.records.chat import Conversation
 from data.sft.config import SFTDataConfig
+from data.tokenizer.chat_template import ChatTemplateError
 from data.tokenizer.tokenizer import Tokenizer
+from models.errors import DataError
 from models.loss import IGNORE_INDEX
 
 log = logging.getLogger("lantern.sft")
@@ -105,7 +107,15 @@ def encode_conversation(conversation: Conversation, config: SFTDataConfig, ids: 
 def encode_examples(
     conversations: Sequence[Conversation], tokenizer: Tokenizer, config: SFTDataConfig
 ) -> list[Example]:
-    pairs = encode_chats(tokenizer, [c.messages for c in conversations], config.num_proc)
+    try:
+        pairs = encode_chats(tokenizer, [c.messages for c in conversations], config.num_proc)
+    except ChatTemplateError:
+        for conversation in conversations:  # the error path only: which row the template fails on
+            try:
+                tokenizer.encode_chat(conversation.messages)
+            except ChatTemplateError as error:
+                raise DataError(f"{conversation.where}: the chat template cannot render this row ({error})") from None
+        raise
     return [encode_conversation(c, config, ids, mask) for c, (ids, mask) in zip(conversations, pairs)]
 
 

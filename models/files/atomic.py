@@ -35,6 +35,9 @@ _STORAGE_ERRNOS = {
 }
 
 
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's words for a write the disk cut short
+
+
 class StorageError(LanternError, OSError):
     """A write failed because of the disk (full, read-only, no permission): one line naming the path and what was
     kept; ``errno`` is the original error's."""
@@ -45,11 +48,15 @@ class StorageError(LanternError, OSError):
 
 def storage_error(error: OSError, path: PathLike, what: str, kept: str = "") -> StorageError:
     """A StorageError for ``error`` raised while writing ``what`` to ``path``."""
-    reason = _STORAGE_ERRNOS.get(error.errno or 0) or error.strerror or str(error)
+    code = error.errno or 0
+    if not code and _SHORT_WRITE.search(str(error)):
+        # numpy's tofile (the GGUF writer's tensors) reports a full disk as a short write without an errno
+        code = errno.ENOSPC
+    reason = _STORAGE_ERRNOS.get(code) or error.strerror or str(error)
     message = f"cannot write {what} {path}: {reason}"
     if kept:
         message += f"; {kept}"
-    result = StorageError(error.errno or 0, message)
+    result = StorageError(code, message)
     result.filename = str(path)
     return result
 
@@ -322,6 +329,20 @@ def check_destination(
     raise FileExistsError(f"refusing to replace {target}: it is not empty ({len(entries)} entries: {listed}); {hint}")
 
 
+def _install_refusing(tmp: Path, target: Path, sources: Iterable[PathLike], what: str) -> None:
+    """``tmp`` renamed to ``target`` in one step that fails if another writer filled ``target`` since it was checked
+    (rename(2) replaces only an empty folder): of two writers racing to one destination, the second is refused as
+    the check refuses a non-empty one, instead of replacing the first's folder."""
+    try:
+        os.rename(tmp, target)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            check_destination(target, if_exists="refuse", sources=sources)  # the usual refusal, naming the folder
+        raise storage_error(error, target, what, kept="nothing was changed") from error
+    fsync_dir(target.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(
     target: PathLike,
@@ -354,6 +375,9 @@ def atomic_directory(
                 kept = "the previous folder is intact" if target.exists() else "nothing was left behind"
                 raise storage_error(error, target, what, kept=kept) from error
             raise
+        if if_exists == "refuse":
+            _install_refusing(tmp, target, sources, what)
+            return
         old = None
         try:
             if target.exists():

@@ -9,6 +9,7 @@ mid-save never leaves a half-written checkpoint where a good one was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from models.errors import CheckpointError
 from models.files.atomic import EXPORT_MARKER, IfExists, atomic_directory, check_destination
+from models.files.checksums import sha256_file
 from models.formats.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, save_safetensors
 from models.formats.hf_format import (
     config_to_hf,
@@ -52,6 +54,7 @@ __all__ = [
 
 FORMATS = ("native", "hf", "meta")
 NATIVE_FORMAT_VERSION = 1
+TOKENIZER_RECORD = "tokenizer_sha256"  # lantern.json: {tokenizer file name: sha256} of the files saved with the weights
 NATIVE_CONFIG = "lantern.json"
 
 PathLike = str | os.PathLike
@@ -100,7 +103,19 @@ def _resolve_format(path: PathLike, fmt: str) -> str:
         return detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown checkpoint format {fmt!r}; expected one of {('auto',) + FORMATS}")
+    directory = Path(path)
+    markers = {"native": [NATIVE_CONFIG], "hf": ["config.json"], "meta": ["params.json", "original/params.json"]}
+    if directory.is_dir() and not any((directory / name).is_file() for name in markers[fmt]):
+        with contextlib.suppress(FileNotFoundError):  # nothing recognisable: the loader says what is missing
+            found = detect_format(directory)
+            raise ValueError(
+                f"{directory} is a {_FORMAT_NAMES[found]} checkpoint folder, not a {_FORMAT_NAMES[fmt]} one: "
+                f"read it as {found} (lantern convert --from {found}, or --from auto)"
+            )
     return fmt
+
+
+_FORMAT_NAMES = {"native": "native (Lantern)", "hf": "Hugging Face", "meta": "Meta"}
 
 
 def load_model_config(path: PathLike, *, format: str = "auto") -> ModelConfig:
@@ -218,14 +233,17 @@ def save_checkpoint(
     read-only disk is a one-line ``StorageError`` naming ``directory``, with nothing half-written left.
     """
     model = _unwrap(model)
+    tokenizer_files = as_tokenizer_files(tokenizer_path)
     info = {
         "format": "lantern",
         "version": NATIVE_FORMAT_VERSION,
         "model": model.config.to_dict(),
         "metadata": dict(metadata or {}),
+        # the tokenizer these weights go with, by its files' bytes: another one put in their place is refused at
+        # load (trainer.checks.check_same_tokenizer), not read as this model's
+        TOKENIZER_RECORD: {name: sha256_file(path) for name, path in tokenizer_files.items()},
     }
     text = json.dumps(info, indent=2)  # fail on non-JSON metadata before touching the disk
-    tokenizer_files = as_tokenizer_files(tokenizer_path)
     state = _native_state(model)
     target = Path(directory)
     with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:

@@ -74,6 +74,10 @@ def read_torch_weights(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
+    # safetensors reports any failure to open a file as "No such file or directory": opened here first, a file
+    # another user's mode keeps unreadable says "Permission denied", with its path
+    with open(path, "rb"):
+        pass
     try:
         return load_file(path)
     except SafetensorError as error:
@@ -87,6 +91,9 @@ def save_safetensors(state: dict[str, Tensor], path: Path) -> None:
     try:
         # "format": "pt" is the metadata transformers checks for before it trusts a safetensors file.
         save_file(state, str(path), metadata={"format": "pt"})
+        # safetensors creates its file 0600; every other file Lantern writes follows the umask (0644 for most): a
+        # model another user (a shared model root) cannot read would be the odd one out
+        os.chmod(path, _FILE_MODE)
     except SafetensorError as error:
         # safetensors' Rust writer wraps the OS error in a SafetensorError (not an OSError), its errno in the text
         found = _OS_ERRNO.search(str(error))
@@ -94,6 +101,15 @@ def save_safetensors(state: dict[str, Tensor], path: Path) -> None:
             raise
         code = int(found.group(1) or found.group(2))
         raise OSError(code, os.strerror(code), str(path)) from error
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it: there is no other portable way; put back at once
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file under this process's umask
 
 
 # "I/O error: No space left on device (os error 28)" (safetensors >= 0.5) or "IoError(Os { code: 28, ...})" (0.4)

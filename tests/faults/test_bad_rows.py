@@ -179,3 +179,43 @@ def test_dpo_logs_its_data_statistics_as_dpo_not_the_reward_model(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="lantern"):
         PreferenceDataModule(config, micro_batch_size=2).setup("fit")
     assert any(r.name == "lantern.rm" and r.getMessage().startswith("RM train: 9 rows read") for r in caplog.records)
+
+
+def test_bad_sft_data_is_one_line_before_any_weights_are_read(tmp_path, monkeypatch):
+    """Before: an Alpaca file with nested `instances` (Self-Instruct's layout) was reported in one clear line, but
+    only after the model had loaded (seconds to minutes for a real one). Now the stage reads and checks its data
+    first: the error comes with no weights read."""
+    import alignment.stages.sft as sft_stage
+    from alignment.stages.sft import run_sft
+    from tests.alignment.test_sft import sft_config as stage_config
+
+    rows = [{"instruction": "Add the numbers.", "instances": [{"input": "2 3", "output": "5"}]}] * 4
+    path = write_lines(tmp_path / "alpaca.jsonl", rows)
+    monkeypatch.setattr(sft_stage, "load_initial_model", lambda *a, **k: pytest.fail("weights read before the data"))
+    config = stage_config({"train": path, "val": path}, tmp_path / "runs", "trainer.max_steps=1")
+    with pytest.raises(ValueError, match="cannot tell the schema from the columns") as error:
+        run_sft(config)
+    assert str(error.value).startswith(str(path)) and "\n" not in str(error.value)
+
+
+def test_a_chat_template_that_fails_on_one_row_names_the_row(tmp_path, tok, monkeypatch):
+    """Before: the template's error alone, naming no row of the data."""
+    from data.records.chat import Conversation
+    from data.sft.rows import encode_examples
+    from data.tokenizer.chat_template import ChatTemplateError
+
+    real = type(tok).encode_chat
+
+    def strict(self, messages):  # a template that raises on one row's content, as a user's may
+        if any("boom" in m["content"] for m in messages):
+            raise ChatTemplateError("tokenizer.json chat_template: raise_exception('no boom here')")
+        return real(self, messages)
+
+    monkeypatch.setattr(type(tok), "encode_chat", strict)
+    rows = [("hi", "hello", "a.jsonl, line 1"), ("boom?", "no", "a.jsonl, line 2")]
+    conversations = [
+        Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": a}], {}, where)
+        for q, a, where in rows
+    ]
+    with pytest.raises(DataError, match=r"^a.jsonl, line 2: the chat template cannot render this row \(tokenizer"):
+        encode_examples(conversations, tok, SFTDataConfig(train=["a.jsonl"]))

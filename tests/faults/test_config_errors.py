@@ -347,3 +347,27 @@ def test_sft_with_answers_longer_than_the_context_validates_instead_of_crashing(
 def test_lists_of_sections_get_errors_that_name_the_right_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GRPOConfig, ROOT / "configs/grpo/tiny.yaml", [override])
+
+
+@pytest.mark.parametrize("command", ["sft", "pipeline", "plan"])
+def test_a_config_folder_instead_of_a_file_names_the_yaml_files_in_it(command, capsys):
+    """Before: `lantern sft configs/sft` said the folder "does not exist"."""
+    from alignment.commands.cli import main
+
+    folder = "configs/pipeline" if command == "pipeline" else "configs/sft"
+    assert main([command, folder]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lantern {command}: error: config file {folder} is a folder; give one of its YAML files: ")
+    assert "tiny.yaml" in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("override", ["ppo.trainer.max_stepz=3", "grpo.optim.lr=-1"], ids=["bad-key", "bad-value"])
+def test_a_bad_override_of_a_later_pipeline_stage_is_one_line_before_any_compute(tmp_path, override):
+    """Before: caught only after prepare and pretrain had run (`lantern plan` found it at once)."""
+    from alignment.commands.pipeline import run_pipeline
+
+    out = tmp_path / "P"
+    with pytest.raises(ConfigError) as error:
+        run_pipeline(str(ROOT / "configs/pipeline/tiny.yaml"), [f"out_dir={out}", override])
+    assert "\n" not in str(error.value)
+    assert not (out / "data").exists() and not (out / "pretrain").exists()

@@ -184,3 +184,18 @@ def test_demo_data_line_count_miscount_through_the_cli_and_a_bad_share_touches_n
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "line_count_miscount must be in [0, 1]" in err and "Traceback" not in err
         assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft"])
+def test_a_parquet_file_that_is_not_one_is_named(tmp_path, kind):
+    """Before: pyarrow's "Parquet magic bytes not found in footer", naming no file."""
+    from data.records.chat import resolve_sources
+
+    path = tmp_path / "rows.parquet"
+    path.write_text('{"text": "not parquet"}\n')
+    with pytest.raises(ValueError, match=rf"{path} is not a Parquet file") as error:
+        if kind == "pretrain":
+            prepare(PrepareConfig(source=[str(path)], out_dir=str(tmp_path / "out")))
+        else:
+            resolve_sources(SFTDataConfig(train=[str(path)]), [str(path)])
+    assert "\n" not in str(error.value)

@@ -263,3 +263,20 @@ def test_a_pipeline_refuses_an_out_dir_holding_the_users_files(tmp_path):
     with pytest.raises(FolderNotLanterns, match=rf"^out_dir: refusing to write into {out}: .*\(sft\)"):
         Pipeline(PipelineConfig(out_dir=str(out), stages=["prepare"])).run()
     assert contents(out) == {"sft/thesis.tex": b"the user's"}
+
+
+def test_a_read_only_prepared_folder_is_read_when_up_to_date_and_named_when_not(tmp_path, monkeypatch):
+    """Before: `lantern prepare` of a shared, read-only, up-to-date folder failed on `Permission denied:
+    .lantern.lock`. Root writes through any mode, so taking the lock fails here as it does for another user."""
+    import data.pretrain.prepare as prepare_module
+
+    source, out = small_corpus(tmp_path / "src"), tmp_path / "data"
+    manifest = prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))
+
+    def read_only(folder, **kwargs):
+        raise PermissionError(13, "Permission denied", str(folder / LOCK_FILE))
+
+    monkeypatch.setattr(prepare_module, "lock_folder", read_only)
+    assert prepare(PrepareConfig(source=[str(source)], out_dir=str(out))) == manifest
+    with pytest.raises(StorageError, match=rf"data folder {out} is read-only here \(Permission denied\) and its data "):
+        prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.3))

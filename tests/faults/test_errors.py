@@ -226,3 +226,44 @@ def test_random_bytes_are_called_corrupt_not_a_dangerous_pickle(tmp_path):
         read_training_checkpoint(path)
     assert_one_line(caught.value, str(path), "truncated or corrupt")
     assert "refused" not in str(caught.value) and "weights_only" not in str(caught.value)
+
+
+def test_export_of_a_reward_model_or_a_full_weight_rl_checkpoint(tmp_path, capsys):
+    """Before: a reward model's .ckpt printed a ~6 KB line of missing and unexpected keys (export, eval); a
+    full-weight GRPO/PPO .ckpt a `KeyError: 'model'` traceback (RL configs have no model section: the policy's
+    folder is its model). Now: one line for the reward model (its run's final/ is its export), and the RL policy
+    exported with the model of its init.policy folder (one line when that folder is gone)."""
+    from data.tokenizer.tokenizer import Tokenizer
+
+    config = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=4096, max_seq_len=32)
+    torch.manual_seed(0)
+    policy = Transformer(config)
+    start = save_checkpoint(policy, tmp_path / "sft-final", tokenizer_path=Tokenizer.load().path)
+    reward = ScalarModel.from_backbone(Transformer(config))
+    rm_ckpt, rl_ckpt = tmp_path / "rm.ckpt", tmp_path / "grpo.ckpt"
+    torch.save({
+        "hyper_parameters": {"config": {"model": config.to_dict(), "data": {"tokenizer": "default"}}},
+        "state_dict": {f"model.{k}": v for k, v in reward.state_dict().items()}, "global_step": 2,
+    }, rm_ckpt)  # fmt: skip
+    torch.save({
+        "hyper_parameters": {"config": {"init": {"policy": str(start)}, "tokenizer": "default"}},
+        "state_dict": {f"model.{k}": v for k, v in policy.state_dict().items()}, "global_step": 2,
+    }, rl_ckpt)  # fmt: skip
+
+    for command in (
+        ["export", str(rm_ckpt), str(tmp_path / "rm-out")],
+        ["eval", str(rm_ckpt), "--tasks", "lantern_demo_choice", "--out", str(tmp_path / "ev")],
+    ):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{rm_ckpt} is a reward model's checkpoint (a backbone and a score head)" in err, err
+        assert len(err) < 400 and "\n" not in err, err
+
+    assert main(["export", str(rl_ckpt), str(tmp_path / "policy")]) == 0
+    exported = load_checkpoint(tmp_path / "policy")
+    assert all(torch.equal(exported.state_dict()[k], v) for k, v in policy.state_dict().items())
+    capsys.readouterr()
+    start.rename(tmp_path / "moved")
+    assert main(["export", str(rl_ckpt), str(tmp_path / "policy-2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"its model is that of init.policy, {start}, which cannot be read now" in err and "\n" not in err, err

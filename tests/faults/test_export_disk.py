@@ -171,3 +171,20 @@ def test_a_reward_model_whose_head_cannot_be_written_leaves_no_folder_without_it
     with pytest.raises(StorageError, match=r"no space left on device; nothing was left behind$"):
         save_scalar_model(ScalarModel.from_backbone(Transformer(CONFIG)), tmp_path / "rm")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_gguf_when_numpy_reports_a_short_write_says_the_disk_is_full(inputs, tmp_path, capsys, monkeypatch):
+    """Before: a full disk under the GGUF writer (numpy's tofile) read "1048576 requested and 0 written", with no
+    word of the disk: numpy reports a short write without an errno."""
+    import gguf
+
+    def write_tensors_to_file(self, *args, **kwargs):
+        raise OSError("1048576 requested and 0 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", write_tensors_to_file)
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(inputs / "plain.ckpt"), str(out), "--format", "gguf"]) == 2
+    assert f"cannot write GGUF file {out}: no space left on device; nothing was written" in one_error_line(
+        capsys, "export"
+    )
+    assert list(tmp_path.iterdir()) == []

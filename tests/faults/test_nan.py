@@ -76,9 +76,10 @@ def test_too_many_non_finite_steps_in_a_row_stop_with_the_last_good_checkpoint(d
     ]
     with pytest.raises(
         NonFiniteLossError, match=r"at step 5 after 2 skipped in a row \(trainer.max_nonfinite_steps=2\)"
-    ):
+    ) as error:
         run_pretrain(tiny_config(data_dir, tmp_path / "runs", *overrides), extra_callbacks=[PoisonFrom(at_step=3)])
     checkpoints = tmp_path / "runs" / RUN_NAME / "checkpoints"
+    assert f"{checkpoints / 'step-00000002.ckpt'} is the last good step and a rerun resumes" in str(error.value)
     # step 4 was reached by a skipped step (weights NaN here): not saved; the good step-2 checkpoint stays
     assert sorted(p.name for p in checkpoints.glob("step-*.ckpt")) == ["step-00000002.ckpt"]
     good = torch.load(latest_checkpoint(checkpoints), map_location="cpu", weights_only=True)

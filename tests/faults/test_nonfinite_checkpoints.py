@@ -14,7 +14,7 @@ import torch
 from alignment.stages.grpo import run_grpo
 from alignment.stages.ppo import run_ppo
 from alignment.stages.sft import run_sft
-from models.errors import NonFiniteLossError
+from models.errors import DataError, NonFiniteLossError
 from tests.alignment.conftest import setup  # noqa: F401 - the tiny policy, reward model and prompts
 from tests.alignment.test_grpo import grpo_config
 from tests.alignment.test_ppo import ppo_config
@@ -49,9 +49,15 @@ def test_a_checker_returning_nan_stops_grpo_naming_the_reward_and_saves_nothing_
         setup, tmp_path, NAN_CHECKER, "trainer.max_steps=3", "checkpoint.every_n_steps=1",
         f"trainer.max_nonfinite_steps={allowed}",
     )  # fmt: skip
-    with pytest.raises(NonFiniteLossError, match=r"^reward is nan for \d+ of \d+ values at step "):
+    with pytest.raises(NonFiniteLossError, match=r"^reward is nan for \d+ of \d+ values at step ") as error:
         run_grpo(config)
     assert_every_checkpoint_finite(tmp_path / config.run.name)
+    # what is left is named as it is (before: "the newest one is the last good step" with no checkpoint at all)
+    newest = latest_checkpoint(tmp_path / config.run.name / "checkpoints", verified=False)
+    if newest is None:
+        assert "before any checkpoint was written" in str(error.value) and "last good" not in str(error.value)
+    else:
+        assert f"{newest} is the last good step and a rerun resumes from it" in str(error.value)
 
 
 def test_a_checker_returning_nan_stops_ppo_before_the_update_and_saves_nothing_bad(setup, tmp_path):  # noqa: F811
@@ -85,3 +91,19 @@ def test_a_finite_loss_that_ends_in_non_finite_weights_is_not_saved_and_a_rerun_
     assert f"the last good checkpoint is {last_good}" in str(again.value)
     assert_every_checkpoint_finite(run_dir)
     assert latest_checkpoint(run_dir / "checkpoints") == last_good
+
+
+def failing_checker(record: dict, answer: str) -> float:
+    """A user's checker with a bug that raises."""
+    return {"a": 1.0}[answer[:0] + "missing"]
+
+
+def test_a_checker_that_raises_stops_grpo_naming_it_and_the_row(setup, tmp_path):  # noqa: F811
+    """Before: only the checker's own exception text (`KeyError: 'missing'`), no checker nor row named."""
+    checker = "tests.faults.test_nonfinite_checkpoints:failing_checker"
+    config = grpo_config(setup, tmp_path, f"reward.terms=[{{kind: checker, path: '{checker}'}}]", "trainer.max_steps=2")
+    with pytest.raises(
+        DataError, match=r"^reward.terms\[0\].path tests.faults.test_nonfinite_checkpoints:fail"
+    ) as error:
+        run_grpo(config)
+    assert "raised KeyError ('missing') on the row {" in str(error.value) and "and the answer " in str(error.value)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from alignment.commands.pipeline import move_aside, run_pipeline
+from alignment.commands.pipeline import run_pipeline
+from alignment.commands.pipeline_records import move_aside
 from models.files.folders import LOCK_FILE, FolderInUse
 from tests.helpers import subprocess_env
 from trainer.storage import claim_run_directory

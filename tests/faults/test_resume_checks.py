@@ -185,3 +185,13 @@ def test_resuming_a_run_past_a_lower_max_steps_is_one_line_and_rewrites_nothing(
         run_pretrain(tiny_config(data_dir, runs, *QUICK[1:], "trainer.max_steps=3"))
     after = {p: p.read_bytes() for p in (runs / RUN_NAME).rglob("*") if p.is_file() and p.name != ".lantern.lock"}
     assert after == before
+
+
+def test_a_sharded_checkpoint_resumed_by_a_single_process_run_says_which_strategy_reads_it(data_dir, tmp_path):
+    """Before: "Is a directory", with no hint that an FSDP run wrote it."""
+    sharded = tmp_path / "other" / "step-00000002.ckpt"
+    sharded.mkdir(parents=True)
+    (sharded / ".metadata").write_bytes(b"")
+    config = tiny_config(data_dir, tmp_path / "runs", *QUICK, f"checkpoint.resume={sharded}")
+    with pytest.raises(ConfigError, match=rf"{sharded} is a sharded checkpoint an FSDP run wrote .* trainer.strategy"):
+        run_pretrain(config)

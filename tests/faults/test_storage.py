@@ -271,3 +271,64 @@ def test_read_only_run_folder_is_one_line_before_any_compute(data_dir, tmp_path,
         run_pretrain(tiny_config(data_dir, tmp_path / "runs", *QUICK))
     assert "\n" not in str(raised.value)
     assert not (tmp_path / "runs" / RUN_NAME / "checkpoints").exists()
+
+
+def test_a_saved_model_follows_the_umask_as_every_other_file_does(tmp_path):
+    """Before: model.safetensors was written 0600 (safetensors' own mode) while every other file was 0644: another
+    user could not load a model from a shared root."""
+    import os
+    import stat
+
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.formats.checkpoint import save_checkpoint
+    from models.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=4096, max_seq_len=32))
+    folder = save_checkpoint(model, tmp_path / "model", tokenizer_path=Tokenizer.load().path)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == 0o666 & ~umask == modes["lantern.json"], modes
+
+
+def test_a_model_file_that_cannot_be_opened_is_named_with_the_real_cause(tmp_path, monkeypatch, capsys):
+    """Before: safetensors reported any failure to open model.safetensors (an unreadable mode) as "No such file or
+    directory". Root reads any mode, so the test makes opening it fail as another user's unreadable file does."""
+    import builtins
+
+    from alignment.commands.cli import main
+    from data.tokenizer.tokenizer import Tokenizer
+    from models.formats.checkpoint import save_checkpoint
+    from models.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=4096, max_seq_len=32))
+    folder = save_checkpoint(model, tmp_path / "model", tokenizer_path=Tokenizer.load().path)
+    weights, real_open = folder / "model.safetensors", builtins.open
+
+    def unreadable(file, *args, **kwargs):
+        if str(file) == str(weights):
+            raise PermissionError(13, "Permission denied", str(weights))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", unreadable)
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lantern generate: error: ") and "\n" not in err, err
+    assert "Permission denied" in err and str(weights) in err and "No such file" not in err, err
+
+
+def test_of_two_writers_racing_to_one_new_destination_the_second_is_refused(tmp_path):
+    """Before: two `lantern convert ... --to native SAME` at once both succeeded and the second replaced the first
+    without --overwrite (the emptiness check came long before the rename). Both writers here pass the check, then
+    the first installs its folder: the second's install is refused as the check refuses, the first's folder kept."""
+    from models.files.atomic import atomic_directory
+
+    target = tmp_path / "model"
+    first, second = atomic_directory(target, if_exists="refuse"), atomic_directory(target, if_exists="refuse")
+    (first.__enter__() / "weights").write_text("first")
+    (second.__enter__() / "weights").write_text("second")
+    first.__exit__(None, None, None)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        second.__exit__(None, None, None)
+    assert (target / "weights").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the second's build folder removed

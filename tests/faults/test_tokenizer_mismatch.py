@@ -27,6 +27,7 @@ from models.errors import ConfigError
 from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
 from trainer.build import check_stage_config
+from trainer.checks import check_model_tokenizer
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,3 +195,24 @@ def test_a_tokenizer_json_is_read_as_one_whatever_its_name(bpe_json, tmp_path):
     with pytest.raises(ValueError, match="is a Hugging Face tokenizer.json") as caught:
         Tokenizer.from_file(folder / "tokenizer.model")
     assert "sentencepiece" not in str(caught.value)
+
+
+def test_another_tokenizer_put_beside_a_models_weights_is_refused(tmp_path, capsys):
+    """Before: a 4,096-token tokenizer.json placed beside SmolLM2's weights (49,152 ids) went unnoticed: `lantern
+    generate` printed garbage and LoRA SFT trained, both exit 0. The tokenizer files a folder was saved with are
+    recorded (sha256 in lantern.json); here another rank file of the same size (two tokens' ids swapped, so every
+    text encodes otherwise) is refused by generate and by a stage starting from the folder, naming the file."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=4096, max_seq_len=32))
+    folder = save_checkpoint(model, tmp_path / "model", tokenizer_path=Tokenizer.load("default").path)
+    rank_file = folder / "tokenizer.model"
+    lines = rank_file.read_text().splitlines()
+    a, b = lines[300].split(), lines[301].split()
+    lines[300], lines[301] = f"{b[0]} {a[1]}", f"{a[0]} {b[1]}"  # two tokens trade ids
+    rank_file.write_text("\n".join(lines) + "\n")
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "KING:", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lantern generate: error: {rank_file} is not the one its weights were saved with"), err
+    assert "\n" not in err
+    with pytest.raises(ConfigError, match=f"{rank_file} is not the one its weights were saved with"):
+        check_model_tokenizer("auto", model.config, folder, key="data.tokenizer")

@@ -68,3 +68,17 @@ def test_gguf_to_gguf_and_a_folder_without_tokenizer_are_one_line(native, tmp_pa
     assert main(["convert", str(native), "--to", "gguf", str(tmp_path / "y.gguf")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "no tokenizer" in err[0] and not (tmp_path / "y.gguf").exists()
+
+
+@pytest.mark.parametrize("given", ["hf", "meta"])
+def test_a_source_format_that_is_not_the_folders_names_what_it_is(native, tmp_path, given, capsys):
+    """Before: `--from hf` of a native folder said config.json was missing; `--from meta` that params.json was found."""
+    args = ["convert", "--from", given, str(native), "--to", "hf", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    names = {"hf": "Hugging Face", "meta": "Meta"}
+    assert err == (
+        f"lantern convert: error: {native} is a native (Lantern) checkpoint folder, not a {names[given]} one: read "
+        "it as native (lantern convert --from native, or --from auto)"
+    ), err
+    assert not (tmp_path / "out").exists()
