@@ -34,6 +34,7 @@ from trainer.config import (
     to_dict,
     to_yaml,
 )
+from trainer.interrupts import say_if_sigint_ignored
 from trainer.loggers import close_logger, make_logger
 from trainer.optim import OptimSettingsOnResume
 from trainer.parallel import FSDP2Strategy
@@ -312,6 +313,7 @@ def fit_stage(
         logger = make_logger(config.logger, run_dir, config.run.name, to_dict(config), resume=resume)
         callbacks = [*in_save_order(callbacks), SkipNonFiniteSteps(), OptimSettingsOnResume()]
         trainer = make_trainer(config.trainer, run_dir=run_dir, callbacks=callbacks, logger=logger, validate=validate)
+        say_if_sigint_ignored()
         with warnings.catch_warnings():
             # Lightning 2.6's own pytree code builds torch's deprecated LeafSpec, and torch >= 2.10 warns about it
             # once a stage: nothing the user did or can change (Lightning's issue), so it is not shown.

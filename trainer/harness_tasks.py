@@ -5,6 +5,7 @@ before any model is."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import gzip
@@ -15,7 +16,7 @@ from typing import Any
 
 from data.demo.harness import TASKS as DEMO_TASKS
 from data.demo.harness import demo_task_config
-from models.errors import ConfigError, DataError
+from models.errors import ConfigError, DataError, one_line
 
 # Where a task's data is read from files rather than the Hub (lm-eval's dataset_path for a local file).
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
@@ -85,6 +86,7 @@ def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] 
     for folder in include_paths:
         if not Path(folder).is_dir():
             raise ConfigError(f"{key} {folder}: no such folder (of lm-eval task YAMLs)")
+        _check_task_files(Path(folder), key)
     paths = [str(p) for p in include_paths]
     if names:
         local = TaskManager(include_path=paths or None, include_defaults=False)
@@ -92,6 +94,39 @@ def task_manager(include_paths: Sequence[str | Path] = (), names: Sequence[str] 
         if all(name in known for name in names):
             return local
     return TaskManager(include_path=paths or None)
+
+
+def _check_task_files(folder: Path, key: str) -> None:
+    """Every task YAML in ``folder`` read as lm-eval reads it: lm-eval skips one it cannot read without a word, and
+    its task then reads as unknown ("nearest: multiple_choice"); here it is one line naming the file and why."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    for path in sorted(folder.rglob("*.yaml")):
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as error:  # yaml's errors, a missing include, a cycle: whatever lm-eval would skip it for
+            raise ConfigError(f"{key} {folder}: task file {path} cannot be read ({one_line(error)[:300]})") from None
+
+
+def _check_task_config(config: Any, name: str, key: str) -> None:
+    """A task's output_type is one lm-eval knows and its local data files exist: lm-eval's own errors for either
+    read as data that could not be loaded from the Hub."""
+    from lm_eval.api.task import ALL_OUTPUT_TYPES
+
+    if not isinstance(config, dict):
+        return
+    kind = config.get("output_type", "generate_until")
+    if kind not in ALL_OUTPUT_TYPES:
+        raise ConfigError(f"{key} {name}: output_type {kind!r} is not one of lm-eval's: {', '.join(ALL_OUTPUT_TYPES)}")
+    if config.get("dataset_path") not in LOCAL_BUILDERS:
+        return
+    files = (config.get("dataset_kwargs") or {}).get("data_files") or {}
+    for split, paths in files.items() if isinstance(files, dict) else [("data_files", files)]:
+        for path in [paths] if isinstance(paths, str) else paths:
+            if "*" not in str(path) and not Path(path).expanduser().exists():
+                raise DataError(
+                    f"{key} {name}: its {split} data file {path} does not exist (dataset_kwargs.data_files)"
+                )
 
 
 def resolve_tasks(names: Sequence[str], manager, *, key: str = "--tasks") -> list[str | dict]:
@@ -117,8 +152,10 @@ def load_tasks(tasks: Sequence[str | dict], manager, *, key: str = "--tasks") ->
     Hub dataset, a missing local file) is one line naming it and how to point it at local files."""
     for task in tasks:
         name = task["task"] if isinstance(task, dict) else task
+        _check_task_config(task if isinstance(task, dict) else _registered_config(name, manager), name, key)
         try:
-            loaded = manager.load([task])
+            with _quiet_datasets():  # the task's data is small: its build's progress bars are noise on stderr
+                loaded = manager.load([task])
         except (OSError, ValueError, ConnectionError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             source = task.get("dataset_path") if isinstance(task, dict) else _dataset_path(name, manager)
@@ -149,11 +186,34 @@ def check_targets(task: Any, name: str, *, key: str = "--tasks") -> None:
             )
 
 
-def _dataset_path(name: str, manager) -> str:
+@contextlib.contextmanager
+def _quiet_datasets():
+    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    shown = not are_progress_bars_disabled()
+    disable_progress_bars()
     try:
-        return str(manager._get_config(name).get("dataset_path", name))
-    except Exception:  # a group or tag has no single dataset
-        return name
+        yield
+    finally:
+        if shown:
+            enable_progress_bars()
+
+
+def _registered_config(name: str, manager) -> dict | None:
+    """The YAML config lm-eval's registry holds for task ``name`` (None for a group, a tag, a Python task)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager._entry(name)
+    if entry is None or entry.yaml_path is None:
+        return None
+    try:
+        return load_yaml(entry.yaml_path, resolve_func=False, recursive=True)
+    except Exception:  # unreadable: lm-eval's load says why
+        return None
+
+
+def _dataset_path(name: str, manager) -> str:
+    return str((_registered_config(name, manager) or {}).get("dataset_path", name))
 
 
 def refuse_unsafe_code(tasks: Sequence[str | dict], confirmed: bool, *, key: str, opt_in: str) -> None:

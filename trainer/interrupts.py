@@ -78,15 +78,6 @@ def watch_signals() -> Iterator[None]:
     for signum, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(signum, _handle)
-    if previous[signal.SIGINT] is signal.SIG_IGN:
-        # POSIX's convention, which Python and the shell keep: whoever started this process ignoring SIGINT (a shell
-        # for `cmd &` without job control, nohup) chose that a Ctrl-C meant for something else spares it. Kept, and
-        # said, with what does stop the run the same way.
-        log.warning(
-            "SIGINT (Ctrl-C, kill -INT) is ignored: this process was started with it ignored (nohup, or `&` in a "
-            "script) and keeps it so; stop it with SIGTERM (kill %d), which saves a checkpoint and exits 143",
-            os.getpid(),
-        )
     try:
         yield
     finally:
@@ -95,6 +86,18 @@ def watch_signals() -> Iterator[None]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         _received = None  # a later command in this process (tests) starts uninterrupted
         _cancel_deadline()
+
+
+def say_if_sigint_ignored() -> None:
+    """At the start of training: a process started with SIGINT ignored (a shell's `cmd &` without job control,
+    nohup) keeps it so, by POSIX's convention, which Python and the shell keep: whoever started it chose that a
+    Ctrl-C meant for something else spares it. Said once, with what does stop the run the same way."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        log.info(
+            "SIGINT (Ctrl-C, kill -INT) is ignored: this process was started with it ignored (nohup, or `&` in a "
+            "script) and keeps it so; stop it with SIGTERM (kill %d), which saves a checkpoint and exits 143",
+            os.getpid(),
+        )
 
 
 def note_signal(signum: int) -> None:

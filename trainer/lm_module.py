@@ -133,7 +133,8 @@ class LanguageModelModule(L.LightningModule):
         from trainer.checkpoints import latest_checkpoint  # deferred: only on the way out
 
         advice = "lower optim.lr (a rerun trains at the new one), enable optim.grad_clip or check the data"
-        folder = Path(self.trainer.default_root_dir) / "checkpoints"
+        trainer = self._trainer  # None outside a Trainer (a step driven by hand)
+        folder = Path(getattr(trainer, "default_root_dir", None) or ".") / "checkpoints"
         newest = latest_checkpoint(folder, verified=False)
         if newest is None:
             return (

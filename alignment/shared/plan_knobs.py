@@ -163,10 +163,11 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
     in_use = host_memory_now()[1]
     try:
         plan = stage.plan(config, stage_models(config, ModelResolver(None)), device_target(trainer))
-    except LanternError:
-        # a missing or unreadable model, bad rows: the error the stage itself would stop on a moment later, after
-        # loading more (before: a warning that "training goes on", then that same error)
-        raise
+    except LanternError as error:
+        # a missing or unreadable model, bad rows: the stage's own checks stop on it next, naming it their way (not
+        # "training goes on", which it then did not)
+        log.warning("plan: no estimate (%s)", error)
+        return None
     except Exception as error:  # a bug of the estimate: advice lost, never the run
         log.warning("plan: no estimate (%s: %s); training goes on", type(error).__name__, error)
         return None

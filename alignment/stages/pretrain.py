@@ -118,7 +118,8 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
         model = load_initial_model(config)  # its tokenizer was checked against it by check_stage_config
         model.config.attention = config.model.attention
 
-    run_dir = start_run_directory(config, "pretrain")
+    # data_stats.json records what the run reads, by content (fingerprint and inputs), not only data.source's words
+    run_dir = start_run_directory(config, "pretrain", data_stats={"prepared": datamodule.prepared})
     callbacks = [
         *stage_callbacks(
             config,

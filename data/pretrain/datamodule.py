@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, ConcatDataset, DataLoader, Sampler
 
+from data.pretrain.manifest import data_fingerprint
 from data.streams.datamodule import StreamDataModule, StreamLoader
 from data.streams.mixture import MixtureSampler
 from data.streams.packed import PackedDataset, StreamSampler
 from data.streams.shards import read_manifest
+from models.errors import DataError
 
 log = logging.getLogger("lantern.data")
 
@@ -76,6 +78,7 @@ class PretrainDataModule(StreamDataModule):
         self.train_dataset: PackedDataset | ConcatDataset | None = None
         self.train_parts: dict[str, PackedDataset] = {}  # a mixture's training windows per source
         self.val_datasets: dict[str, PackedDataset] | None = None  # by source name ("" for one corpus)
+        self.prepared: dict[str, dict] = {}  # by source name: the prepared data's fingerprint and inputs (setup)
 
     @property
     def source_names(self) -> list[str]:
@@ -92,6 +95,27 @@ class PretrainDataModule(StreamDataModule):
             return {"": Path(self.data_dir)}
         return {name: Path(self.data_dir) / name for name in self.sources}
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return {**state, "prepared": self.prepared} if state else state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A checkpoint resumes only on the data it trained on: the stream position means nothing in other data,
+        even of the same size (a corpus edited and prepared again). Checkpoints written before fingerprints were
+        recorded carry none and are not checked."""
+        saved = state_dict.get("prepared") or {}
+        for name, was in saved.items():
+            now = self.prepared.get(name)
+            if now is not None and now["fingerprint"] != was["fingerprint"]:
+                raise DataError(
+                    f"the checkpoint trained on other prepared data than {self._where(name)} now holds (fingerprint "
+                    f"{was['fingerprint']}, prepared from {', '.join(was['inputs'][:3]) or 'a hub dataset'}; now "
+                    f"{now['fingerprint']}, from {', '.join(now['inputs'][:3]) or 'a hub dataset'}): its position in "
+                    "the stream means nothing there. Prepare the data it trained on again, or start a new run "
+                    "(run.name, or checkpoint.resume=none)"
+                )
+        super().load_state_dict(state_dict)
+
     def _where(self, name: str) -> str:
         return f"source {name!r} ({Path(self.data_dir) / name})" if name else self.data_dir
 
@@ -106,6 +130,11 @@ class PretrainDataModule(StreamDataModule):
         folders = self._folders()
         manifests = {
             name: self._read(name, lambda folder=folder: read_manifest(folder)) for name, folder in folders.items()
+        }
+        # what this run reads, by content: recorded with the run and in each checkpoint, and checked on resume
+        self.prepared = {
+            name: {"fingerprint": data_fingerprint(m), "inputs": [i.get("path") for i in m.get("inputs", [])]}
+            for name, m in manifests.items()
         }
         if stage in (None, "fit") and self.train_dataset is None:
             self.train_parts = {name: self._dataset(name, "train") for name in folders}

@@ -41,6 +41,20 @@ def check_manifest(data_dir: str | Path, tokenizer: Tokenizer | str) -> dict:
     return manifest
 
 
+def data_fingerprint(manifest: dict) -> str:
+    """What a prepared folder holds, as one hash: its inputs (paths, sizes and sha256), tokenizer, the settings that
+    change the bytes written, and each split's token and document counts. The same for a rebuild of the same inputs;
+    another for data prepared from another corpus, even of the same size."""
+    settings = {k: v for k, v in (manifest.get("settings") or {}).items() if k not in _NON_DATA_SETTINGS}
+    identity = {
+        "inputs": manifest.get("inputs"),
+        "tokenizer": (manifest.get("tokenizer") or {}).get("fingerprint"),
+        "settings": settings,
+        "splits": {name: [s.get("tokens"), s.get("documents")] for name, s in (manifest.get("splits") or {}).items()},
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """``obj`` as indented JSON, replacing ``path`` atomically."""
     write_atomically(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", what="data manifest")

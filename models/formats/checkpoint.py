@@ -33,6 +33,7 @@ from models.formats.hf_format import (
 )
 from models.formats.meta_format import load_meta, load_meta_config
 from models.formats.tokenizer_files import (
+    RANK_FILE,
     TokenizerFiles,
     as_tokenizer_files,
     copy_tokenizer_files,
@@ -239,9 +240,12 @@ def save_checkpoint(
         "version": NATIVE_FORMAT_VERSION,
         "model": model.config.to_dict(),
         "metadata": dict(metadata or {}),
-        # the tokenizer these weights go with, by its files' bytes: another one put in their place is refused at
-        # load (trainer.checks.check_same_tokenizer), not read as this model's
-        TOKENIZER_RECORD: {name: sha256_file(path) for name, path in tokenizer_files.items()},
+        # the tokenizer these weights go with, by the bytes of the files that map text to ids (not the chat template
+        # or special-token names in tokenizer_config.json, which a user may edit): another one put in their place
+        # is refused at load (trainer.checks.check_recorded_tokenizer), not read as this model's
+        TOKENIZER_RECORD: {
+            name: sha256_file(path) for name, path in tokenizer_files.items() if name in ("tokenizer.json", RANK_FILE)
+        },
     }
     text = json.dumps(info, indent=2)  # fail on non-JSON metadata before touching the disk
     state = _native_state(model)

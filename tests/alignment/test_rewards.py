@@ -16,7 +16,7 @@ from models.model import ModelConfig
 
 def test_an_import_path_names_the_function():
     checker = load_checker("data.demo.scoring:score_example", "eval.checker")
-    assert checker is score_example
+    assert checker.__wrapped__ is score_example  # wrapped: an exception it raises names the checker and the row
     assert checker({"task": "line_count", "meta": {"answer": "2"}}, "2") in (0.0, 1.0)
     assert checker({"prompt": "not a demo row"}, "2") is None  # rows it cannot judge are left out
 

@@ -38,11 +38,11 @@ def test_a_target_outside_the_choices_is_one_line_naming_the_task_and_field(fold
     args = ["eval", str(folder), "--tasks", "lantern_demo_choice", "--include-path", str(tasks), "--out", str(out)]
     assert main(args) == 2
     captured = capsys.readouterr()
-    err = captured.err.strip()
+    err = captured.err.strip().splitlines()[-1]  # after lm-eval's own progress bars
     assert err.startswith("lantern eval: error: --tasks lantern_demo_choice: document 1's target 'labl' is not one")
     assert "doc_to_target ('labl')" in err and "\n" not in err, err
     assert "|" not in captured.out  # no results table
-    assert not list(out.glob("*.json"))
+    assert not [p for p in out.glob("*.json") if not p.name.startswith(".")]  # no results (the folder marker aside)
 
 
 def test_a_full_disk_while_writing_samples_leaves_no_half_written_results(folder, tmp_path, capsys, monkeypatch):
@@ -59,7 +59,41 @@ def test_a_full_disk_while_writing_samples_leaves_no_half_written_results(folder
     out = tmp_path / "out"
     args = ["eval", str(folder), "--tasks", "lantern_demo_choice", "--limit", "4", "--log-samples", "--out", str(out)]
     assert main(args) == 2
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after lm-eval's own progress bars
     assert err.startswith(f"lantern eval: error: cannot write evaluation results {out}: ") and "\n" not in err, err
     assert "the files it had begun are removed" in err
     assert not [p for p in out.rglob("*") if p.is_file() and p.name != ".lantern.json" and not p.name.startswith(".")]
+
+
+def broken_task(tmp_path: Path, edit) -> Path:
+    """The demo choice task alone in a folder, its YAML changed by ``edit`` (text -> text)."""
+    tasks = write_harness_tasks(tmp_path / "tasks", n=6)
+    (tasks / "lantern_demo_answers.yaml").unlink()
+    (tasks / "lantern_demo_passages.yaml").unlink()
+    yaml_file = tasks / "lantern_demo_choice.yaml"
+    yaml_file.write_text(edit(yaml_file.read_text()))
+    return tasks
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda t: t.replace("output_type: multiple_choice", "output_type: multi_choice"),
+         "--tasks lantern_demo_choice: output_type 'multi_choice' is not one of lm-eval's: "),
+        (lambda t: t.replace("lantern_demo_choice.jsonl", "gone.jsonl"),
+         "--tasks lantern_demo_choice: its test data file "),
+        (lambda t: t.replace("doc_to_choice: choices", "doc_to_choice: [choices"),
+         "--include-path {tasks}: task file {tasks}/lantern_demo_choice.yaml cannot be read ("),
+    ],
+    ids=["output-type", "missing-data-file", "yaml-syntax"],
+)  # fmt: skip
+def test_a_broken_task_yaml_is_named_for_what_is_wrong(folder, tmp_path, capsys, edit, said):
+    """Before: a bad output_type or a missing local file read as a Hub dataset needing network, and a YAML syntax
+    error as "unknown task ... nearest: multiple_choice"."""
+    tasks = broken_task(tmp_path, edit)
+    out = tmp_path / "out"
+    args = ["eval", str(folder), "--tasks", "lantern_demo_choice", "--include-path", str(tasks), "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("lantern eval: error: " + said.format(tasks=tasks)) and "\n" not in err, err
+    assert "Hub" not in err and "nearest" not in err, err

@@ -22,7 +22,7 @@ from alignment.commands.cli import main as lantern
 from alignment.stages.pretrain import PretrainModule, run_pretrain
 from alignment.stages.sft import run_sft
 from data.demo.tasks import write_demo_dataset
-from models.errors import CheckpointError, ConfigError
+from models.errors import CheckpointError, ConfigError, DataError
 from models.files.folders import FolderNotLanterns
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.alignment.test_sft import sft_config
@@ -89,9 +89,10 @@ def test_another_stage_in_a_run_folder_is_refused_naming_both(pretrained, tmp_pa
     misleading data-stream message."""
     demo = write_demo_dataset(tmp_path / "demo", n_train=40, n_val=8, n_pairs=4)
     runs = copy_runs(pretrained, tmp_path)
+    stats = (runs / RUN_NAME / "data_stats.json").read_bytes()  # the pretrain run's own record
     with pytest.raises(FolderNotLanterns, match=rf"^run\.name: {runs / RUN_NAME} holds a pretrain run, not a sft run"):
         run_sft(sft_config(demo, runs, f"run.name={RUN_NAME}", "trainer.max_steps=2"))
-    assert not (runs / RUN_NAME / "data_stats.json").exists()
+    assert (runs / RUN_NAME / "data_stats.json").read_bytes() == stats  # not replaced by SFT's
 
 
 def pickle_of_objects(path: Path) -> Path:
@@ -195,3 +196,31 @@ def test_a_sharded_checkpoint_resumed_by_a_single_process_run_says_which_strateg
     config = tiny_config(data_dir, tmp_path / "runs", *QUICK, f"checkpoint.resume={sharded}")
     with pytest.raises(ConfigError, match=rf"{sharded} is a sharded checkpoint an FSDP run wrote .* trainer.strategy"):
         run_pretrain(config)
+
+
+def test_a_resume_on_data_prepared_from_another_corpus_of_the_same_size_is_refused(tmp_path):
+    """Before: re-preparing from a changed corpus with the same token count and resuming logged "resumed exactly
+    where the checkpoint left the training stream" on other text; and a run recorded data.source from its config,
+    not the data it read. Now each checkpoint and data_stats.json carry the prepared data's fingerprint."""
+    import json
+
+    from data.pretrain.config import PrepareConfig
+    from data.pretrain.prepare import prepare
+
+    corpus = tmp_path / "corpus.txt"
+    paragraphs = [f"ROMEO:\nline {i} of the play, spoken at night." for i in range(400)]
+    corpus.write_text("\n\n".join(paragraphs) + "\n")
+    data = tmp_path / "data"
+    prepare(PrepareConfig(source=[str(corpus)], out_dir=str(data)))
+    first = (
+        "trainer.max_steps=2", "checkpoint.every_n_steps=2", "trainer.val_every_n_steps=100", "logger.kind=none",
+        f"data.source=[{corpus}]",
+    )  # fmt: skip
+    run_dir = run_pretrain(tiny_config(data, tmp_path / "runs", *first))
+    recorded = json.loads((run_dir / "data_stats.json").read_text())["prepared"][""]
+    assert recorded["inputs"] == [str(corpus)] and len(recorded["fingerprint"]) == 16
+    corpus.write_text("\n\n".join(p.replace("night", "dawn!") for p in paragraphs) + "\n")  # other text, same size
+    prepare(PrepareConfig(source=[str(corpus)], out_dir=str(data)))
+    again = ("trainer.max_steps=4", *first[1:])
+    with pytest.raises(DataError, match=r"the checkpoint trained on other prepared data than .* now holds"):
+        run_pretrain(tiny_config(data, tmp_path / "runs", *again))

@@ -148,7 +148,7 @@ def test_a_run_started_ignoring_sigint_keeps_ignoring_it_says_so_and_stops_on_si
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     text = stderr.read_text()
-    said = the_line(text, "WARNING lantern: SIGINT (Ctrl-C, kill -INT) is ignored")
+    said = the_line(text, "INFO lantern: SIGINT (Ctrl-C, kill -INT) is ignored")
     assert f"stop it with SIGTERM (kill {process.pid})" in said, said
     assert ignored, f"the run stopped on the ignored SIGINT (exit {process.returncode})\n{text[-3000:]}"
     assert process.returncode == 143, f"exit {process.returncode}\n{text[-3000:]}"

@@ -19,6 +19,7 @@ import models.formats.checkpoint as ckpt  # noqa: E402
 import models.formats.checkpoint_io as checkpoint_io  # noqa: E402
 import models.formats.hf_format as hf_format  # noqa: E402
 import models.formats.meta_format as meta_format  # noqa: E402
+from models.files.checksums import sha256_file  # noqa: E402
 from models.formats.checkpoint import (  # noqa: E402
     convert,
     detect_format,
@@ -363,7 +364,11 @@ def test_native_round_trip(tmp_path, tie):
     tokenizer = write_rank_file(tmp_path / "tok.model")
     out = save_checkpoint(model, tmp_path / "ckpt", tokenizer_path=tokenizer, metadata={"step": 12})
     info = json.loads((out / "lantern.json").read_text())
-    assert info == {"format": "lantern", "version": 1, "model": model.config.to_dict(), "metadata": {"step": 12}}
+    record = {"tokenizer.model": sha256_file(tokenizer)}  # the tokenizer these weights go with
+    assert info == {
+        "format": "lantern", "version": 1, "model": model.config.to_dict(), "metadata": {"step": 12},
+        "tokenizer_sha256": record,
+    }  # fmt: skip
     assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
     stored = load_file(out / "model.safetensors")
     assert ("output.weight" in stored) != tie  # tied: only tok_embeddings.weight is stored
