@@ -182,3 +182,18 @@ def spawn_ranks(target: Callable[..., None], args: tuple, world: int, log_dir: P
         if reason != _exit_reason(0)
     ]
     assert not report, "\n".join(report)
+
+
+def write_gpt2_gguf(path: Path) -> Path:
+    """A one-tensor GGUF file of the gpt2 architecture, which Lantern does not read."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -72,12 +72,28 @@ def _field_value(field: Any) -> Any:
     return bytes(value).decode("utf-8") if kind == GGUFValueType.STRING else value.tolist()[0]
 
 
+def gguf_fields(path: str | os.PathLike) -> dict[str, Any]:
+    """A GGUF file's metadata (an array field: its length), read once per version of the file."""
+    return _read_metadata(Path(path))[0]
+
+
 def _read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str], Tensor | None]:
-    """(metadata, {tensor name: ggml type}, the rope_freqs tensor if any), through gguf's reader."""
+    """(metadata, {tensor name: ggml type}, the rope_freqs tensor if any), through gguf's reader; cached by the
+    file's size and mtime, since a command reads it for its check, its tokenizer and its weights."""
+    stat = path.stat()
+    return _metadata_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns, str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_of(
+    resolved: str, size: int, mtime_ns: int, shown: str
+) -> tuple[dict[str, Any], dict[str, str], Tensor | None]:
     from gguf import GGUFReader
 
+    path = Path(shown)
+
     try:
-        reader = GGUFReader(path)
+        reader = GGUFReader(resolved)
     except (ValueError, OSError, IndexError, struct.error) as error:  # a truncated or damaged file
         raise LanternError(f"{path}: cannot read it as GGUF, truncated or damaged ({error})") from None
     fields = {name: _field_value(field) for name, field in reader.fields.items()}

@@ -116,9 +116,9 @@ def _only_the_files_tokens(loaded: Any, path: Path) -> Any:
     """The backend tokenizer of ``loaded`` without the tokens transformers' GGUF reader adds past the file's
     vocabulary (GPT-2's "<|endoftext|>" to a ``gpt2`` tokenizer that lacks it): a model folder written from the file
     would otherwise hold a tokenizer one token larger than its embeddings. A special token that was one is unset."""
-    from gguf import GGUFReader
+    from models.formats.gguf_format import gguf_fields  # deferred: that module imports this one
 
-    count = len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    count = gguf_fields(path)["tokenizer.ggml.tokens"]  # its length: gguf_fields gives an array's
     backend = loaded.backend_tokenizer
     if backend.get_vocab_size(with_added_tokens=True) <= count:
         return backend

@@ -16,6 +16,7 @@ from alignment.commands.cli import main
 from data.tokenizer.tokenizer import Tokenizer
 from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
+from tests.helpers import write_gpt2_gguf
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -56,13 +57,7 @@ def test_a_truncated_gguf_is_one_line_naming_it_from_every_command(tiny_gguf, tm
 
 @pytest.mark.parametrize("command", ["convert", "eval", "generate"])
 def test_a_gguf_of_another_architecture_is_one_line_from_every_command(tmp_path, capsys, command):
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gpt2_gguf(tmp_path / "gpt2.gguf")
     assert main(commands(tmp_path / "gpt2.gguf", tmp_path / "out")[command]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"lantern {command}: error: {tmp_path / 'gpt2.gguf'}: GGUF architecture 'gpt2' is not ")

@@ -26,7 +26,7 @@ from models.formats.checkpoint import load_checkpoint  # noqa: E402
 from models.formats.gguf_format import convert_gguf, load_gguf, read_gguf, write_gguf  # noqa: E402
 from models.formats.hf_config import config_to_hf  # noqa: E402
 from models.model import ModelConfig, RopeScaling, Transformer  # noqa: E402
-from tests.helpers import family_block  # noqa: E402
+from tests.helpers import family_block, write_gpt2_gguf  # noqa: E402
 
 TEXT = "ROMEO:\nWhat, ho! 12345 héllo 日本語 😀  \n\n  x"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
@@ -229,13 +229,7 @@ def test_what_cannot_be_read_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "text.gguf").write_text("not a gguf file")
     with pytest.raises(LanternError, match="not a GGUF file"):
         read_gguf(tmp_path / "text.gguf")
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gpt2_gguf(tmp_path / "gpt2.gguf")
     with pytest.raises(LanternError, match="architecture 'gpt2' is not supported") as foreign:
         read_gguf(tmp_path / "gpt2.gguf")
     for error in (missing.value, foreign.value):
