@@ -197,3 +197,21 @@ def write_gpt2_gguf(path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_transformers_loads(folder: Path, model: torch.nn.Module, tokenizer, text: str = "ROMEO: But soft!") -> None:
+    """``folder`` (a model folder Lantern wrote) loads in transformers as it is: ``AutoModelForCausalLM`` gives the
+    logits of ``model`` (Lantern's load of it) within 1e-4, and ``AutoTokenizer`` encodes ``text`` into the ids of
+    ``tokenizer`` (Lantern's), bos included when the model's tokenizer adds one."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = hf_tokenizer(text)["input_ids"]
+    ours = tokenizer.encode(text)
+    assert ids in (ours, [tokenizer.bos_id, *ours]), (ids, ours)
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        expected = model.float().eval()(batch)
+        got = hf.eval()(batch).logits
+    assert (got - expected).abs().max().item() <= 1e-4

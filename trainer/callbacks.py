@@ -4,6 +4,7 @@ the NaN-step check and skip, the final export."""
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -16,10 +17,12 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from data.tokenizer.convert import with_hf_tokenizer_files
 from models.adapter_config import adapter_config
 from models.adapters import merged_state
 from models.files.atomic import check_destination, storage_error
 from models.formats.checkpoint import save_checkpoint
+from models.formats.tokenizer_files import as_tokenizer_files
 from models.heads import ScalarModel, save_scalar_model
 from models.model import Transformer
 from trainer.checkpoints import latest_checkpoint
@@ -388,13 +391,15 @@ class ExportFinal(L.Callback):
             config = model.config
             build = (lambda: ScalarModel.from_backbone(Transformer(config))) if isinstance(model, ScalarModel) else None
             state = merged_state(state, peft, build or (lambda: Transformer(config)))
-        if isinstance(model, ScalarModel):
-            save_scalar_model(model, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata, state=state)
-            return
-
-        with torch.device("meta"):
-            plain = Transformer(model.config)
-        plain.load_state_dict(state, assign=True, strict=True)
-        if model.config.tie_embeddings:
-            plain.output.weight = plain.tok_embeddings.weight
-        save_checkpoint(plain, self.directory, tokenizer_path=self.tokenizer_path, metadata=metadata)
+        # a tiktoken tokenizer travels with its tokenizer.json too: the folder is one transformers loads as it is
+        with tempfile.TemporaryDirectory(prefix="lantern-tokenizer-") as scratch:
+            files = with_hf_tokenizer_files(as_tokenizer_files(self.tokenizer_path), scratch)
+            if isinstance(model, ScalarModel):
+                save_scalar_model(model, self.directory, tokenizer_path=files, metadata=metadata, state=state)
+                return
+            with torch.device("meta"):
+                plain = Transformer(model.config)
+            plain.load_state_dict(state, assign=True, strict=True)
+            if model.config.tie_embeddings:
+                plain.output.weight = plain.tok_embeddings.weight
+            save_checkpoint(plain, self.directory, tokenizer_path=files, metadata=metadata)

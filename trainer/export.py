@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException
 
-from data.tokenizer.convert import hf_export_files, hf_tokenizer_folder
+from data.tokenizer.convert import hf_export_files, hf_tokenizer_folder, with_hf_tokenizer_files
 from data.tokenizer.tokenizer import Tokenizer
 from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
@@ -178,14 +178,16 @@ def _plain_model(path: str | Path, state: dict[str, torch.Tensor], model_config:
 
 
 def _tokenizer_files(spec: str | None, *, hf: bool, scratch: str) -> dict[str, Path]:
-    """The files of the tokenizer the run trained with (copied into the export), as a Hugging Face folder carries
-    them when ``hf`` (``hf_export_files``); none for a named encoding (cl100k_base) or one that is gone."""
+    """The files of the tokenizer the run trained with (copied into the export), with a tiktoken rank file's
+    tokenizer.json converted in ``scratch`` (``with_hf_tokenizer_files``); for a Hugging Face folder (``hf``), a named
+    encoding's (cl100k_base) too (``hf_export_files``). None for a named encoding in a native folder (its config
+    names it) or a tokenizer that is gone."""
     if not spec:
         return {}
     if hf:
         return hf_export_files(spec, scratch)
     try:
-        return Tokenizer.load(spec).files
+        return with_hf_tokenizer_files(Tokenizer.load(spec).files, scratch)
     except (OSError, ValueError):
         return {}
 

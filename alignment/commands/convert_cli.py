@@ -70,9 +70,9 @@ def _between_folders(src: str, src_format: str, dst: str, dst_format: str, dtype
     from models.formats.checkpoint import convert
 
     with tempfile.TemporaryDirectory() as scratch:
-        # a Hugging Face folder carries tokenizer.json even when the model was trained with a tiktoken file, so
-        # transformers' AutoTokenizer loads it as it is
-        tokenizer = hf_export_files(src, scratch) if dst_format == "hf" else None
+        # both folders carry tokenizer.json even when the model was trained with a tiktoken file, so transformers'
+        # AutoTokenizer loads them as they are (a native folder keeps the rank file at its top, which Lantern reads)
+        tokenizer = hf_export_files(src, scratch)
         return convert(
             src=src,
             src_format=src_format,

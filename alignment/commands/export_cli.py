@@ -22,8 +22,9 @@ def add_export_command(commands: Any) -> None:
         "--format",
         choices=["native", "hf", "gguf"],
         default=None,
-        help="native (default), Hugging Face (the model's family: Llama, Mistral, Qwen2 or Qwen3), or gguf (OUT is then a "
-        ".gguf file, for llama.cpp, Ollama and transformers' GGUF loader)",
+        help="native (default: a Hugging Face folder of the model's family that transformers loads as it is, plus "
+        "Lantern's lantern.json), hf (the Hugging Face folder alone: a tiktoken rank file under original/, as in "
+        "Meta's repos), or gguf (OUT is then a .gguf file, for llama.cpp, Ollama and transformers' GGUF loader)",
     )
     export.add_argument(
         "--dtype",

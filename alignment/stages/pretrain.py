@@ -112,34 +112,37 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
     check_prepared(config.data, tokenizer)  # each source of a mixture: prepared, by this tokenizer, not empty
     datamodule = pretrain_datamodule(config)
-    datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
-    model = None
-    if config.init.checkpoint:
-        model = load_initial_model(config)  # its tokenizer was checked against it by check_stage_config
-        model.config.attention = config.model.attention
+    try:
+        datamodule.setup("fit")  # builds the datasets now: a split shorter than one sequence fails before launch
+        model = None
+        if config.init.checkpoint:
+            model = load_initial_model(config)  # its tokenizer was checked against it by check_stage_config
+            model.config.attention = config.model.attention
 
-    # data_stats.json records what the run reads, by content (fingerprint and inputs), not only data.source's words
-    run_dir = start_run_directory(config, "pretrain", data_stats={"prepared": datamodule.prepared})
-    callbacks = [
-        *stage_callbacks(
-            config,
-            run_dir,
-            tokenizer,
-            metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)},
-            throughput=(
-                config.loader.micro_batch_size * config.loader.seq_len,
-                config.model.flops_per_token(config.loader.seq_len),
+        # data_stats.json records what the run reads, by content (fingerprint and inputs), not only data.source's words
+        run_dir = start_run_directory(config, "pretrain", data_stats={"prepared": datamodule.prepared})
+        callbacks = [
+            *stage_callbacks(
+                config,
+                run_dir,
+                tokenizer,
+                metadata={"stage": "pretrain", "tokenizer": str(tokenizer.path)},
+                throughput=(
+                    config.loader.micro_batch_size * config.loader.seq_len,
+                    config.model.flops_per_token(config.loader.seq_len),
+                ),
             ),
-        ),
-        LossPlot(
-            run_dir,
-            ("train/loss", "val/loss", *(f"val/{source.name}/loss" for source in config.data.sources)),
-            title=f"pretraining: {config.run.name}",
-        ),
-        *(extra_callbacks or []),
-    ]
-    if fit_stage(config, PretrainModule(config, model), datamodule, run_dir, callbacks, plan=plan) is None:
-        return None  # not rank 0
+            LossPlot(
+                run_dir,
+                ("train/loss", "val/loss", *(f"val/{source.name}/loss" for source in config.data.sources)),
+                title=f"pretraining: {config.run.name}",
+            ),
+            *(extra_callbacks or []),
+        ]
+        if fit_stage(config, PretrainModule(config, model), datamodule, run_dir, callbacks, plan=plan) is None:
+            return None  # not rank 0
+    finally:
+        datamodule.teardown()  # however the run ended, its data folders are free for a rebuild again
     if config.sample.prompt:
         print_sample(run_dir / "final", tokenizer, config.sample)
     return run_dir

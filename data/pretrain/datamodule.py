@@ -30,6 +30,8 @@ from data.streams.mixture import MixtureSampler
 from data.streams.packed import PackedDataset, StreamSampler
 from data.streams.shards import read_manifest
 from models.errors import DataError
+from models.files.atomic import close_lock
+from models.files.folders import hold_for_reading
 
 log = logging.getLogger("lantern.data")
 
@@ -79,6 +81,7 @@ class PretrainDataModule(StreamDataModule):
         self.train_parts: dict[str, PackedDataset] = {}  # a mixture's training windows per source
         self.val_datasets: dict[str, PackedDataset] | None = None  # by source name ("" for one corpus)
         self.prepared: dict[str, dict] = {}  # by source name: the prepared data's fingerprint and inputs (setup)
+        self._reading: dict[Path, int | None] = {}  # folder -> its readers-file lock, held from setup to teardown
 
     @property
     def source_names(self) -> list[str]:
@@ -128,6 +131,9 @@ class PretrainDataModule(StreamDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         folders = self._folders()
+        for folder in folders.values():  # no `lantern prepare` rebuilds them while this run reads them
+            if folder not in self._reading and folder.is_dir():
+                self._reading[folder] = hold_for_reading(folder, what="data folder")
         manifests = {
             name: self._read(name, lambda folder=folder: read_manifest(folder)) for name, folder in folders.items()
         }
@@ -147,6 +153,16 @@ class PretrainDataModule(StreamDataModule):
                 if name not in with_val:
                     log.info("no validation split in %s (val_fraction was 0): no validation of it", self._where(name))
             self.val_datasets = {name: self._dataset(name, "val") for name in with_val}  # too short: ValueError
+
+    def teardown(self, stage: str | None = None) -> None:
+        """The data folders are free for a rebuild again."""
+        for fd in self._reading.values():
+            if fd is not None:
+                close_lock(fd)
+        self._reading.clear()
+
+    def on_exception(self, exception: BaseException) -> None:  # a run that fails gets no teardown from Lightning
+        self.teardown()
 
     def _read(self, name: str, read: Any) -> Any:
         """``read()``, with a mixture's ValueError naming the source it is about."""

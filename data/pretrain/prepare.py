@@ -62,8 +62,8 @@ from data.streams.shards import MANIFEST_NAME
 from data.tokenizer.base import TokenizerBase
 from data.tokenizer.tokenizer import Tokenizer
 from data.tokenizer.utf8 import check_utf8
-from models.files.atomic import storage_error
-from models.files.folders import claim_folder, lock_folder, release_folder
+from models.files.atomic import close_lock, storage_error
+from models.files.folders import claim_folder, lock_folder, lock_out_readers, release_folder
 
 log = logging.getLogger("lantern.prepare")
 
@@ -325,6 +325,20 @@ def _prepare_locked(
         return old
 
     check_replaceable(out_dir)
+    # a run reading this folder would go on over other data, or die on half-replaced files: refused, naming it
+    readers = lock_out_readers(
+        out_dir, what="data folder", hint="let it finish or stop it, or set data.out_dir to another folder"
+    )
+    try:
+        return _rebuild(config, tokenizer, fmt, files, out_dir, utf8_checked, reason, old)
+    finally:
+        close_lock(readers)
+
+
+def _rebuild(
+    config: PrepareConfig, tokenizer: TokenizerBase, fmt: str, files: list[str], out_dir: Path, utf8_checked: bool,
+    reason: str | None, old: dict | None,
+) -> dict:  # fmt: skip
     if fmt in ("text", "json") and not utf8_checked:  # a mis-encoded input is named before anything is loaded
         for path in files:
             check_utf8(path)

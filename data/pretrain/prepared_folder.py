@@ -12,7 +12,7 @@ from pathlib import Path
 from data.pretrain.manifest import stale_reason
 from data.streams.shards import MANIFEST_NAME
 from models.files.atomic import StorageError
-from models.files.folders import LOCK_FILE, FolderNotLanterns, is_lanterns, listed_entries
+from models.files.folders import LOCK_FILE, READERS_FILE, FolderNotLanterns, is_lanterns, listed_entries
 
 log = logging.getLogger("lantern.prepare")
 
@@ -48,7 +48,9 @@ def prepared_by_lantern(out_dir: Path) -> bool:
 
 
 def _is_prepare_entry(name: str) -> bool:
-    return name in (MANIFEST_NAME, LOCK_FILE, *SPLITS) or name.startswith((".prepare-", f".tmp-{MANIFEST_NAME}."))
+    return name in (MANIFEST_NAME, LOCK_FILE, READERS_FILE, *SPLITS) or name.startswith(
+        (".prepare-", f".tmp-{MANIFEST_NAME}.")
+    )
 
 
 def lantern_manifest(out_dir: Path) -> dict | None:

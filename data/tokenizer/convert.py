@@ -26,6 +26,7 @@ __all__ = [
     "hf_export_files",
     "hf_tokenizer_folder",
     "tiktoken_to_tokenizer_json",
+    "with_hf_tokenizer_files",
     "write_hf_tokenizer",
 ]
 
@@ -126,6 +127,15 @@ def write_hf_tokenizer(tokenizer: Tokenizer | str | Path, folder: str | Path) ->
         add_bos_token=True,
         eos_token_ids=[specials[token] for token in STOP_TOKENS],
     )
+
+
+def with_hf_tokenizer_files(files: Mapping[str, Path], scratch: str | Path) -> dict[str, Path]:
+    """A tokenizer's ``files`` with, beside a tiktoken rank file, its tokenizer.json and tokenizer_config.json
+    (converted in ``scratch``), so that a model folder written with them is one transformers' ``AutoTokenizer``
+    loads; the rank file stays, and Lantern's reader takes it first. Other files are returned as they are."""
+    if "tokenizer.model" not in files or "tokenizer.json" in files:
+        return dict(files)
+    return {**hf_export_files(files["tokenizer.model"], scratch), **files}
 
 
 def hf_tokenizer_folder(checkpoint: str | Path, scratch: str | Path) -> Path:

@@ -130,6 +130,20 @@ def lock_exclusively(fd: int, *, wait: bool = False) -> bool:
     return True
 
 
+def lock_shared(fd: int) -> bool:
+    """``flock`` the open ``fd`` shared with other readers, as ``lock_exclusively`` does (never for a forked child):
+    False while a process holds it exclusively."""
+    _locked_fds.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException as error:
+        _locked_fds.discard(fd)
+        if isinstance(error, BlockingIOError):
+            return False
+        raise
+    return True
+
+
 def close_lock(fd: int) -> None:
     """Close a descriptor ``lock_exclusively`` locked (releasing its lock); nothing if this process does not hold
     it (a forked child, whose copy is already closed)."""

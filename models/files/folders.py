@@ -1,5 +1,6 @@
 """The folders Lantern writes into: the marker naming what a folder is for (``.lantern-folder.json``), ``claim_folder``
-(refuses a destination holding what Lantern did not write), and one writer at a time (``lock_folder``).
+(refuses a destination holding what Lantern did not write), one writer at a time (``lock_folder``), and no rebuild
+of data a run is reading (``hold_for_reading``, ``lock_out_readers``).
 
 The lock is ``flock``: the kernel releases it however its holder dies, and a pid written in the file is only for
 the refusal's message (pids are reused and not shared across hosts). No torch: ``lantern --help`` imports this.
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import LanternError
-from models.files.atomic import close_lock, lock_exclusively, process_running, write_atomically
+from models.files.atomic import close_lock, lock_exclusively, lock_shared, process_running, write_atomically
 
 FOLDER_MARKER = ".lantern-folder.json"
 LOCK_FILE = ".lantern.lock"
+READERS_FILE = ".lantern.readers"  # flock'ed shared by each run reading the folder, exclusively by a rebuild
 
 _held_locks: dict[Path, int] = {}  # folder -> the open, flock'ed lock file of this process
 
@@ -94,7 +96,9 @@ def claim_folder(
 
 
 def _is_own(name: str) -> bool:
-    return name == LOCK_FILE or name.startswith(f".tmp-{FOLDER_MARKER}.")  # write_atomically's temporary
+    return name in (LOCK_FILE, READERS_FILE) or name.startswith(
+        f".tmp-{FOLDER_MARKER}."
+    )  # write_atomically's temporary
 
 
 def is_lanterns(folder: Path, kind: str) -> bool:
@@ -134,6 +138,47 @@ def release_folder(folder: Path) -> None:
     fd = _held_locks.pop(folder.resolve(), None)
     if fd is not None:
         close_lock(fd)
+
+
+def hold_for_reading(folder: Path, *, what: str) -> int | None:
+    """A shared lock on ``folder``'s readers file for as long as this process reads the folder (``close_lock`` of
+    the returned descriptor ends it), so that no rebuild replaces the data under it (``lock_out_readers``); raises
+    FolderInUse while a rebuild holds it. None for a read-only folder without the file: nobody rebuilds it there."""
+    path = folder / READERS_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+    if not lock_shared(fd):
+        os.close(fd)
+        rebuilder = _describe_holder(_holder_of(folder / LOCK_FILE), folder / LOCK_FILE)
+        raise FolderInUse(
+            f"{what} {folder} is being rebuilt by `lantern prepare` ({rebuilder}): wait for it to finish, then start again"
+        )
+    return fd
+
+
+def lock_out_readers(folder: Path, *, what: str, hint: str) -> int:
+    """The readers file of ``folder`` taken exclusively before a rebuild replaces what is there (``close_lock`` of
+    the returned descriptor ends it), or FolderInUse naming the processes reading it, then ``hint``."""
+    path = folder / READERS_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if not lock_exclusively(fd):
+        readers = [pid for pid in _processes_with_open(path) if pid != os.getpid()]
+        os.close(fd)
+        named = f"process{'es' if len(readers) > 1 else ''} {' '.join(map(str, readers))}" if readers else "a process"
+        raise FolderInUse(f"{what} {folder} is being read by a training run ({named}): {hint}")
+    return fd
+
+
+def _holder_of(lock_file: Path) -> dict[str, str]:
+    try:
+        return json.loads(lock_file.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
 
 
 def _read_holder(fd: int) -> dict[str, str]:

@@ -2,15 +2,15 @@
 ``detect_format``, ``convert``, ``export_hf``, ``write_hf_folder``): Lantern's native folder, Hugging Face
 Llama-family folders and Meta's consolidated shards, all loaded into one ``Transformer``.
 
-The native format is ``lantern.json`` (format, version, ``ModelConfig.to_dict()``, metadata) + ``model.safetensors``
-(+ the tokenizer files); tied models store only ``tok_embeddings.weight``. Folders are written atomically, so a crash
-mid-save never leaves a half-written checkpoint where a good one was.
+The native folder (``models.formats.native_folder``, which writes it) is a Hugging Face folder transformers loads as it
+is, plus ``lantern.json`` (format, version, ``ModelConfig.to_dict()``, metadata, the tokenizer's sha256); Lantern
+reads its config from lantern.json. Version 1 folders (native parameter names, no config.json) are still read.
+Folders are written atomically, so a crash mid-save never leaves a half-written checkpoint where a good one was.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,43 +20,39 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import CheckpointError
-from models.files.atomic import EXPORT_MARKER, IfExists, atomic_directory, check_destination
-from models.files.checksums import sha256_file
-from models.formats.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors, save_safetensors
-from models.formats.hf_format import (
-    config_to_hf,
-    hf_special_ids,
-    load_hf,
-    load_hf_config,
-    native_to_hf_state,
-    write_hf_weights,
-)
+from models.files.atomic import IfExists, atomic_directory, check_destination
+from models.formats.checkpoint_io import WEIGHTS, check_state, read_json, read_safetensors
+from models.formats.hf_format import config_to_hf, hf_special_ids, load_hf, load_hf_config, read_hf_weights_as_native
 from models.formats.meta_format import load_meta, load_meta_config
-from models.formats.tokenizer_files import (
-    RANK_FILE,
-    TokenizerFiles,
-    as_tokenizer_files,
-    copy_tokenizer_files,
-    special_ids,
-    tokenizer_files_in,
+from models.formats.native_folder import (
+    NATIVE_CONFIG,
+    NATIVE_FORMAT_VERSION,
+    READABLE_VERSIONS,
+    TOKENIZER_RECORD,
+    native_state,
+    save_checkpoint,
+    unwrap,
+    write_hf_folder,
 )
+from models.formats.tokenizer_files import TokenizerFiles, tokenizer_files_in
 from models.model import ModelConfig, Transformer
 
 __all__ = [
     "FORMATS",
+    "NATIVE_FORMAT_VERSION",
+    "TOKENIZER_RECORD",
     "convert",
     "detect_format",
     "export_hf",
     "load_checkpoint",
     "load_model_config",
+    "native_state",
     "save_checkpoint",
+    "unwrap",
     "write_hf_folder",
 ]
 
 FORMATS = ("native", "hf", "meta")
-NATIVE_FORMAT_VERSION = 1
-TOKENIZER_RECORD = "tokenizer_sha256"  # lantern.json: {tokenizer file name: sha256} of the files saved with the weights
-NATIVE_CONFIG = "lantern.json"
 
 PathLike = str | os.PathLike
 
@@ -134,10 +130,10 @@ def _native_config(directory: Path) -> ModelConfig:
     info = read_json(directory / NATIVE_CONFIG)
     if info.get("format") != "lantern":
         raise CheckpointError(f"{directory / NATIVE_CONFIG}: format is {info.get('format')!r}, expected 'lantern'")
-    if info.get("version") != NATIVE_FORMAT_VERSION:
+    if info.get("version") not in READABLE_VERSIONS:
         raise ValueError(
             f"{directory / NATIVE_CONFIG}: version {info.get('version')!r} is not supported "
-            f"(this code reads version {NATIVE_FORMAT_VERSION})"
+            f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))}: a newer Lantern wrote it)"
         )
     if not isinstance(info.get("model"), dict):
         raise CheckpointError(f"{directory / NATIVE_CONFIG}: no 'model' section: not a Lantern checkpoint")
@@ -153,6 +149,10 @@ def _native_config(directory: Path) -> ModelConfig:
 
 def _load_native(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     config = _native_config(directory)
+    if (
+        read_json(directory / NATIVE_CONFIG)["version"] >= 2
+    ):  # Hugging Face's names and layout, config from lantern.json
+        return config, read_hf_weights_as_native(directory, config, f"native checkpoint {directory}")
     if not (directory / WEIGHTS).is_file():
         raise FileNotFoundError(f"{directory}: {NATIVE_CONFIG} found but no {WEIGHTS}")
     return config, read_safetensors(directory / WEIGHTS)
@@ -213,75 +213,6 @@ def _build_model(
 # writing
 
 
-def save_checkpoint(
-    model: nn.Module,
-    directory: PathLike,
-    *,
-    tokenizer_path: PathLike | TokenizerFiles | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    if_exists: IfExists = "replace-lantern",
-    sources: tuple[PathLike, ...] = (),
-    extra_weights: Mapping[str, dict[str, Tensor]] | None = None,
-) -> Path:
-    """Write ``model`` as a native checkpoint folder, atomically.
-
-    ``metadata`` must be JSON-serialisable (step, tokenizer ids, ...); it is stored in lantern.json.
-    ``tokenizer_path`` (a tiktoken rank file, copied in as tokenizer.model, or a tokenizer's ``files``: Hugging
-    Face's tokenizer.json and companions) is copied in. ``extra_weights`` (file name -> tensors: a reward model's
-    head) are written into the same folder, so that it appears whole or not at all. An existing non-empty folder is
-    replaced only when Lantern wrote it (``if_exists`` "replace-lantern"), when ``if_exists`` is "replace", never
-    with "refuse"; never one that contains ``sources`` (see ``models.files.atomic.check_destination``). A full or
-    read-only disk is a one-line ``StorageError`` naming ``directory``, with nothing half-written left.
-    """
-    model = _unwrap(model)
-    tokenizer_files = as_tokenizer_files(tokenizer_path)
-    info = {
-        "format": "lantern",
-        "version": NATIVE_FORMAT_VERSION,
-        "model": model.config.to_dict(),
-        "metadata": dict(metadata or {}),
-        # the tokenizer these weights go with, by the bytes of the files that map text to ids (not the chat template
-        # or special-token names in tokenizer_config.json, which a user may edit): another one put in their place
-        # is refused at load (trainer.checks.check_recorded_tokenizer), not read as this model's
-        TOKENIZER_RECORD: {
-            name: sha256_file(path) for name, path in tokenizer_files.items() if name in ("tokenizer.json", RANK_FILE)
-        },
-    }
-    text = json.dumps(info, indent=2)  # fail on non-JSON metadata before touching the disk
-    state = _native_state(model)
-    target = Path(directory)
-    with atomic_directory(target, if_exists=if_exists, sources=sources) as tmp:
-        save_safetensors(state, tmp / WEIGHTS)
-        for name, tensors in (extra_weights or {}).items():
-            save_safetensors(tensors, tmp / name)
-        (tmp / NATIVE_CONFIG).write_text(text + "\n")
-        copy_tokenizer_files(tokenizer_files, tmp)
-    return target
-
-
-def _unwrap(model: nn.Module) -> Transformer:
-    """The Transformer inside torch.compile's wrapper or a LightningModule holding it as ``.model``."""
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, Transformer) and isinstance(getattr(model, "model", None), nn.Module):
-        model = getattr(model.model, "_orig_mod", model.model)
-    if not isinstance(model, Transformer):
-        raise TypeError(f"expected a models.model.Transformer, got {type(model).__name__}")
-    return model
-
-
-def _native_state(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """CPU state dict ready for safetensors; a tied output.weight is left out (it IS tok_embeddings.weight)."""
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name == "output.weight" and model.config.tie_embeddings:
-            continue
-        tensor = tensor.detach().to("cpu")
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        state[name] = tensor.contiguous()
-    return state
-
-
 def export_hf(
     model_or_checkpoint_path: nn.Module | PathLike,
     out_dir: PathLike,
@@ -304,7 +235,7 @@ def export_hf(
     metadata: dict[str, Any] = {}
     sources: tuple[PathLike, ...] = ()
     if isinstance(model_or_checkpoint_path, nn.Module):
-        model = _unwrap(model_or_checkpoint_path)
+        model = unwrap(model_or_checkpoint_path)
     else:
         sources = (model_or_checkpoint_path,)
         source = _checkpoint_dir(model_or_checkpoint_path)
@@ -333,39 +264,6 @@ def _export_hf(
             model, tmp, dtype=dtype, max_shard_size=max_shard_size, tokenizer_path=tokenizer_path, metadata=metadata
         )
     return target
-
-
-def write_hf_folder(
-    model: Transformer,
-    directory: Path,
-    *,
-    dtype: torch.dtype | None = None,
-    max_shard_size: int | str | None = None,
-    tokenizer_path: PathLike | TokenizerFiles | None = None,
-    metadata: Mapping[str, Any] | None = None,
-) -> None:
-    """The files of ``export_hf``'s folder, written into ``directory`` (created) inside a folder the caller builds
-    with ``atomic_directory``, which owns the destination checks, the rename and a failing disk's one line naming
-    the destination (``export_hf``; ``lantern export --adapter``'s ``OUT/base``)."""
-    metadata = metadata or {}
-    tokenizer_files = as_tokenizer_files(tokenizer_path)
-    bos, eos = metadata.get("bos_token_id"), metadata.get("eos_token_id")
-    if tokenizer_files and (bos is None or eos is None):
-        guessed_bos, guessed_eos = special_ids(tokenizer_files)
-        bos = guessed_bos if bos is None else bos
-        eos = guessed_eos if eos is None else eos
-    state = _native_state(model, dtype)
-    weights_dtype = state["tok_embeddings.weight"].dtype
-    hf_config = config_to_hf(model.config, weights_dtype, bos, eos)  # refuses unsupported configs first
-    hf_state = native_to_hf_state(state, model.config)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / EXPORT_MARKER).write_text("written by lantern: `lantern convert` may replace this folder\n")
-    write_hf_weights(hf_state, directory, max_shard_size)
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if bos is not None or eos is not None:
-        generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
-        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    copy_tokenizer_files(tokenizer_files, directory, rank_file_in_original=True)
 
 
 def convert(

@@ -29,7 +29,8 @@ from models.formats.gguf_tokenizer import (
     write_gguf_tokenizer_files,
 )
 from models.formats.hf_config import config_to_hf, hf_to_config
-from models.formats.hf_format import _hf_to_native_state, native_to_hf_state
+from models.formats.hf_format import hf_state_to_native, native_to_hf_state
+from models.formats.native_folder import native_state, unwrap
 from models.model import ModelConfig, Transformer, rope_frequencies
 
 __all__ = [
@@ -217,7 +218,7 @@ def read_gguf(
     config = _model_config(path, fields, rope_freqs, loaded.config.to_dict())
     tensors = {name: tensor.detach().to(dtype) for name, tensor in loaded.state_dict().items()}
     del loaded
-    state = _hf_to_native_state(tensors, config, f"GGUF file {path}")
+    state = hf_state_to_native(tensors, config, f"GGUF file {path}")
     info = {
         "name": fields.get("general.name"),
         "tensor_types": dict(Counter(types.values())),
@@ -332,12 +333,10 @@ def write_gguf(
     (e.g. ``{"general.description": ...}``). An existing file is replaced only with ``overwrite``."""
     from gguf import MODEL_ARCH_NAMES, GGUFWriter, LlamaFileType, RopeScalingType, get_tensor_name_map
 
-    from models.formats.checkpoint import _native_state, _unwrap
-
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"unknown GGUF dtype {dtype!r}; expected one of {GGUF_DTYPES}")
     out = check_gguf_destination(out_file, overwrite=overwrite)
-    model = _unwrap(model)
+    model = unwrap(model)
     config = model.config
     family = family_of(config.hf_architecture)
     architecture = family.gguf_architecture
@@ -352,7 +351,7 @@ def write_gguf(
         problems.append("Llama 3.1 RoPE scaling")
     if problems:
         raise LanternError(f"cannot write {out} as llama.cpp's {architecture!r}, which fixes: {'; '.join(problems)}")
-    state = native_to_hf_state(_native_state(model), config)
+    state = native_to_hf_state(native_state(model), config)
     names = get_tensor_name_map(next(a for a, n in MODEL_ARCH_NAMES.items() if n == architecture), config.n_layers)
 
     def write(temporary: Path) -> None:

@@ -35,11 +35,13 @@ __all__ = [
     "HF_NAME_MAP",
     "config_to_hf",
     "hf_special_ids",
+    "hf_state_to_native",
     "load_hf",
     "load_hf_config",
     "native_to_hf_adapter_state",
     "native_to_hf_state",
     "read_hf_weights",
+    "read_hf_weights_as_native",
     "write_hf_adapter",
     "write_hf_weights",
 ]
@@ -79,6 +81,7 @@ def _tables(architecture: str) -> tuple[list[tuple[re.Pattern[str], str]], list[
 
 # Buffers some older Hugging Face checkpoints carry; recomputed from the config, so safe to drop.
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_HF_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -92,8 +95,13 @@ def load_hf_config(directory: Path) -> ModelConfig:
 def load_hf(directory: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     """(config, state with native names), the state checked against the config."""
     config = load_hf_config(directory)
-    state = _hf_to_native_state(read_hf_weights(directory), config, f"Hugging Face checkpoint {directory}")
-    return config, state
+    return config, read_hf_weights_as_native(directory, config, f"Hugging Face checkpoint {directory}")
+
+
+def read_hf_weights_as_native(directory: Path, config: ModelConfig, source: str) -> dict[str, Tensor]:
+    """The weights of a Hugging Face folder under native names, checked against ``config`` (config.json's, or
+    lantern.json's for Lantern's own folder)."""
+    return hf_state_to_native(read_hf_weights(directory), config, source)
 
 
 def read_hf_weights(directory: Path) -> dict[str, Tensor]:
@@ -205,10 +213,15 @@ def write_hf_adapter(state: dict[str, Tensor], lora: Any, directory: Path) -> No
     save_safetensors(state, directory / "adapter_model.safetensors")
 
 
-def _hf_to_native_state(state: dict[str, Tensor], config: ModelConfig, source: str) -> dict[str, Tensor]:
+def hf_state_to_native(state: dict[str, Tensor], config: ModelConfig, source: str) -> dict[str, Tensor]:
+    """Native names and wq/wk layout, checked against ``config``; the zero q/k/v biases ``native_to_hf_state`` gives
+    a model without them in a family that always has them are dropped again."""
     out: dict[str, Tensor] = {}
+    zero_biases = family_of(config.hf_architecture).qkv_bias and not config.qkv_bias
     for name, tensor in state.items():
         if _HF_IGNORED.search(name):
+            continue
+        if zero_biases and name.endswith(_HF_QKV_BIASES) and not tensor.any():
             continue
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # tied: transformers itself ignores a stored lm_head and uses embed_tokens

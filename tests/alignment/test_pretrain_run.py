@@ -26,8 +26,9 @@ from alignment.stages.pretrain import run_pretrain
 from data.pretrain.config import PrepareConfig
 from data.pretrain.manifest import read_manifest
 from data.pretrain.prepare import prepare
+from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError, NonFiniteLossError
-from tests.helpers import subprocess_env
+from tests.helpers import assert_transformers_loads, subprocess_env
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +182,8 @@ def test_tiny_run_learns_and_writes_its_artifacts(data_dir, tmp_path):
     for name, tensor in last["state_dict"].items():
         assert name.startswith("model.")
         torch.testing.assert_close(state[name[len("model.") :]].float(), tensor.float(), rtol=0, atol=0)
+    # ... and a folder transformers loads as it is: the same logits, and its tokenizer the same ids
+    assert_transformers_loads(run_dir / "final", model, Tokenizer.load("default"))
 
     # loss.png: a real PNG with something drawn in it
     png = (run_dir / "loss.png").read_bytes()

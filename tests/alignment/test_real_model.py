@@ -18,8 +18,11 @@ import torch
 
 import models.generation
 from alignment.commands.cli import main
+from data.tokenizer.base import load_tokenizer
 from data.tokenizer.tokenizer import Tokenizer
+from models.formats.checkpoint import load_checkpoint
 from models.loss import IGNORE_INDEX
+from tests.helpers import assert_transformers_loads
 from trainer.config import load_config
 
 # five questions; the greedy answers of the first four end with <|im_end|>, the fifth is cut at MAX_NEW_TOKENS
@@ -174,6 +177,8 @@ def test_lora_sft_from_the_converted_folder_lowers_held_out_loss(smollm2, tmp_pa
     assert before.loss is not None and math.isfinite(before.loss)
     assert before.loss > 1.0 and after[10] < 0.25 * before.loss, (before.loss, after)  # 1.70 -> 0.14 measured
     assert (run_dir / "checkpoints" / "step-00000010.ckpt").is_file()
+    # final/ (the adapters merged) is a folder transformers loads as it is, with SmolLM2's own tokenizer
+    assert_transformers_loads(run_dir / "final", load_checkpoint(run_dir / "final"), load_tokenizer(run_dir / "final"))
 
 
 # ---- GRPO and DPO with the chat template ----
@@ -242,7 +247,6 @@ def test_rl_scoring_runs_the_system_turn_once_and_gives_the_full_rows_log_probs_
     GRPO's and PPO's reference and training passes run it) against the same rows scored whole: the log-probs of every
     answer token, and the gradient reaching the first block's key projection (through the prefix's keys too)."""
     from alignment.shared.responses import response_logprobs
-    from models.formats.checkpoint import load_checkpoint
     from models.generation import left_pad
     from models.prefill import shared_prefix_length
 

@@ -28,12 +28,13 @@ from alignment.commands.pipeline import Pipeline, PipelineConfig
 from alignment.stages.pretrain import run_pretrain
 from data.demo.tasks import write_demo_dataset
 from data.pretrain.config import PrepareConfig
+from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.manifest import read_manifest
 from data.pretrain.prepare import prepare
 from data.tokenizer.bpe import check_output_file
 from models.errors import ConfigError, DataError
-from models.files.atomic import StorageError
-from models.files.folders import FOLDER_MARKER, LOCK_FILE, FolderInUse, FolderNotLanterns
+from models.files.atomic import StorageError, close_lock
+from models.files.folders import FOLDER_MARKER, LOCK_FILE, FolderInUse, FolderNotLanterns, lock_out_readers
 from tests.alignment.test_pretrain_run import RUN_NAME, tiny_config
 from tests.helpers import subprocess_env
 
@@ -161,6 +162,45 @@ def test_a_second_prepare_into_one_folder_is_refused_while_the_first_runs(tmp_pa
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
     prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))  # a dead holder never blocks
+
+
+READER = """
+import sys, time
+from data.pretrain.datamodule import PretrainDataModule
+PretrainDataModule(sys.argv[1], seq_len=8, micro_batch_size=2).setup("fit")
+print("reading", flush=True)
+time.sleep(300)
+"""
+
+
+def test_prepare_refuses_to_rebuild_data_a_run_is_reading(tmp_path):
+    """Before: `lantern prepare` replaced the data under a live pretraining run without a word. A rebuild is
+    refused naming the reading process; an up-to-date prepare still passes; and a run does not start on data a
+    rebuild is replacing."""
+    source, out = small_corpus(tmp_path / "src"), tmp_path / "data"
+    prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))
+    before = contents(out)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(out)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))  # up to date: nothing to replace
+        message = rf"data folder {out} is being read by a training run \(process {reader.pid}\): let it finish"
+        with pytest.raises(FolderInUse, match=message):
+            prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))
+        assert contents(out) == before
+    finally:
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(timeout=30)
+    rebuild = lock_out_readers(out, what="data folder", hint="")  # what a prepare holds while it rebuilds
+    try:
+        with pytest.raises(FolderInUse, match=rf"data folder {out} is being rebuilt by `lantern prepare`"):
+            PretrainDataModule(str(out), seq_len=8, micro_batch_size=2).setup("fit")
+    finally:
+        close_lock(rebuild)
+    prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))  # a run that ended never blocks
+    assert read_manifest(out)["settings"]["val_fraction"] == 0.2
 
 
 @pytest.mark.parametrize("where", ["datasets-cache", "shards"])

@@ -91,7 +91,7 @@ def test_lantern_json_without_model_section(native, tmp_path):
 def test_shape_mismatch_names_key_and_both_shapes(native, tmp_path):
     folder = copy_of(native, tmp_path)
     state = load_file(folder / "model.safetensors")
-    state["layers.1.attention.wq.weight"] = torch.zeros(64, 128)
+    state["model.layers.1.self_attn.q_proj.weight"] = torch.zeros(64, 128)  # Hugging Face's names in the file
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(folder)

@@ -283,7 +283,7 @@ def meta_shards(model: Transformer, n: int, embedding_dim: int) -> list[dict[str
     column = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight")
     row = ("wo.weight", "w2.weight")
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for name, tensor in ckpt._native_state(model).items():
+    for name, tensor in ckpt.native_state(model).items():
         if name.endswith(column):
             parts = tensor.chunk(n, dim=0)
         elif name.endswith(row):
@@ -335,7 +335,7 @@ def test_meta_tied_scaled_rope_under_original(tmp_path):
         "original_max_position_embeddings": 32,
     }
     (tmp_path / "original" / "params.json").write_text(json.dumps(params))
-    state = ckpt._native_state(model)
+    state = ckpt.native_state(model)
     assert "output.weight" not in state
     torch.save(state, tmp_path / "original" / "consolidated.00.pth")
 
@@ -366,12 +366,13 @@ def test_native_round_trip(tmp_path, tie):
     info = json.loads((out / "lantern.json").read_text())
     record = {"tokenizer.model": sha256_file(tokenizer)}  # the tokenizer these weights go with
     assert info == {
-        "format": "lantern", "version": 1, "model": model.config.to_dict(), "metadata": {"step": 12},
+        "format": "lantern", "version": 2, "model": model.config.to_dict(), "metadata": {"step": 12},
         "tokenizer_sha256": record,
     }  # fmt: skip
-    assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
-    stored = load_file(out / "model.safetensors")
-    assert ("output.weight" in stored) != tie  # tied: only tok_embeddings.weight is stored
+    assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()  # at the top: Lantern's reader takes it
+    stored = load_file(out / "model.safetensors")  # under Hugging Face's names
+    assert "model.embed_tokens.weight" in stored and ("lm_head.weight" in stored) != tie  # tied: stored once
+    assert not (out / "config.json").exists()  # qk_norm and a softcap: no Llama of transformers has them
 
     assert detect_format(out) == "native" and load_model_config(out) == model.config
     loaded = load_checkpoint(out)
@@ -386,6 +387,43 @@ def test_native_round_trip(tmp_path, tie):
 
     half = load_checkpoint(out, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_native_folder_is_one_transformers_loads(tmp_path, tie):
+    """What training's final/ and ``lantern export`` write: transformers loads it as it is, with the same logits."""
+    model = native_model(tie_embeddings=tie)
+    out = save_checkpoint(model, tmp_path / "ckpt", metadata={"bos_token_id": 7, "eos_token_id": 8})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings == tie
+    ids = token_ids()
+    assert (logits(model, ids) - logits(hf.eval(), ids)).abs().max().item() <= TOL
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 7, "eos_token_id": 8}
+    assert load_model_config(out) == model.config  # Lantern reads lantern.json's config, not config.json
+
+
+def test_native_folder_without_a_transformers_class_says_so(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="models.formats.native_folder"):
+        out = save_checkpoint(native_model(qk_norm=True), tmp_path / "ckpt")
+    assert "transformers cannot load it" in caplog.text and "qk_norm" in caplog.text
+    assert not (out / "config.json").exists() and load_checkpoint(out).config.qk_norm
+
+
+def test_version_1_native_folders_still_load(tmp_path):
+    """Folders written before the native folder became a Hugging Face one: native names, no config.json."""
+    model = native_model(tie_embeddings=True)
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    info = {"format": "lantern", "version": 1, "model": model.config.to_dict(), "metadata": {"step": 3}}
+    (folder / "lantern.json").write_text(json.dumps(info))
+    save_file(ckpt.native_state(model), folder / "model.safetensors")
+    loaded = load_checkpoint(folder)
+    ids = token_ids()
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+    info["version"] = 3
+    (folder / "lantern.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="version 3 is not supported .*a newer Lantern wrote it"):
+        load_checkpoint(folder)
 
 
 def test_save_over_existing_replaces_it_and_cleans_up(tmp_path):
@@ -427,10 +465,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_native_key_errors_list_all_names(tmp_path):
     out = save_checkpoint(native_model(), tmp_path / "ckpt")
     state = load_file(out / "model.safetensors")
-    del state["layers.0.attention.wk.weight"], state["norm.weight"]
-    state["layers.5.attention.wq.weight"] = torch.zeros(64, 64)
+    del state["model.layers.0.self_attn.k_proj.weight"], state["model.norm.weight"]
+    state["model.layers.5.self_attn.q_proj.weight"] = torch.zeros(64, 64)
     state["extra_head.weight"] = torch.zeros(3)
-    state["layers.1.ffn_norm.weight"] = torch.ones(65)
+    state["model.layers.1.post_attention_layernorm.weight"] = torch.ones(65)
     save_file(state, out / "model.safetensors")
     with pytest.raises(ValueError) as info:
         load_checkpoint(out)

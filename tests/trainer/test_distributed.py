@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.helpers import family_block, subprocess_env
 
@@ -59,7 +58,14 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "final" / "model.safetensors")
+    """The weights of a run's final/ under Lantern's own names."""
+    return model_weights(run_dir / "final")
+
+
+def model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from models.formats.checkpoint import load_checkpoint
+
+    return dict(load_checkpoint(folder).state_dict())
 
 
 def assert_same_weights(a: dict, b: dict, atol: float) -> None:
@@ -208,7 +214,7 @@ def test_export_consolidates_fsdp_shards(fsdp_fp32, tmp_path):
     shards = fsdp_fp32 / "checkpoints" / f"step-{STEPS:08d}.ckpt"
     assert shards.is_dir() and len(list(shards.glob("*.distcp"))) == 2
     out = export_training_checkpoint(shards, tmp_path / "exported")
-    assert_same_weights(load_file(out / "model.safetensors"), final_weights(fsdp_fp32), atol=0)
+    assert_same_weights(model_weights(out), final_weights(fsdp_fp32), atol=0)
     assert (out / "tokenizer.model").is_file()
 
 
