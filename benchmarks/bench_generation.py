@@ -1,7 +1,17 @@
-"""Decode throughput: eager KV cache vs static KV cache vs static + compiled decode step (and recomputation).
+"""Decode throughput: eager KV cache vs static KV cache vs static + compiled decode step (and recomputation); and,
+with ``--checkpoint``, sampled chat answers of a real model against transformers' ``generate``.
 
     python -m benchmarks.bench_generation --preset tiny                     # CPU, batch 1 and 8
     python -m benchmarks.bench_generation --device cuda --dtype bfloat16 --preset llama3.2-1b --batch-sizes 1,64 --json gen.json
+    python -m benchmarks.bench_generation --checkpoint runs/smollm2-135m-instruct --batch-sizes 1,16,64 --new-tokens 32
+
+``--checkpoint`` (a model folder Lantern wrote, which transformers loads as it is): the same left-padded chat prompts
+(the held-out arithmetic questions of ``grpo_vs_trl.py``, in the model's own template), sampled at temperature 1 with the model's stop tokens, so rows end
+at the lengths the model gives them (the stop distribution of an RL rollout); Lantern (``decode=auto``; stopped rows
+leave the batch), Lantern with every row kept to the end (``COMPACT_WHEN_STOPPED`` 0: the difference is what leaving
+saves) and transformers (``do_sample=True``, ``top_k=0``, the same stop ids), interleaved, --repeats times, median.
+tok/s counts real new tokens (up to each row's stop token); each side draws its own samples, so the lengths are the
+same distribution, not the same numbers: the table shows both.
 
 Greedy decoding of a randomly initialised model on random prompts (speed does not depend on the weights), no
 stop ids, so every row produces exactly --new-tokens tokens. Modes (``models.generation.generate``):
@@ -68,6 +78,91 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def sampled_vs_transformers(args: argparse.Namespace) -> list[dict]:
+    """Sampled chat answers of ``args.checkpoint``: Lantern (rows leaving the batch, and all kept) vs transformers."""
+    import statistics
+    import tempfile
+
+    import transformers
+
+    import models.generation as generation
+    from data.demo.arithmetic import write_arithmetic_dataset
+    from data.tokenizer.base import load_tokenizer
+    from models.formats.checkpoint import load_checkpoint
+
+    ours = load_checkpoint(args.checkpoint, dtype=torch.float32).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(args.checkpoint)
+    stops, pad = sorted(tokenizer.stop_ids), tokenizer.pad_id
+    seeds = iter(range(args.seed, 10**9))  # a fresh seed each run: each run samples anew
+    with tempfile.TemporaryDirectory() as folder:  # the held-out questions of the GRPO benchmark (grpo_vs_trl.py)
+        write_arithmetic_dataset(folder, tasks=["add", "multiply"], n_train=800, n_val=600, n_pairs=60, seed=0)
+        records = [json.loads(line) for line in Path(folder, "prompts.jsonl").read_text().splitlines()]
+    prompts_all = [tokenizer.encode_chat_prompt(record["messages"]) for record in records]
+    print(f"checkpoint={args.checkpoint} threads={torch.get_num_threads()} new_tokens={args.new_tokens}", flush=True)
+
+    results = []
+    for batch in parse_batch_sizes(args.batch_sizes):
+        prompts = prompts_all[:batch]
+        ids, real = generation.left_pad(prompts, pad)
+
+        def lantern(compact: int, prompts=prompts) -> list[int]:
+            generation.COMPACT_WHEN_STOPPED = compact
+            out = generation.generate(
+                ours, prompts, max_new_tokens=args.new_tokens, temperature=1.0, stop_ids=stops, pad_id=pad,
+                generator=torch.Generator().manual_seed(next(seeds)),
+            )  # fmt: skip
+            return out.lengths.tolist()
+
+        def hf(ids=ids, real=real) -> list[int]:
+            torch.manual_seed(next(seeds))
+            with torch.inference_mode():
+                out = theirs.generate(
+                    input_ids=ids, attention_mask=real.long(), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                    max_new_tokens=args.new_tokens, eos_token_id=stops, pad_token_id=pad,
+                )[:, ids.shape[1] :]  # fmt: skip
+            ended = torch.isin(out, torch.tensor(stops))
+            first_stop = torch.where(ended.any(1), ended.float().argmax(1) + 1, out.shape[1])
+            return first_stop.tolist()
+
+        contenders = {
+            "lantern": lambda: lantern(generation.COMPACT_DEFAULT),
+            "lantern, rows kept": lambda: lantern(0),
+            "transformers": hf,
+        }
+        for run in contenders.values():
+            run()  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        lengths: dict[str, list[int]] = {name: [] for name in contenders}
+        for repeat in range(args.repeats):
+            for name, run in list(contenders.items())[:: 1 if repeat % 2 == 0 else -1]:
+                start = time.perf_counter()
+                lengths[name] += run()
+                times[name].append(time.perf_counter() - start)
+        generation.COMPACT_WHEN_STOPPED = generation.COMPACT_DEFAULT
+        for name in contenders:
+            per_run = sum(lengths[name]) / args.repeats
+            row = {
+                "batch": batch, "contender": name, "median_s": statistics.median(times[name]),
+                "tokens_per_second": per_run / statistics.median(times[name]),
+                "mean_length": statistics.mean(lengths[name]),
+                "ended_fraction": sum(n < args.new_tokens for n in lengths[name]) / len(lengths[name]),
+            }  # fmt: skip
+            results.append(row)
+    lantern_rate = {(r["batch"]): r["tokens_per_second"] for r in results if r["contender"] == "lantern"}
+    print(
+        "\n| batch | contender | real tok/s | Lantern vs it | median s | mean length | rows ending before the limit |"
+    )
+    print("|------:|:----------|-----------:|--------------:|---------:|------------:|-----------------------------:|")
+    for r in results:
+        r["lantern_vs_it"] = lantern_rate[r["batch"]] / r["tokens_per_second"]
+        print(
+            f"| {r['batch']} | {r['contender']} | {r['tokens_per_second']:.1f} | {r['lantern_vs_it']:.2f}x | "
+            f"{r['median_s']:.3f} | {r['mean_length']:.1f} | {r['ended_fraction']:.0%} |"
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", help="model preset in configs/model (default: small)")
@@ -82,7 +177,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--checkpoint", default=None, help="a model folder: sampled chat answers against transformers (see above)"
+    )
     args = parser.parse_args()
+    if args.checkpoint:
+        torch.set_num_threads(args.threads)
+        results = sampled_vs_transformers(args)
+        if args.json:
+            payload = {"checkpoint": args.checkpoint, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                       "threads": args.threads, "torch": torch.__version__, "results": results}  # fmt: skip
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        return
 
     modes = [m for m in args.modes.split(",") if m] + (["recompute"] if args.recompute else [])
     unknown = [m for m in modes if m not in MODES]

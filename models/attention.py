@@ -36,6 +36,12 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # positions filled so far (the same for every row)
 
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (a 1-D index, in that order): the rows a decode still extends."""
+        self.keys = [keys.index_select(0, rows) for keys in self.keys]
+        self.values = [values.index_select(0, rows) for values in self.values]
+        self.document_ids = self.document_ids.index_select(0, rows)
+
     def update(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Write (B, Hkv, T, D) keys/values at the current length; return everything cached so far."""
         end = self.length + keys.shape[2]

@@ -31,7 +31,9 @@ from models.sampling import GenerationOutput, pick_next, sample_next, sampling_d
 REAL_DOCUMENT = 1  # models.generation's id for real tokens (pads are 0)
 LENGTH_BUCKET = 128  # cache lengths are rounded up to this so varying prompt widths reuse one compiled step
 STOP_CHECK_EVERY = 8  # static / compiled decoding: tokens between two "has every row stopped?" host syncs
-MAX_CACHES_PER_MODEL = 2  # bounds memory: e.g. the PPO rollout batch and the eval batch
+# bounds memory: e.g. the rollout batch and the eval batch, each with the smaller batches its stopped rows leave
+# (``_without_stopped_rows``: halving buckets, together at most the size of the first)
+MAX_CACHES_PER_MODEL = 16
 
 # model -> {(batch, length, dtype, device): KVCache}; weak so a discarded model frees its caches
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -198,10 +200,10 @@ def static_cache(model: Transformer, batch: int, length: int, *, mark_static: bo
         while len(per_model) >= MAX_CACHES_PER_MODEL:
             per_model.pop(next(iter(per_model)))  # the least recently used
         cache = model.new_kv_cache(batch, bucket)
-        if mark_static:
-            for tensor in (*cache.keys, *cache.values, cache.document_ids):
-                torch._dynamo.mark_static_address(tensor)
     per_model[key] = cache  # (re)inserted last: most recently used
+    if mark_static:  # also a cache an uncompiled decode made: a compiled step mutating an unmarked one gets no graph
+        for tensor in (*cache.keys, *cache.values, cache.document_ids):
+            torch._dynamo.mark_static_address(tensor)
     cache.length = 0
     cache.document_ids.fill_(-1)
     return cache
@@ -247,42 +249,85 @@ def static_decode(
     pad_id: int,
     generator: torch.Generator | None,
     compile: bool,
+    mark_static: bool = False,
 ) -> GenerationOutput:
     """The decode loop over ``decode_and_sample`` steps (compiled or not), after the prefill's ``logits``.
 
     The loop runs no host sync but the stop check every ``STOP_CHECK_EVERY`` tokens; the tokens decoded after every
     row stopped are pads with mask False and are cut at the end, so the output equals the eager loop's (which
-    checks after every token). Only the buffers the step reads are written between steps (no new allocations)."""
+    checks after every token). At a check, once the rows still decoding fit a batch of half the size or less, the
+    stopped rows leave (``_without_stopped_rows``; batch sizes are powers of two, so a compiled step compiles once per
+    size). Only the buffers the step reads are written between steps (no new allocations but at those moves)."""
     batch, device = logits.shape[0], logits.device
-    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=device)
-    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    # one output row more than the batch: the sink a smaller batch's padding slots write into (cut at the end)
+    tokens = torch.full((batch + 1, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((batch + 1, max_new_tokens), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((batch + 1, max_new_tokens), dtype=torch.float32, device=device)
     # the first token comes from the prefill's logits (first_token_mask applied), as in the eager loop
     first, first_logprob = sample_next(logits, temperature, top_k, top_p, generator)
-    tokens[:, 0], mask[:, 0], logprobs[:, 0] = first, True, first_logprob
+    tokens[:batch, 0], mask[:batch, 0], logprobs[:batch, 0] = first, True, first_logprob
     done = torch.isin(first, stop)
     token = first[:, None].clone()  # the token fed back (B, 1), its RoPE position and its cache slot
     position = n_real[:, None].clone()
     cache_position = torch.full((1,), prompt_width, dtype=torch.long, device=device)
-    draws = None if temperature == 0 else torch.empty((batch, 1), dtype=torch.float64, device=device)
+    rows = torch.arange(batch, device=device)  # the output row of each row of the batch decoding
+    # one uniform per row of the original batch each step, whichever rows have left: a row samples as in the full batch
+    all_draws = None if temperature == 0 else torch.empty((batch, 1), dtype=torch.float64, device=device)
+    draws = all_draws
     step_fn = compiled(decode_and_sample) if compile else decode_and_sample
     for step in range(1, max_new_tokens):
-        if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
-            break
-        if draws is not None:
-            sampling_draws(draws, generator)
+        if step % STOP_CHECK_EVERY == 0:
+            decoding = int((~done).sum())
+            if decoding == 0:
+                break
+            if _batch_size_for(decoding) < len(done):
+                kv_cache, token, position, done, rows = _without_stopped_rows(
+                    model, kv_cache, token, position, done, rows, sink=batch, mark_static=mark_static
+                )
+                draws = None if all_draws is None else all_draws.new_empty((len(done), 1))
+        if all_draws is not None:
+            sampling_draws(all_draws, generator)
+            if draws is not all_draws:
+                draws.copy_(all_draws[rows.clamp_max(batch - 1)])  # the sink's slots take any: their rows stopped
         if compile:  # the previous step's graph outputs are consumed: let CUDA graphs reuse their memory
             torch.compiler.cudagraph_mark_step_begin()
         next_token, next_logprob, live, done_after = step_fn(
             model, blocks, kv_cache, token, position, cache_position, done, stop, draws, pad_id, temperature, top_k,
             top_p,
         )  # fmt: skip
-        tokens[:, step], logprobs[:, step], mask[:, step] = next_token, next_logprob, live
+        tokens[rows, step], logprobs[rows, step], mask[rows, step] = next_token, next_logprob, live
         token.copy_(next_token[:, None])
         done.copy_(done_after)
         position += 1
         cache_position += 1
+    tokens, mask, logprobs = tokens[:batch], mask[:batch], logprobs[:batch]
     # the eager loop's length: up to the last token some row still generated (one host sync)
     steps = int((mask.any(dim=0) * torch.arange(1, max_new_tokens + 1, device=device)).max())
     mask = mask[:, :steps]
     return GenerationOutput(tokens=tokens[:, :steps], mask=mask, logprobs=logprobs[:, :steps], lengths=mask.sum(dim=1))
+
+
+def _batch_size_for(rows: int) -> int:
+    """The batch size ``rows`` rows decode in: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
+def _without_stopped_rows(
+    model: Transformer, cache: KVCache, token: Tensor, position: Tensor, done: Tensor, rows: Tensor, *, sink: int,
+    mark_static: bool,
+) -> tuple[KVCache, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The rows still decoding moved into the reused cache of a smaller batch (``_batch_size_for``), padded with
+    copies of the first that count as stopped and write their outputs to row ``sink``: (cache, token, position,
+    done, rows) of the new batch."""
+    kept = (~done).nonzero().squeeze(1)
+    size = _batch_size_for(len(kept))
+    slots = torch.cat([kept, kept[:1].expand(size - len(kept))])
+    padding = torch.arange(size, device=done.device) >= len(kept)
+    smaller = static_cache(model, size, cache.max_len, mark_static=mark_static)
+    for layer in range(len(cache.keys)):
+        smaller.keys[layer].copy_(cache.keys[layer].index_select(0, slots))
+        smaller.values[layer].copy_(cache.values[layer].index_select(0, slots))
+    smaller.document_ids.copy_(cache.document_ids.index_select(0, slots))
+    smaller.length = cache.length
+    rows = torch.where(padding, sink, rows[slots])
+    return smaller, token[slots].clone(), position[slots].clone(), done[slots] | padding, rows

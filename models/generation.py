@@ -16,11 +16,14 @@ from models import fast_decode
 from models.attention import use_flex_attention
 from models.model import ModelConfig, Transformer
 from models.prefill import last_logits, prefill
-from models.sampling import GenerationOutput, sample_next, scaled_logprobs
+from models.sampling import GenerationOutput, pick_next, sampling_draws, scaled_logprobs
 
 PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
 DECODE_CHOICES = ("auto", "eager", "static", "compiled")
 AUTO_DECODE = {"cuda": "compiled"}  # device type -> what decode="auto" runs there; any other device: eager
+# the eager loop takes stopped rows out of the batch once at least 1 in COMPACT_WHEN_STOPPED of its rows has stopped:
+# each step then computes fewer rows, for one copy of the KV cache's remaining rows (docs/generation.md)
+COMPACT_WHEN_STOPPED = COMPACT_DEFAULT = 4
 FLEX_LENGTH_BUCKET = 128  # full-sequence passes under FlexAttention: row lengths rounded up to a multiple of this
 
 
@@ -328,9 +331,9 @@ def _generate(
         mode = "eager"
     # The last generated token is never fed back, hence the -1.
     cache_len = prompt_width + max_new_tokens - 1
+    mark_static = mode == "compiled" and device.type == "cuda"  # CUDA graphs then need no copies of the cache
     if mode in ("static", "compiled"):
-        compile = mode == "compiled"
-        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=compile and device.type == "cuda")
+        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=mark_static)
     else:
         kv_cache = model.new_kv_cache(batch, cache_len) if mode == "eager" else None
     if kv_cache is not None:
@@ -342,7 +345,7 @@ def _generate(
     if mode in ("static", "compiled"):
         return fast_decode.static_decode(
             model, blocks, kv_cache, logits, n_real, prompt_width, max_new_tokens, temperature, top_k, top_p, stop,
-            pad_id, generator, compile,
+            pad_id, generator, mode == "compiled", mark_static,
         )  # fmt: skip
 
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -350,24 +353,39 @@ def _generate(
     logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     new_document = torch.full((batch, 1), REAL_DOCUMENT, dtype=torch.long, device=device)
+    # Rows that stopped leave the batch (``_rows_left``): ``rows`` maps the rows still decoding to their output rows.
+    # Each step still draws one uniform for every row of the original batch, so a row's samples are those of the
+    # full batch, whichever rows have left.
+    rows = torch.arange(batch, device=device)
+    draws = None if temperature == 0 else torch.empty((batch, 1), dtype=torch.float64, device=device)
 
     steps = 0
     for step in range(max_new_tokens):
-        next_token, next_logprob = sample_next(logits, temperature, top_k, top_p, generator)
-        # Stopped rows keep emitting pad_id; sampling for them is wasted but keeps the batch rectangular.
+        row_draws = None if draws is None else sampling_draws(draws, generator)[rows]
+        next_token, next_logprob = pick_next(logits, temperature, top_k, top_p, row_draws)
+        # Stopped rows not yet out of the batch emit pad_id (mask False, log-prob 0), as the outputs hold already.
         next_token = torch.where(done, pad_id, next_token)
-        tokens[:, step] = next_token
-        mask[:, step] = ~done
-        logprobs[:, step] = torch.where(done, 0.0, next_logprob)
+        tokens[rows, step] = next_token
+        mask[rows, step] = ~done
+        logprobs[rows, step] = torch.where(done, 0.0, next_logprob)
         done = done | torch.isin(next_token, stop)
         if stop_when is not None:
-            done = done | stop_when(tokens[:, : step + 1]).to(device)
+            done = done | stop_when(tokens[:, : step + 1]).to(device)[rows]
         steps = step + 1
-        if steps == max_new_tokens or bool(done.all()):
+        finished = int(done.sum())
+        if steps == max_new_tokens or finished == len(done):
             break
+        if finished * COMPACT_WHEN_STOPPED >= len(done):
+            kept = (~done).nonzero().squeeze(1)
+            rows, done, n_real, next_token = rows[kept], done[kept], n_real[kept], next_token[kept]
+            new_document = new_document[: len(kept)]
+            if kv_cache is not None:
+                kv_cache.keep_rows(kept)
+            else:
+                input_ids, document_ids, position_ids = input_ids[kept], document_ids[kept], position_ids[kept]
 
-        # Feed the token back: it is real (document 1) at position = real tokens before it. Stopped rows feed
-        # pads the same way; their outputs are discarded, so what they attend to does not matter.
+        # Feed the token back: it is real (document 1) at position = real tokens before it. Stopped rows still in
+        # the batch feed pads the same way; their outputs are discarded, so what they attend to does not matter.
         next_position = (n_real + step)[:, None]
         if kv_cache is not None:
             logits = last_logits(

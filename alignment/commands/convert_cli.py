@@ -66,13 +66,21 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _between_folders(src: str, src_format: str, dst: str, dst_format: str, dtype: Any, overwrite: bool) -> Any:
-    from data.tokenizer.convert import hf_export_files
+    from pathlib import Path
+
+    from data.tokenizer.convert import hf_export_files, with_hf_tokenizer_files
     from models.formats.checkpoint import convert
+    from models.formats.tokenizer_files import tokenizer_files_in
 
     with tempfile.TemporaryDirectory() as scratch:
         # both folders carry tokenizer.json even when the model was trained with a tiktoken file, so transformers'
-        # AutoTokenizer loads them as they are (a native folder keeps the rank file at its top, which Lantern reads)
-        tokenizer = hf_export_files(src, scratch)
+        # AutoTokenizer loads them as they are; a native folder also keeps the source's rank file (a Hugging Face
+        # folder's original/tokenizer.model too) at its top, where Lantern reads it first
+        folder = Path(src) if Path(src).is_dir() else Path(src).parent
+        if dst_format == "hf":
+            tokenizer = hf_export_files(src, scratch)
+        else:
+            tokenizer = with_hf_tokenizer_files(tokenizer_files_in(folder), scratch)
         return convert(
             src=src,
             src_format=src_format,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from data.tokenizer.base import load_tokenizer
-from data.tokenizer.files import read_rank_file, tokenizer_file
+from data.tokenizer.files import is_rank_file, read_rank_file, tokenizer_file
 from data.tokenizer.tokenizer import LLAMA3_PAT, Tokenizer
 from models.errors import LanternError
 from models.formats.gguf_tokenizer import (
@@ -133,8 +133,8 @@ def with_hf_tokenizer_files(files: Mapping[str, Path], scratch: str | Path) -> d
     """A tokenizer's ``files`` with, beside a tiktoken rank file, its tokenizer.json and tokenizer_config.json
     (converted in ``scratch``), so that a model folder written with them is one transformers' ``AutoTokenizer``
     loads; the rank file stays, and Lantern's reader takes it first. Other files are returned as they are."""
-    if "tokenizer.model" not in files or "tokenizer.json" in files:
-        return dict(files)
+    if "tokenizer.model" not in files or "tokenizer.json" in files or not is_rank_file(Path(files["tokenizer.model"])):
+        return dict(files)  # (a sentencepiece tokenizer.model: no conversion of ours)
     return {**hf_export_files(files["tokenizer.model"], scratch), **files}
 
 

@@ -383,6 +383,43 @@ def test_compiled_decode_step_matches_recompute_on_cpu(base_model):
         torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
+def test_the_compiled_decode_step_mutates_only_static_buffers_and_compiles_once(base_model, monkeypatch):
+    """What CUDA graphs need of the step, checked on CPU in AOTAutograd's record of the traced step (the graph
+    inductor compiles): one whole graph (fullgraph), compiled once over 200 steps of changing batch contents, and
+    every input it writes (the KV cache, the cached document ids) a static buffer at a fixed address, so that
+    cudagraph trees capture it instead of skipping it for "mutated inputs". A cache an uncompiled decode made first
+    is marked too (it was not: the static-then-compiled benchmark reused it unmarked)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import TracingContext
+
+    from models import fast_decode
+
+    graphs: list[tuple[list[int], set[int]]] = []
+
+    def forward_compiler(graph, example_inputs):
+        meta = TracingContext.get().fw_metadata
+        written = [i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata]
+        graphs.append((written, set(meta.static_input_indices)))
+        return graph
+
+    step = torch.compile(
+        fast_decode.decode_and_sample, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True
+    )
+    monkeypatch.setattr(fast_decode, "compiled", lambda function: step)
+    marked = fast_decode.static_cache  # the CUDA setting (on CPU the step runs without graphs, and marks nothing)
+    monkeypatch.setattr(fast_decode, "static_cache", lambda *args, mark_static: marked(*args, mark_static=True))
+    generate(base_model, PROMPTS, max_new_tokens=8, temperature=1.0, decode="static")  # the cache, made unmarked
+    for seed in range(2):  # other prompts of the same widths: other tokens, the same shapes
+        prompts = [[(token * (seed + 3)) % 120 + 1 for token in prompt] for prompt in PROMPTS]
+        out = generate(base_model, prompts, max_new_tokens=101, temperature=1.0, decode="compiled",
+                       generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        assert out.tokens.shape[1] == 101
+    assert len(graphs) == 1, f"{len(graphs)} compilations: the step recompiled"
+    written, static = graphs[0]
+    assert written, "the step writes the KV cache: its record must say so"
+    assert set(written) <= static, f"inputs {sorted(set(written) - static)} are written but not static buffers"
+
+
 @pytest.mark.slow
 def test_compiled_decode_past_the_recompile_limit_runs_uncompiled(base_model, monkeypatch):
     """fullgraph=True fails a call at dynamo's recompile limit; the compiled decode step then runs that variant
@@ -449,6 +486,73 @@ def test_static_decode_with_stops_equals_eager(base_model, temperature, max_new_
         torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-5, rtol=0)
     # the trim at work: a row that stopped before the first check still ends at its stop
     assert generate(base_model, PROMPTS[:1], max_new_tokens=20, temperature=0, stop_ids=stops, decode="static").tokens.shape[1] <= 3  # fmt: skip
+
+
+MANY_PROMPTS = [[(7 * i + j) % 120 + 1 for j in range(2 + i % 5)] for i in range(12)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["eager", "recompute"])
+def test_stopped_rows_leave_the_batch_and_every_row_decodes_as_in_the_full_batch(
+    model, temperature, use_cache, monkeypatch
+):
+    """Rows that stopped leave the eager batch (the KV cache keeps the rows still decoding) in several rounds;
+    every row's tokens, mask and lengths equal those of the full batch, its log-probs to rounding, and a sampled
+    row takes the same draws of the generator (one per row of the original batch each step)."""
+    import models.generation as generation
+    from models.attention import KVCache
+
+    greedy = generate(model, MANY_PROMPTS, max_new_tokens=20, temperature=0)
+    stops = sorted({int(greedy.tokens[row, 1 + row]) for row in range(0, 12, 2)})  # rows stop at different steps
+    kept: list[int] = []
+    keep_rows = KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda cache, rows: (kept.append(len(rows)), keep_rows(cache, rows)))
+
+    def run(compact_when: int):
+        monkeypatch.setattr(generation, "COMPACT_WHEN_STOPPED", compact_when)
+        return generate(
+            model, MANY_PROMPTS, max_new_tokens=20, temperature=temperature, top_k=40, stop_ids=stops,
+            use_cache=use_cache, generator=torch.Generator().manual_seed(5),
+            stop_when=lambda tokens: (tokens == 77).any(dim=1),
+        )  # fmt: skip
+
+    full = run(0)  # 0: no row ever leaves
+    assert kept == []
+    compacted = run(10**6)  # a row leaves as soon as it stops
+    assert torch.equal(compacted.tokens, full.tokens) and torch.equal(compacted.mask, full.mask)
+    assert torch.equal(compacted.lengths, full.lengths)
+    torch.testing.assert_close(compacted.logprobs, full.logprobs, atol=1e-5, rtol=0)
+    lengths = sorted(set(full.lengths.tolist()))
+    assert len(lengths) >= 3 and full.lengths.max() > full.lengths.min()  # rows did stop at different steps
+    if use_cache:
+        assert len(kept) >= 2 and kept == sorted(kept, reverse=True)  # left in rounds, the batch shrinking
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_decode_moves_the_rows_still_decoding_into_smaller_batches(model, temperature, monkeypatch):
+    """At the stop checks, the rows still decoding move into the reused cache of a batch of the next power of two
+    (12 rows: 16 -> 8 -> 4 ...); every row's output equals that of the full batch and of the eager loop."""
+    import models.fast_decode as fast_decode
+
+    greedy = generate(model, MANY_PROMPTS, max_new_tokens=40, temperature=0)
+    stops = sorted({int(greedy.tokens[row, 3 * row]) for row in range(1, 12)})  # rows stop at different steps
+    sizes: list[int] = []
+    move = fast_decode._without_stopped_rows
+    monkeypatch.setattr(
+        fast_decode, "_without_stopped_rows", lambda *args, **kwargs: (out := move(*args, **kwargs), sizes.append(len(out[3])))[0]
+    )  # fmt: skip
+
+    def run(decode: str):
+        return generate(
+            model, MANY_PROMPTS, max_new_tokens=40, temperature=temperature, top_k=40, stop_ids=stops, decode=decode,
+            generator=torch.Generator().manual_seed(5),
+        )  # fmt: skip
+
+    eager, static = run("eager"), run("static")
+    assert sizes and sizes == sorted(sizes, reverse=True) and all(size & (size - 1) == 0 for size in sizes)
+    assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.mask, eager.mask)
+    assert torch.equal(static.lengths, eager.lengths) and len(set(eager.lengths.tolist())) >= 3
+    torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
 class HostSyncs:

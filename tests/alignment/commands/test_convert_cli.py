@@ -72,7 +72,14 @@ def test_gguf_to_gguf_and_a_folder_without_tokenizer_are_one_line(native, tmp_pa
 
 @pytest.mark.parametrize("given", ["hf", "meta"])
 def test_a_source_format_that_is_not_the_folders_names_what_it_is(native, tmp_path, given, capsys):
-    """Before: `--from hf` of a native folder said config.json was missing; `--from meta` that params.json was found."""
+    """Before: `--from hf` of a native folder said config.json was missing; `--from meta` that params.json was found.
+    A native folder is a Hugging Face one too (config.json beside lantern.json), so `--from hf` reads it as one; one
+    written without config.json (a model transformers has no class for) is named as native."""
+    if given == "hf":
+        assert main(["convert", "--from", "hf", str(native), "--to", "native", str(tmp_path / "as-hf")]) == 0
+        ids = torch.randint(0, 4096, (1, 8), generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(logits(tmp_path / "as-hf", ids), logits(native, ids), atol=1e-6, rtol=0)
+        (native / "config.json").unlink()
     args = ["convert", "--from", given, str(native), "--to", "hf", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()

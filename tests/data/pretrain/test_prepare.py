@@ -16,7 +16,7 @@ from data.streams.packed import PackedDataset
 from data.streams.shards import TokenStream
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import check_config
-from models.files.folders import FOLDER_MARKER, LOCK_FILE
+from models.files.folders import FOLDER_MARKER, LOCK_FILE, READERS_FILE
 
 NUM_DOCS = 40
 
@@ -96,7 +96,9 @@ def test_text_corpus_manifest_and_tokens(tmp_path, text_corpus, tok):
     raw = np.fromfile(out / "train" / "shard-00000.bin", dtype="<u2")
     assert raw[: len(expected[train[0]])].tolist() == expected[train[0]]
     # No build leftovers.
-    assert sorted(p.name for p in out.iterdir()) == [FOLDER_MARKER, LOCK_FILE, "manifest.json", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [FOLDER_MARKER, LOCK_FILE, READERS_FILE, "manifest.json", "train", "val"]
+    )
 
 
 @pytest.mark.parametrize("num_proc", [1, 3])
@@ -339,7 +341,9 @@ def test_interrupted_prepare_leaves_no_manifest(tmp_path, text_corpus, monkeypat
         prepare(cfg)
     out = Path(cfg.out_dir)
     assert not (out / "manifest.json").exists()
-    assert sorted(p.name for p in out.iterdir()) == [FOLDER_MARKER, LOCK_FILE]  # build dir cleaned up
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [FOLDER_MARKER, LOCK_FILE, READERS_FILE]
+    )  # build dir cleaned up
     with pytest.raises(ValueError, match="no manifest.json"):
         TokenStream(out / "train")
 
