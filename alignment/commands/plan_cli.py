@@ -22,6 +22,11 @@ def add_plan_command(commands: Any, handler: Callable[[argparse.Namespace], None
     plan.add_argument("--fabric", help=f"the interconnect between nodes: {', '.join(FABRICS)}")
     plan.add_argument("--bandwidth", type=float, help="achieved collective bandwidth per GPU, GB/s (not --fabric)")
     plan.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour, for the cost")
+    plan.add_argument(
+        "--mean-response-tokens", type=float,
+        help="RL and rejection sampling: the mean tokens a response runs to (a run's response_length); a row leaves "
+        "the batch when it stops, so it costs decoding that long (default: every row to response_max_tokens)",
+    )  # fmt: skip
     numbers = "a GPU no name fits (with --gpu: that GPU, changed)"
     plan.add_argument("--gpu-memory-gib", type=float, help=f"{numbers}: its memory as nvidia-smi reports it, GiB")
     plan.add_argument("--gpu-bf16-tflops", type=float, help=f"{numbers}: its dense bf16 tensor-core peak, TFLOP/s")

@@ -80,12 +80,13 @@ def target_from(args: argparse.Namespace, accelerator: str = "auto") -> Target:
     else:
         gpu = gpu_named(name) if name else None
         gpu = gpu_by_numbers(gpu, *numbers) if given else gpu
-    for flag, value in (("--mfu", args.mfu), ("--bandwidth", args.bandwidth)):
+    positive = (("--mfu", args.mfu), ("--bandwidth", args.bandwidth), ("--mean-response-tokens", args.mean_response_tokens))  # fmt: skip
+    for flag, value in positive:
         if value is not None and (value <= 0 or (flag == "--mfu" and value > 1)):
             raise ConfigError(f"{flag} must be {'in (0, 1]' if flag == '--mfu' else '> 0'}, got {value}")
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
         raise ConfigError(f"--price-per-gpu-hour must be >= 0, got {args.price_per_gpu_hour}")
-    return Target(gpu, args.mfu, args.fabric, args.bandwidth, args.price_per_gpu_hour)
+    return Target(gpu, args.mfu, args.fabric, args.bandwidth, args.price_per_gpu_hour, args.mean_response_tokens)
 
 
 def plan_config(args: argparse.Namespace) -> tuple[list[StagePlan], bool]:

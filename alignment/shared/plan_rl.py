@@ -8,7 +8,9 @@ and reward models in ``frozen_dtype`` on ``frozen_device``; for generation, the 
 the rollout's KV cache (kept between rollouts by the compiled decoder on CUDA, so it stays during training too); for
 scoring, full (B, width, V) logits a micro-batch at a time; for training, each micro-batch's policy (and critic)
 pass with gradients. Decoding time is bound by memory bandwidth at ``DECODE_EFFICIENCY`` (an assumption until
-measured); the other passes run at the table's MFU.
+measured); the other passes run at the table's MFU. The chat template's preamble, which every prompt starts with,
+is prefilled and scored once a pass (``models.prefill``), and a row stops costing decode steps when it stops
+(``Target.mean_response_tokens``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from alignment.shared.stage_plan import (
     step_timing,
     trained_items,
 )
+from data.tokenizer.base import load_tokenizer, resolve_tokenizer_spec
+from models.errors import ConfigError
 from models.memory import (
     activation_bytes,
     attention_path,
@@ -42,6 +46,7 @@ from models.memory import (
     logprob_pass_bytes,
 )
 from models.parameter_shapes import meta_parameters
+from models.prefill import SHARED_PREFIX_MIN, shared_prefix_length
 from trainer.hardware import mfu_for
 from trainer.plan import model_state, peak_flops
 
@@ -54,6 +59,30 @@ def cache_length(width: int, setup: Setup, max_seq_len: int) -> int:
     if setup.device == "cuda":
         length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
     return min(length, max_seq_len)
+
+
+def template_prefix(config: Any) -> int:
+    """The tokens the stage's chat template writes before every prompt's user turn (a default system turn): a rollout
+    of several questions shares at least those, prefilled and scored once a pass (``models.prefill``). 0 when fewer
+    than ``SHARED_PREFIX_MIN`` or the tokenizer cannot be read where the plan runs (a folder an upstream stage
+    writes)."""
+    try:
+        tokenizer = load_tokenizer(resolve_tokenizer_spec(config.data.tokenizer, config.init.policy))
+        first, second = (tokenizer.encode_chat_prompt([{"role": "user", "content": text}]) for text in ("1 + 2", "x"))
+    except (OSError, ValueError, ConfigError):
+        return 0
+    shared = shared_prefix_length([first, second])
+    return shared if shared >= SHARED_PREFIX_MIN else 0
+
+
+def decode_steps(target: Target, hp: Any) -> tuple[int, float, str]:
+    """(decode steps of a rollout, the mean steps a row takes, the note saying which): the longest row runs to
+    ``response_max_tokens``; a row leaves the batch when it stops, at ``--mean-response-tokens`` on average."""
+    limit = hp.response_max_tokens
+    if target.mean_response_tokens is None:
+        return limit, limit, f"every row decodes {limit} tokens (an upper bound: give --mean-response-tokens)"
+    mean = min(target.mean_response_tokens, limit)
+    return limit, mean, f"rows leave the batch at {mean:g} tokens on average (--mean-response-tokens), of {limit}"
 
 
 def rollout_shape(stage: Any, config: Any) -> tuple[Any, int, int]:
@@ -159,15 +188,17 @@ def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> St
 
 
 def decode_seconds(
-    target: Target, setup: Setup, weights: int, cache: int, rows: int, tokens: int, matmuls: int
+    target: Target, setup: Setup, weights: int, cache: int, rows: int, steps: int, matmuls: int, row_steps: float
 ) -> float:
-    """``tokens`` decode steps of ``rows`` rows: each reads the weights and (on average half) the cache, and is bound
-    by memory bandwidth or, for large batches, by compute (2 FLOPs per weight per row, at the table's MFU)."""
+    """``steps`` decode steps of up to ``rows`` rows, ``row_steps`` the mean a row takes before it leaves the batch:
+    each step reads the weights, and each row still decoding its cache (on average half of it); bound by memory
+    bandwidth or, for large batches, by compute (2 FLOPs per weight per row, at the table's MFU)."""
     gpu = target.gpu
     mfu = mfu_for(gpu, True, target.mfu).mfu
-    reads = (weights + cache / 2) / (gpu.memory_tbs * 1e12 * DECODE_EFFICIENCY)
-    computes = 2 * matmuls * rows / (peak_flops(gpu, setup.precision) * mfu)
-    return tokens * max(reads, computes)
+    bandwidth = gpu.memory_tbs * 1e12 * DECODE_EFFICIENCY
+    reads = (steps * weights + rows * row_steps * cache / rows / 2) / bandwidth
+    computes = 2 * matmuls * rows * row_steps / (peak_flops(gpu, setup.precision) * mfu)
+    return max(reads, computes)
 
 
 def rl_timing(
@@ -180,17 +211,27 @@ def rl_timing(
     trainer, hp = config.trainer, rollout_shape(stage, config)[0]
     policy = models.policy
     tokens = sequences * width * setup.world
+    shared = template_prefix(config)
+    # the policy's and critic's passes run the shared prefix once a micro-batch, not once a row
+    passes = hp.epochs * (sequences // hp.micro_batch_size)
+    unshared = (sequences * (width - shared) + passes * shared) / (sequences * width)
     policy_fpt = lm_flops_per_token(policy, width, params)
     forward = policy_fpt / 3  # a forward is 2 of a training token's 6 units
-    scoring = forward * (2 + (1 if critic_params is not None else 0))  # old log-probs, reference, values
+    scoring = forward * (2 + (1 if critic_params is not None else 0)) * unshared  # old log-probs, reference, values
     scoring += sum(
         lm_flops_per_token(reward, width, meta_parameters(reward), head=False) / 3 for reward in models.rewards
     )
     critic_fpt = 0.0
     if critic_params is not None:
         critic_fpt = lm_flops_per_token(models.critic, width, critic_params, head=False)
-    training = hp.epochs * (policy_fpt + critic_fpt)
-    notes = [f"decoding at {DECODE_EFFICIENCY:.0%} of the memory bandwidth (assumed, not measured by Lantern)"]
+    training = hp.epochs * (policy_fpt + critic_fpt) * unshared
+    steps, row_steps, rows_note = decode_steps(target, hp)
+    notes = [
+        f"decoding at {DECODE_EFFICIENCY:.0%} of the memory bandwidth (assumed, not measured by Lantern)",
+        rows_note,
+    ]
+    if shared:
+        notes.append(f"the chat template's {shared}-token preamble prefilled and scored once a pass, not once a row")
     timing = step_timing(
         target, setup, trainer, tokens_per_step=tokens, flops_per_token=scoring + training,
         micro_batches=hp.epochs * (sequences // hp.micro_batch_size) * 2,
@@ -202,16 +243,13 @@ def rl_timing(
     weights_dtype = 2 if setup.numerics == "bf16" or setup.precision.startswith("bf16") else 4
     cache = kv_cache_bytes(policy, sequences, width, weights_dtype)
     matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
-    decode = decode_seconds(
-        target, setup, weights_dtype * params.total, cache, sequences, hp.response_max_tokens, matmuls
-    )
+    decode = decode_seconds(target, setup, weights_dtype * params.total, cache, sequences, steps, matmuls, row_steps)
     choice = mfu_for(target.gpu, setup.compiled, target.mfu)
-    prefill = (
-        2 * matmuls * sequences * config.data.max_prompt_tokens / (peak_flops(target.gpu, setup.precision) * choice.mfu)
-    )
+    prompt_tokens = shared + sequences * (config.data.max_prompt_tokens - shared)
+    prefill = 2 * matmuls * prompt_tokens / (peak_flops(target.gpu, setup.precision) * choice.mfu)
     timing.compute_s += decode + prefill
     timing.step_s = max(timing.compute_s, timing.communication_s)
-    timing.notes.append(f"generation ~{decode + prefill:.3g} s of the step ({hp.response_max_tokens} decode steps)")
+    timing.notes.append(f"generation ~{decode + prefill:.3g} s of the step ({steps} decode steps)")
     return timing
 
 
@@ -244,9 +282,8 @@ def plan_sampling(stage: Any, config: Any, models: Models, target: Target) -> tu
     seconds = None
     if target.gpu is not None:
         matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
-        seconds = decode_seconds(
-            target, setup, weights * params.total, cache, rows, sampling.response_max_tokens, matmuls
-        )
+        steps, row_steps, _ = decode_steps(target, sampling)
+        seconds = decode_seconds(target, setup, weights * params.total, cache, rows, steps, matmuls, row_steps)
     return phase, seconds
 
 
@@ -259,5 +296,6 @@ def plan_rejection_sampling(stage: Any, config: Any, models: Models, target: Tar
     if seconds is not None:
         per_batch = f"~{seconds:.3g} s per batch of {config.sampling.batch_size} prompts"
         total = f"; {prompts} prompts ~{seconds * -(-prompts // config.sampling.batch_size):.3g} s" if prompts else ""
-        plan.notes.append(f"sampling before SFT: {per_batch}{total} (decoding at the bandwidth assumption)")
+        rows = decode_steps(target, config.sampling)[2]
+        plan.notes.append(f"sampling before SFT: {per_batch}{total} (decoding at the bandwidth assumption; {rows})")
     return plan

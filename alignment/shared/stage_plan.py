@@ -46,6 +46,9 @@ class Target:
     fabric: str | None = None
     bandwidth_gbs: float | None = None
     price_per_gpu_hour: float | None = None
+    # the mean tokens a row of a rollout decodes before it stops (a run logs it as response_length): rows leave the
+    # batch when they stop, so they cost decoding for that long; None: every row to response_max_tokens
+    mean_response_tokens: float | None = None
 
 
 @dataclass

@@ -727,3 +727,33 @@ def test_cli_generate_heals_by_default(tmp_path):
     assert healed.stdout.startswith("ROMEO:") and len(healed.stdout.rstrip("\n")) > len("ROMEO:")
     plain = run_cli(*common, "--no-heal", "--device", "cpu")
     assert plain.stdout.startswith("ROMEO:")
+
+
+def test_rows_leaving_a_compiled_batch_compile_a_few_variants_not_one_per_size(base_model, monkeypatch):
+    """64 sampled rows stopping at different steps move through the batches of 64, 32, ... 1: the step compiles
+    three times (the first shape, then the batch as a dynamic size, and a batch of one, which dynamo specialises),
+    not once per size, so a rollout stays far from dynamo's recompile limit (8); the tokens are eager decoding's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from models import fast_decode
+
+    batches: list[int] = []
+
+    def forward_compiler(graph, example_inputs):
+        batches.append(next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2))
+        return graph
+
+    step = torch.compile(fast_decode.decode_and_sample, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True)  # fmt: skip
+    monkeypatch.setattr(fast_decode, "compiled", lambda function: step)
+    prompts = [[(row * 7 + j) % 120 + 1 for j in range(3 + row % 5)] for row in range(64)]
+    first = generate(base_model, prompts, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    stops = [int(token) for token in first.tokens[:, 5].unique()[:20]]  # tokens that end rows at many lengths
+    eager, compiled = (
+        generate(base_model, prompts, max_new_tokens=40, temperature=1.0, stop_ids=stops, decode=decode,
+                 generator=torch.Generator().manual_seed(1))
+        for decode in ("eager", "compiled")
+    )  # fmt: skip
+    lengths = compiled.mask.sum(1)
+    assert lengths.min() <= 2 and lengths.max() >= 20 and len(lengths.unique()) >= 10  # rows left at many steps
+    assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.mask, eager.mask)
+    assert len(batches) <= 3 and 64 in batches, f"compiled for batches {batches}"

@@ -199,3 +199,62 @@ def test_each_family_preset_plans_with_its_published_size(capsys, model, params)
     table = plan(capsys, "configs/sft/tiny.yaml", "--model", model)
     assert f"model   {params}" in table
     assert plan_json(capsys, "configs/sft/tiny.yaml", "--model", model)["verdict"] in ("fits", "fits, tight")
+
+
+def smollm2_style_tokenizer(folder: Path) -> Path:
+    """A small byte-level BPE folder with SmolLM2-Instruct's chat template (a default system turn before any user
+    turn)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = RustTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(["You are a helpful AI assistant named SmolLM, trained by Hugging Face"], trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_rl_time_counts_the_shared_preamble_and_rows_leaving_the_batch(capsys, tmp_path):
+    """The chat template's system preamble is prefilled and scored once a pass, not once a row; with
+    --mean-response-tokens a row pays decoding until it stops; without it, every row runs to the limit."""
+    from alignment.shared.plan_rl import template_prefix
+    from data.tokenizer.base import load_tokenizer
+
+    folder = smollm2_style_tokenizer(tmp_path / "tokenizer")
+    chat = load_tokenizer(str(folder))
+    # <|im_start|>system\n...<|im_end|>\n<|im_start|>user\n: three special tokens and the text between them
+    texts = ("system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face", "\n", "user\n")
+    preamble = [0] * 3 + [token for text in texts for token in chat.encode(text)]
+    config = OmegaConf.create({"data": {"tokenizer": str(folder)}, "init": {"policy": None}})
+    assert template_prefix(config) == len(preamble) >= 8
+    config.data.tokenizer = "default"  # BOS alone: shorter than a prefix worth running once
+    assert template_prefix(config) == 0
+
+    args = ["configs/grpo/tiny.yaml", "--model", "llama3.2-1b", "data.max_prompt_tokens=64", "grpo.response_max_tokens=64"]  # fmt: skip
+    plain = plan_json(capsys, *args, "data.tokenizer=default")["time"]
+    shared = plan_json(capsys, *args, f"data.tokenizer={folder}")["time"]
+    assert shared["compute_s"] < plain["compute_s"]
+    assert any(f"{len(preamble)}-token preamble" in note for note in shared["notes"])
+    assert not any("preamble" in note for note in plain["notes"])
+
+    def generation(time: dict) -> float:
+        return float(next(n for n in time["notes"] if n.startswith("generation ~")).split("~")[1].split(" s")[0])
+
+    assert any("every row decodes 64 tokens" in note for note in plain["notes"])
+    limit = plan_json(capsys, *args, "data.tokenizer=default", "--mean-response-tokens", "64")["time"]
+    assert limit["compute_s"] == pytest.approx(plain["compute_s"])  # the default is the upper bound
+    half = plan_json(capsys, *args, "data.tokenizer=default", "--mean-response-tokens", "16")["time"]
+    assert generation(half) < generation(plain) and any("16 tokens on average" in n for n in half["notes"])
+    assert "--mean-response-tokens must be > 0" in error(capsys, *args, "--mean-response-tokens", "0")
