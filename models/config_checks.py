@@ -106,7 +106,11 @@ def check_config(config: Any, source: str = "", prefix: str = "") -> None:
             for index, element in enumerate(value):
                 check_config(element, source, f"{key}[{index}].")
         else:
-            problem = _choice_problem(value, hints.get(item.name)) or _range_problem(value, item.metadata.get("range"))
+            kind = hints.get(item.name)
+            problem = (
+                _number_problem(value, kind) or _choice_problem(value, kind)
+                or _range_problem(value, item.metadata.get("range"))
+            )  # fmt: skip
             if problem:
                 where, text = problem
                 raise ConfigError(f"{_at(source)}{key}{where} must be {text}")
@@ -146,6 +150,18 @@ def _choice_problem(value: Any, kind: Any) -> tuple[str, str] | None:
         return None
     text = f"{', '.join(map(str, choices))}, true or false" if takes_bool else f"one of {', '.join(map(str, choices))}"
     return "", f"{text}, got {value!r}"
+
+
+def _number_problem(value: Any, kind: Any) -> tuple[str, str] | None:
+    """For a field typed ``int`` or ``float`` (or either or None): a value of another type (a config read from JSON
+    is not typed by OmegaConf)."""
+    options = set(typing.get_args(kind)) if typing.get_origin(kind) in (typing.Union, types.UnionType) else {kind}
+    if not options <= {int, float, type(None)} or (value is None and type(None) in options):
+        return None
+    allowed = (int, float) if float in options else (int,)
+    if isinstance(value, allowed) and not isinstance(value, bool):
+        return None
+    return "", f"{'a number' if float in options else 'an integer'}, got {value!r}"
 
 
 def _range_problem(value: Any, rule: Range | None) -> tuple[str, str] | None:

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from omegaconf import OmegaConf
 
-from models.config_checks import bounded, read_yaml
+from models.config_checks import bounded, check_config, read_yaml
+from models.errors import ConfigError
 from models.families import HF_ARCHITECTURES, family_of
 from models.resources import model_preset_path, model_presets
 from models.rope import RopeScaling
@@ -32,14 +33,14 @@ class ModelConfig:
     multiple_of: int = bounded(256, ge=1, le=2**20)  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = bounded(None, gt=0, le=256)
     ffn_hidden_dim: int | None = bounded(None, ge=1, le=2**22)  # explicit hidden size; overrides the rule above
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
+    norm_eps: float = bounded(1e-5, gt=0)
+    rope_theta: float = bounded(500000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = bounded(2048, ge=1, le=2**24)
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False  # biases on wq / wk / wv, none on wo (Qwen2)
-    logit_softcap: float | None = None
+    logit_softcap: float | None = bounded(None, gt=0)
     # Gemma 3's block, each option off for Llama's: embeddings times sqrt(dim); RMSNorm scaling by (1 + weight) in fp32
     # (weights start at 0); a tanh-GELU gate (GeGLU) in place of SwiGLU's SiLU; a second RMSNorm after attention and
     # after the MLP (four a block); attention scores scaled by 1/sqrt(attention_scale_dim) (query_pre_attn_scalar)
@@ -60,55 +61,45 @@ class ModelConfig:
     hf_architecture: str = "LlamaForCausalLM"  # the Hugging Face family exported to, one of HF_ARCHITECTURES
 
     def __post_init__(self) -> None:
+        """Normalise (a rope_scaling mapping, the derived n_kv_heads and head_dim), then check every declared range
+        and choice and the cross-field rules (``check_fields``) once, wherever a config is made: a stage config, a
+        checkpoint's, --model. A ValueError naming ``ModelConfig.KEY``: where it entered names the source."""
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        positive = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        override = self.head_dim_override
-        if override is not None and (not isinstance(override, int) or override <= 0 or override % 2):
-            raise ValueError(f"ModelConfig.head_dim_override must be a positive even integer (RoPE), got {override!r}")
-        if override is not None and override * self.n_heads == self.dim:
+        if self.head_dim_override is not None and self.head_dim_override * self.n_heads == self.dim:
             self.head_dim_override = None  # the derived value: kept unset, so equal configs compare equal
+        try:
+            check_config(self, prefix="ModelConfig.")
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+
+    def check_fields(self, prefix: str) -> None:
+        """The rules between fields (``check_config`` runs it after each field's own)."""
+        if self.head_dim_override is not None and self.head_dim_override % 2:
+            raise ConfigError(f"{prefix}head_dim_override must be even (RoPE), got {self.head_dim_override!r}")
         if self.head_dim_override is None and self.dim % self.n_heads:
-            raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"{prefix}dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+            raise ConfigError(f"{prefix}n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.norm_eps <= 0:
-            raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
-        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
-            raise ValueError(f"ModelConfig.ffn_dim_multiplier must be > 0, got {self.ffn_dim_multiplier}")
-        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
-            raise ValueError(f"ModelConfig.ffn_hidden_dim must be > 0, got {self.ffn_hidden_dim}")
-        if self.logit_softcap is not None and self.logit_softcap <= 0:
-            raise ValueError(f"ModelConfig.logit_softcap must be > 0, got {self.logit_softcap}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
-        if self.activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"ModelConfig.activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+            raise ConfigError(f"{prefix}dim / n_heads = {self.head_dim} must be even for RoPE")
         for key in ("sliding_window_pattern", "rope_local_theta"):
             if self.sliding_window is None and getattr(self, key) is not None:
-                raise ValueError(f"ModelConfig.{key} is for local layers: it needs a ModelConfig.sliding_window")
+                raise ConfigError(f"{prefix}{key} is for local layers: it needs a {prefix}sliding_window")
         problem = self.rope_scaling.problem() if self.rope_scaling is not None else None
         if problem:
-            raise ValueError(f"ModelConfig.rope_scaling {problem}")
+            raise ConfigError(f"{prefix}rope_scaling {problem}")
         if self.hf_architecture not in HF_ARCHITECTURES:
-            raise ValueError(
-                f"ModelConfig.hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
+            raise ConfigError(
+                f"{prefix}hf_architecture must be one of {HF_ARCHITECTURES}, got {self.hf_architecture!r}"
             )
         for key, value in family_of(self.hf_architecture).block.items():
             if getattr(self, key) != value:  # e.g. a Qwen3 without QK norm: not the family's model
-                raise ValueError(
-                    f"ModelConfig.{key} must be {value!r} for hf_architecture {self.hf_architecture} (every model of "
-                    f"that family has it), got {getattr(self, key)!r}"
+                raise ConfigError(
+                    f"{prefix}{key} must be {value!r} for hf_architecture {self.hf_architecture} (every model of that "
+                    f"family has it), got {getattr(self, key)!r}"
                 )
 
     @property

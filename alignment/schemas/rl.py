@@ -9,6 +9,7 @@ from typing import Literal
 from data.records.prompts import PromptDataConfig
 from models.adapter_config import PeftConfig
 from models.config_checks import bounded
+from models.errors import ConfigError
 from trainer.config import (
     CheckpointConfig,
     HarnessEvalConfig,
@@ -97,6 +98,10 @@ class PPOHyperparameters(RolloutHyperparameters):
     kl_target: float | None = bounded(6.0, gt=0)
     kl_horizon: int = bounded(10000, ge=1)
     critic_warmup_rollouts: int = bounded(0, ge=0)  # rollouts that train only the critic
+
+    def check_fields(self, prefix: str) -> None:
+        if self.kl_adaptive and self.kl_target is None:
+            raise ConfigError(f"{prefix}kl_adaptive needs a {prefix}kl_target (the KL per sequence it steers toward)")
 
 
 @dataclass

@@ -173,13 +173,12 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, reduce_sum
 
 
 class KLController:
-    """β of the KL penalty: fixed, or adaptive (Ziegler et al. 2019) toward a target KL per sequence."""
+    """β of the KL penalty: fixed, or adaptive (Ziegler et al. 2019) toward a target KL per sequence (``target`` and
+    ``horizon`` > 0: checked where ``ppo.*`` is read)."""
 
     def __init__(
         self, coef: float, *, adaptive: bool = False, target: float | None = None, horizon: int = 10000
     ) -> None:
-        if adaptive and (target is None or target <= 0 or horizon <= 0):
-            raise ValueError("ppo.kl_adaptive needs ppo.kl_target > 0 and ppo.kl_horizon > 0")
         self.value = coef
         self.adaptive = adaptive
         self.target = target
@@ -209,18 +208,14 @@ def group_advantages(
     """GRPO: (score − group mean) / group std (``scale=False`` keeps the difference, as Dr. GRPO argues, so
     near-unanimous groups are not blown up). RLOO: score − mean of the *other* G − 1 scores, an unbiased
     baseline because it does not depend on the response it judges. A group whose scores are all equal gets
-    zero advantage either way: it says nothing about which response is better."""
+    zero advantage either way: it says nothing about which response is better. G ≥ 2 (``grpo.group_size``'s
+    declared range)."""
     scores = scores.float()
-    group = scores.shape[-1]
-    if group < 2:
-        raise ValueError(f"group advantages need at least 2 samples per prompt, got {group}")
     if baseline == "grpo":
         centred = scores - scores.mean(-1, keepdim=True)
         return centred / (scores.std(-1, keepdim=True) + eps) if scale else centred
-    if baseline == "rloo":
-        others_mean = (scores.sum(-1, keepdim=True) - scores) / (group - 1)
-        return scores - others_mean
-    raise ValueError(f"baseline must be 'grpo' or 'rloo', got {baseline!r}")
+    others_mean = (scores.sum(-1, keepdim=True) - scores) / (scores.shape[-1] - 1)
+    return scores - others_mean
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from torch import Tensor
 from alignment.schemas.rl import GRPOConfig
 from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
 from alignment.shared.rewards import Checker, Reward
-from alignment.stages.rl_module import RLModule
+from alignment.stages.rl_module import MicroBatchLoss, RLModule
 from models.model import Transformer
 from trainer.config import to_dict
 from trainer.optim import optimizer_from_config
@@ -93,60 +93,48 @@ class GRPOModule(RLModule):
         ref_logp: Tensor,
         advantages: Tensor,
     ) -> dict[str, float]:
-        """The rollout's updates; ``prompt``: (prompt length, shared prefix); ``old_logp`` None: one update, whose
-        forward gives them."""
+        """The rollout's updates through the shared loop (``RLModule.optimise``); ``prompt``: (prompt length, shared
+        prefix); ``old_logp`` None: one update, whose forward gives them."""
         grpo = self.config.grpo
         sampled: list[Tensor] = []  # old_logp None: each micro-batch's own, in rollout order
-        optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
         token_advantages = advantages[:, None].expand_as(mask).float()
         # what each token's loss is multiplied by before the minibatch's sum is divided by the weights' total
         if grpo.loss_aggregation == "sequence":
             token_weights = mask / mask.sum(1, keepdim=True).clamp(min=1)  # each response's tokens sum to 1
         else:
             token_weights = mask.float()
-        totals = torch.zeros(8, device=self.device)  # policy loss, kl, entropy, approx-kl, clip, ratio, tokens, weights
-        first_log_ratio = torch.zeros((), device=self.device)
-        batch = mask.shape[0]
-        for epoch in range(grpo.epochs):
-            # the first epoch keeps the rollout's order and micro-batches: its first ratio is exactly 1
-            order = (
-                torch.arange(batch, device=self.device)
-                if epoch == 0
-                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device).to(self.device)
+
+        def micro_loss(micro: Tensor, weight_total: Tensor) -> MicroBatchLoss:
+            micro_mask, weights = mask[micro], token_weights[micro]
+            logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], *prompt)
+            if old_logp is None:
+                sampled.append(logp.detach())
+            old = sampled[-1] if old_logp is None else old_logp[micro]
+            policy_loss, stats = ppo_policy_loss(
+                logp, old, token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total, weights
             )
-            for start in range(0, batch, grpo.minibatch_size):
-                rows = order[start : start + grpo.minibatch_size]
-                weight_total = self.sum_over_ranks(token_weights[rows].sum()).clamp(min=1e-8)
-                for micro in self.micro_batches(rows):
-                    micro_mask, weights = mask[micro], token_weights[micro]
-                    logp, entropy = self.policy_logprobs(self.model, input_ids[micro], real[micro], *prompt)
-                    if old_logp is None:
-                        sampled.append(logp.detach())
-                    old = sampled[-1] if old_logp is None else old_logp[micro]
-                    policy_loss, stats = ppo_policy_loss(
-                        logp, old, token_advantages[micro], micro_mask, grpo.clip_ratio, weight_total, weights
-                    )
-                    # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
-                    kl_tokens = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0)
-                    kl, entropy_sum = kl_tokens.sum(), (entropy * micro_mask).sum()
-                    penalty = ((grpo.kl_coef * kl_tokens - grpo.entropy_coef * entropy) * weights).sum()
-                    loss = policy_loss + penalty / weight_total
-                    self.manual_backward(self.loss_to_backpropagate(loss))
-                    if epoch == 0 and start == 0:
-                        deviation = ((logp - old).abs() * micro_mask).max().detach()
-                        first_log_ratio = torch.maximum(first_log_ratio, deviation)
-                    totals += torch.stack([
-                        policy_loss.detach() * weight_total, kl.detach(), entropy_sum.detach(), stats["approx_kl"],
-                        stats["clip_fraction"], stats["ratio"], micro_mask.sum().float(), weights.sum(),
-                    ])  # fmt: skip
-                self.apply_update((optimizer, schedule, self.model, self.config.optim.grad_clip, "policy"))
-        totals = self.sum_over_ranks(totals)
-        tokens = totals[6].clamp(min=1)
-        names = ("kl_per_token", "entropy", "approx_kl", "clip_fraction", "ratio")
-        stats = {name: float(totals[i] / tokens) for i, name in enumerate(names, start=1)}
-        stats["policy_loss"] = float(totals[0] / totals[7].clamp(min=1e-8))  # weighted as the loss is
+            # masked before the sum: k3's exp at a padding position could overflow, and inf * 0 is NaN
+            kl_tokens = torch.where(micro_mask, kl_penalty(logp, ref_logp[micro], grpo.kl_estimator), 0.0)
+            penalty = ((grpo.kl_coef * kl_tokens - grpo.entropy_coef * entropy) * weights).sum()
+            sums = {
+                "policy_loss": policy_loss.detach() * weight_total, "kl": kl_tokens.sum().detach(),
+                "entropy": (entropy * micro_mask).sum().detach(), "approx_kl": stats["approx_kl"],
+                "clip_fraction": stats["clip_fraction"], "ratio": stats["ratio"],
+                "tokens": micro_mask.sum().float(), "weights": weights.sum(),
+            }  # fmt: skip
+            return MicroBatchLoss(policy_loss + penalty / weight_total, logp, old, micro_mask, sums)
+
+        optimizer, schedule = self.optimizers().optimizer, self.lr_schedulers()
+        policy = (optimizer, schedule, self.model, self.config.optim.grad_clip, "policy")
+        totals, _, first_log_ratio = self.optimise(token_weights, micro_loss, lambda: [policy])
+        tokens = totals["tokens"].clamp(min=1)
+        names = ("entropy", "approx_kl", "clip_fraction", "ratio")
+        stats = {"kl_per_token": float(totals["kl"] / tokens), **{n: float(totals[n] / tokens) for n in names}}
+        stats["policy_loss"] = float(
+            totals["policy_loss"] / totals["weights"].clamp(min=1e-8)
+        )  # weighted as the loss is
         old_logp = torch.cat(sampled) if old_logp is None else old_logp
         stats["kl"] = self.global_mean((kl_penalty(old_logp, ref_logp, "k1") * mask).sum(1))  # per sequence, k1
-        stats["first_minibatch_max_log_ratio"] = float(first_log_ratio)
+        stats["first_minibatch_max_log_ratio"] = first_log_ratio
         stats.update({f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()})
         return stats

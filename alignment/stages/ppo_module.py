@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from alignment.schemas.rl import PPOConfig
 from alignment.shared.losses import (
@@ -24,7 +25,7 @@ from alignment.shared.losses import (
 )
 from alignment.shared.responses import Rollout, response_values
 from alignment.shared.rewards import Checker, Reward
-from alignment.stages.rl_module import RLModule
+from alignment.stages.rl_module import MicroBatchLoss, RLModule
 from models.heads import ScalarModel
 from models.model import Transformer
 from trainer.config import to_dict
@@ -129,84 +130,55 @@ class PPOModule(RLModule):
         return Rollout(input_ids, real, P, shared, mask, old_logp, values, advantages, returns), stats
 
     def update(self, rollout: Rollout) -> dict[str, float]:
+        """The rollout's PPO epochs through the shared loop (``RLModule.optimise``): the critic learns from the
+        first rollout, the policy once ``ppo.critic_warmup_rollouts`` have passed."""
         ppo = self.config.ppo
         policy_optimizer, critic_optimizer = (opt.optimizer for opt in self.optimizers())
         policy_schedule, critic_schedule = self.lr_schedulers()
         train_policy = self.global_step >= ppo.critic_warmup_rollouts
-        self.grad_norms: dict[str, float] = {}
-        totals = torch.zeros(7, device=self.device)  # policy loss, value loss, entropy, approx-kl, clip, ratio, tokens
-        # the first minibatch sees the policy the rollout saw: ratio 1, approx-KL 0, clip fraction 0 — or a bug
-        first = torch.zeros(4, device=self.device)
-        batch = rollout.mask.shape[0]
-        for epoch in range(ppo.epochs):
-            # The first epoch keeps the rollout's order (and so its micro-batches): the ratio starts at exactly 1.
-            # randperm's output must be on its generator's device
-            order = (
-                torch.arange(batch, device=self.device)
-                if epoch == 0
-                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device)
+
+        def micro_loss(micro: Tensor, token_count: Tensor) -> MicroBatchLoss:
+            mask, input_ids, real, P = rollout.mask[micro], rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len  # fmt: skip
+            logp, entropy = self.policy_logprobs(self.model, input_ids, real, P, rollout.shared_prefix)
+            values = response_values(self.critic, input_ids, real, P)
+            old = rollout.old_logp[micro]
+            policy_loss, stats = ppo_policy_loss(
+                logp, old, rollout.advantages[micro], mask, ppo.clip_ratio, token_count
             )
-            for start in range(0, batch, ppo.minibatch_size):
-                rows = order[start : start + ppo.minibatch_size]
-                # normalise by the valid tokens of the whole minibatch on all ranks, whatever its micro-batching
-                token_count = self.sum_over_ranks(rollout.mask[rows].sum().float()).clamp(min=1)
-                for micro in self.micro_batches(rows):
-                    mask = rollout.mask[micro]
-                    logp, entropy = self.policy_logprobs(
-                        self.model,
-                        rollout.input_ids[micro],
-                        rollout.real[micro],
-                        rollout.prompt_len,
-                        rollout.shared_prefix,
-                    )
-                    values = response_values(
-                        self.critic, rollout.input_ids[micro], rollout.real[micro], rollout.prompt_len
-                    )
-                    policy_loss, stats = ppo_policy_loss(
-                        logp, rollout.old_logp[micro], rollout.advantages[micro], mask, ppo.clip_ratio, token_count
-                    )
-                    value_loss = ppo_value_loss(
-                        values, rollout.values[micro], rollout.returns[micro], mask, ppo.clip_value, token_count
-                    )
-                    entropy_sum = (entropy * mask).sum()
-                    loss = value_loss
-                    if train_policy:
-                        loss = loss + policy_loss - ppo.entropy_coef * entropy_sum / token_count
-                    self.manual_backward(self.loss_to_backpropagate(loss))
-                    if epoch == 0 and start == 0:
-                        deviation = ((logp - rollout.old_logp[micro]).abs() * mask).max().detach()
-                        first += torch.stack(
-                            [
-                                stats["approx_kl"],
-                                stats["clip_fraction"],
-                                torch.zeros_like(deviation),
-                                mask.sum().float(),
-                            ]
-                        )
-                        first[2] = torch.maximum(first[2], deviation)
-                    totals += torch.stack([
-                        policy_loss.detach() * token_count, value_loss.detach() * token_count, entropy_sum.detach(),
-                        stats["approx_kl"], stats["clip_fraction"], stats["ratio"], mask.sum().float(),
-                    ])  # fmt: skip
-                critic = (critic_optimizer, critic_schedule, self.critic, self.config.critic_optim.grad_clip, "critic")
-                if train_policy:
-                    policy = (policy_optimizer, policy_schedule, self.model, self.config.optim.grad_clip, "policy")
-                    self.apply_update(critic, policy)
-                else:
-                    self.apply_update(critic)
-                    policy_optimizer.zero_grad(set_to_none=True)
-        totals = self.sum_over_ranks(totals)
-        tokens = totals[6].clamp(min=1)
-        first_tokens = self.sum_over_ranks(first[3].clone()).clamp(min=1)
-        first_kl, first_clip = (self.sum_over_ranks(first[:2].clone()) / first_tokens).tolist()
+            value_loss = ppo_value_loss(
+                values, rollout.values[micro], rollout.returns[micro], mask, ppo.clip_value, token_count
+            )
+            entropy_sum = (entropy * mask).sum()
+            loss = value_loss
+            if train_policy:
+                loss = loss + policy_loss - ppo.entropy_coef * entropy_sum / token_count
+            sums = {
+                "policy_loss": policy_loss.detach() * token_count, "value_loss": value_loss.detach() * token_count,
+                "entropy": entropy_sum.detach(), "approx_kl": stats["approx_kl"],
+                "clip_fraction": stats["clip_fraction"], "ratio": stats["ratio"], "tokens": mask.sum().float(),
+            }  # fmt: skip
+            return MicroBatchLoss(loss, logp, old, mask, sums)
+
+        def updates() -> list[tuple]:
+            critic = (critic_optimizer, critic_schedule, self.critic, self.config.critic_optim.grad_clip, "critic")
+            if not train_policy:
+                policy_optimizer.zero_grad(set_to_none=True)
+                return [critic]
+            return [critic, (policy_optimizer, policy_schedule, self.model, self.config.optim.grad_clip, "policy")]
+
+        totals, first, first_log_ratio = self.optimise(rollout.mask.float(), micro_loss, updates)
+        tokens = totals["tokens"].clamp(min=1)
+        # the first minibatch sees the policy the rollout saw: ratio 1, approx-KL 0, clip fraction 0 — or a bug
+        first_sums = self.sum_over_ranks(torch.stack([first["approx_kl"], first["clip_fraction"], first["tokens"]]))
+        first_kl, first_clip = (first_sums[:2] / first_sums[2].clamp(min=1)).tolist()
+        names = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "ratio")
         return {
-            "policy_loss": float(totals[0] / tokens), "value_loss": float(totals[1] / tokens), "entropy": float(totals[2] / tokens),
-            "approx_kl": float(totals[3] / tokens), "clip_fraction": float(totals[4] / tokens), "ratio": float(totals[5] / tokens),
+            **{name: float(totals[name] / tokens) for name in names},
             "explained_variance": float(explained_variance(rollout.values, rollout.returns, rollout.mask, self.sum_over_ranks)),
             "value_mean": float(masked_mean(rollout.values, rollout.mask, self.sum_over_ranks)),
             **{f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()},
             "first_minibatch_approx_kl": first_kl, "first_minibatch_clip_fraction": first_clip,
-            "first_minibatch_max_log_ratio": float(first[2]),
+            "first_minibatch_max_log_ratio": first_log_ratio,
         }  # fmt: skip
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

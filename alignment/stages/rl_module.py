@@ -1,11 +1,14 @@
 """What PPO and GRPO share (``RLModule``): sampling with a checkpointed generator, the frozen reference and reward,
-the reference's log-probs, one global step per rollout, and held-out evaluation written beside the run."""
+the reference's log-probs, one global step per rollout, the one update loop every algorithm steps through
+(``optimise``: an algorithm gives only its loss on a micro-batch, ``MicroBatchLoss``), and held-out evaluation
+written beside the run."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,17 @@ class Responses:
     answers: list[str]  # decoded responses, end-of-turn removed
     generation_time: float
     shared_prefix: int  # tokens every prompt starts with (a chat template's system turn): scored once for all rows
+
+
+@dataclass
+class MicroBatchLoss:
+    """An algorithm's loss on one micro-batch, as the update loop (``RLModule.optimise``) takes it."""
+
+    loss: Tensor  # the micro-batch's share of its minibatch's loss: already divided by the minibatch's weight total
+    logp: Tensor  # (b, N) the policy's log-probs of the response tokens
+    old_logp: Tensor  # (b, N) the sampling policy's: in the first minibatch logp - old_logp must be exactly 0
+    mask: Tensor  # (b, N) real response tokens
+    sums: dict[str, Tensor]  # detached statistics, summed over the rollout's micro-batches and then over the ranks
 
 
 class RLModule(LanguageModelModule):
@@ -118,6 +132,47 @@ class RLModule(LanguageModelModule):
     def micro_batches(self, rows: Tensor) -> list[Tensor]:
         size = self.hp.micro_batch_size
         return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def optimise(
+        self,
+        loss_weights: Tensor,
+        micro_loss: Callable[[Tensor, Tensor], MicroBatchLoss],
+        updates: Callable[[], list[tuple[Any, Any, Any, float | None, str]]],
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], float]:
+        """The rollout's updates, one loop for every algorithm: ``hp.epochs`` passes over its rows, the first in the
+        rollout's order (so the first minibatch sees the sampling policy: ratio exactly 1), later ones shuffled by
+        the checkpointed sampler; minibatches of ``hp.minibatch_size`` rows, each one guarded, clipped update of
+        ``updates()`` (``apply_update``) after its micro-batches' backward passes. ``micro_loss(rows,
+        weight_total)`` is the algorithm's loss, ``weight_total`` the minibatch's sum of the (B, N) ``loss_weights``
+        over every rank, whatever the micro-batching. Returns the statistics' sums over the rollout and the ranks,
+        this rank's sums over the first minibatch, and its largest |log-ratio| there (0 unless something is wrong)."""
+        totals: dict[str, Tensor] = {}
+        first: dict[str, Tensor] = {}
+        first_log_ratio = torch.zeros((), device=self.device)
+        self.grad_norms: dict[str, float] = {}
+        batch = loss_weights.shape[0]
+        for epoch in range(self.hp.epochs):
+            order = (
+                torch.arange(batch, device=self.device)
+                if epoch == 0  # randperm's output must be on its generator's device
+                else torch.randperm(batch, generator=self.sampler, device=self.sampler.device).to(self.device)
+            )
+            for start in range(0, batch, self.hp.minibatch_size):
+                rows = order[start : start + self.hp.minibatch_size]
+                weight_total = self.sum_over_ranks(loss_weights[rows].sum()).clamp(min=1e-8)
+                for micro in self.micro_batches(rows):
+                    out = micro_loss(micro, weight_total)
+                    self.manual_backward(self.loss_to_backpropagate(out.loss))
+                    if epoch == 0 and start == 0:
+                        deviation = ((out.logp - out.old_logp).abs() * out.mask).max().detach()
+                        first_log_ratio = torch.maximum(first_log_ratio, deviation)
+                        for name, value in out.sums.items():
+                            first[name] = first[name] + value if name in first else value
+                    for name, value in out.sums.items():
+                        totals[name] = totals[name] + value if name in totals else value
+                self.apply_update(*updates())
+        summed = self.sum_over_ranks(torch.stack(list(totals.values())))  # one all-reduce for all of them
+        return dict(zip(totals, summed)), first, float(first_log_ratio)
 
     # ---- one training step = one rollout ----
 

@@ -91,11 +91,6 @@ def test_a_unanimous_group_has_no_advantage(baseline: str) -> None:
     assert group_advantages(t(0.7, 0.7, 0.7).reshape(1, 3), baseline=baseline).abs().max() < 1e-6
 
 
-def test_group_advantages_need_two_samples() -> None:
-    with pytest.raises(ValueError, match="at least 2"):
-        group_advantages(t(1.0).reshape(1, 1))
-
-
 def test_ipo_hand_computed_away_from_the_target_with_its_rewards() -> None:
     # h = (-1 - -1.2) - (-2 - -1.5) = 0.7; target 1 / (2 * 0.25) = 2: (0.7 - 2)^2 = 1.69
     losses, chosen, rejected = preference_loss(t(-1.0), t(-2.0), t(-1.2), t(-1.5), kind="ipo", beta=0.25)

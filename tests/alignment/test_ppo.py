@@ -401,6 +401,11 @@ def test_bad_batch_sizes_are_config_errors(setup, tmp_path):
         run_ppo(ppo_config(setup, tmp_path, "ppo.minibatch_size=3"))
 
 
+def test_an_adaptive_kl_without_a_target_is_refused_where_the_config_loads(setup, tmp_path):
+    with pytest.raises(ConfigError, match="ppo.kl_adaptive needs a ppo.kl_target"):
+        ppo_config(setup, tmp_path, "ppo.kl_adaptive=true", "ppo.kl_target=null")
+
+
 def test_too_long_prompts_are_truncated_or_dropped_and_counted(setup, tmp_path):
     from data.records.prompts import PromptDataModule
 

@@ -68,7 +68,7 @@ def test_a_few_rules_say_what_the_fields_mean():
         (PPOConfig, "critic_optim.min_lr", AT_LEAST_0),
         (PPOConfig, "ppo.gamma", UNIT),
         (PretrainConfig, "model.dim", Range(ge=1, le=2**20)),  # the model's sizes are bounded at their fields
-        (PretrainConfig, "model.norm_eps", None),  # ModelConfig checks it itself
+        (PretrainConfig, "model.norm_eps", POSITIVE),  # declared at its field, checked once by check_config
         (PretrainConfig, "model.rope_scaling.factor", None),
         (PretrainConfig, "optim.no_such_field", None),
     ],
