@@ -6,7 +6,7 @@ import datetime
 import json
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -106,12 +106,15 @@ def peak_flops(config: TrainerConfig) -> float:
     return device_peak_flops(device, dtype, config.peak_tflops, config.float32_matmul_precision)
 
 
-def check_stage_config(config: Any, trainer: TrainerConfig | None = None) -> None:
+def check_stage_config(
+    config: Any, folders: tuple[str | None, Sequence[tuple[str, str]]], trainer: TrainerConfig | None = None
+) -> None:
     """What every stage does first, before anything is created, on a config already checked at load: pairs
-    ``data.tokenizer`` with every model the stage reads, and readies the trainer section (``trainer``: the config's
+    ``data.tokenizer`` with every model the stage reads (``folders``: the one it starts from and the others, as
+    its record declares them, ``Stage.model_folders``), and readies the trainer section (``trainer``: the config's
     own unless given) for this machine."""
     prepare_trainer(config.trainer if trainer is None else trainer)
-    resolve_stage_tokenizer(config)
+    resolve_stage_tokenizer(config, *folders)
 
 
 def prepare_trainer(config: TrainerConfig) -> None:

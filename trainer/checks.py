@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -132,17 +133,15 @@ def check_recorded_tokenizer(folder: Path) -> None:
             )
 
 
-def resolve_stage_tokenizer(config: Any) -> None:
+def resolve_stage_tokenizer(config: Any, start: str | None = None, others: Sequence[tuple[str, str]] = ()) -> None:
     """A stage's ``check_model_tokenizer``, from ``check_stage_config``: ``data.tokenizer`` against the model the
-    stage starts from (``init.checkpoint`` or ``init.policy``, else its ``model`` section) and every other model
-    folder it reads (``init.reference``, ``init.reward_model``, reward-model terms, ``policy_samples.policy``).
-    ``data.tokenizer: auto`` becomes the tokenizer of the checkpoint the stage starts from, else the bundled
-    default; config.yaml then records which. A folder whose config cannot be read is left to the stage to report."""
+    stage starts from (the ``start`` folder, else its ``model`` section) and every other model folder it reads
+    (``others``: (folder, config key), as its stage record declares them). ``data.tokenizer: auto`` becomes the
+    tokenizer of the folder the stage starts from, else the bundled default; config.yaml then records which. A
+    folder whose config cannot be read is left to the stage to report."""
     data = getattr(config, "data", None)
     if data is None or getattr(data, "tokenizer", None) is None:
         return
-    init = getattr(config, "init", None)
-    start = getattr(init, "checkpoint", None) or getattr(init, "policy", None)
     model = _folder_model(start) if start else getattr(config, "model", None)
     if not isinstance(model, ModelConfig):
         data.tokenizer = resolve_tokenizer_spec(data.tokenizer, start)
@@ -151,7 +150,7 @@ def resolve_stage_tokenizer(config: Any) -> None:
         data.tokenizer = _file_source_tokenizer(data.tokenizer, model, start, Path(config.run.out_dir) / "tokenizers")
     else:
         data.tokenizer, _ = check_model_tokenizer(data.tokenizer, model, start, key="data.tokenizer")
-    for folder in _other_model_folders(config):
+    for folder, _key in others:
         if (other := _folder_model(folder)) is not None:
             check_model_tokenizer(data.tokenizer, other, folder, key="data.tokenizer")
 
@@ -177,17 +176,6 @@ def _folder_model(folder: str | Path) -> ModelConfig | None:
         return source_model_config(folder)
     except (OSError, ValueError):
         return None
-
-
-def _other_model_folders(config: Any) -> list[str]:
-    """The model folders a stage reads besides the one it starts from, each tokenized with ``data.tokenizer``."""
-    init = getattr(config, "init", None)
-    folders = [getattr(init, "reference", None), getattr(init, "reward_model", None)]
-    folders += [
-        t.path for t in getattr(getattr(config, "reward", None), "terms", None) or [] if t.kind == "reward_model"
-    ]
-    folders.append(getattr(getattr(config, "policy_samples", None), "policy", None))
-    return [str(folder) for folder in folders if folder]
 
 
 def check_initial_model(config: Any, tokenizer: HasVocab, model: ModelConfig) -> None:

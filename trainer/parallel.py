@@ -43,10 +43,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: Literal["none", "full
     returns the number of wrapped blocks."""
     if mode == "none":
         return 0
-    if mode not in ("full", "selective"):
-        raise ValueError(f"trainer.activation_checkpointing must be none, full or selective, got {mode!r}")
-    if mode == "selective" and every < 1:
-        raise ValueError(f"trainer.ac_every must be >= 1, got {every}")
     wrapped = 0
     blocks = transformer_blocks(model)
     for index, block in enumerate(blocks):

@@ -117,7 +117,7 @@ def _prepare(args: argparse.Namespace) -> None:
     config = load_config(PretrainConfig, args.config, args.overrides)
     if config.init.checkpoint:  # continued pretraining: data.tokenizer auto is the checkpoint's, another refused
         require_source(config.init.checkpoint, "init.checkpoint")
-        resolve_stage_tokenizer(config)
+        resolve_stage_tokenizer(config, *registry.stage_named("pretrain").model_folders(config))
     prepared = prepare_data(config.data)  # one corpus, or each source of a mixture into out_dir/NAME
 
     def splits(record: dict) -> str:

@@ -123,10 +123,11 @@ def scoring_inputs(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, 
     return sft, tokenizer, heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
 
 
-def tokenizer_spec(config: Any) -> str:
-    """The tokenizer a stage's config names, ``auto`` resolved to its starting checkpoint's (as the stage resolves
-    it when it runs, which a skipped stage did not)."""
-    resolve_stage_tokenizer(config)
+def tokenizer_spec(config: Any, stage: str = "sft") -> str:
+    """The tokenizer the config of ``stage`` names, ``auto`` resolved to its starting checkpoint's (as the stage
+    resolves it when it runs, which a skipped stage did not)."""
+    record = registry.find_stage(stage)
+    resolve_stage_tokenizer(config, *(record.model_folders(config) if record else (None, [])))
     return str(config.data.tokenizer)
 
 
@@ -146,8 +147,8 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     finals = {s: (path, digest) for s, (path, digest) in finals.items() if path is not None and path.is_dir()}
     if not finals:
         return [], {}
-    loaded = [pipeline.configs[s] for s in ("sft", "pretrain", *pipeline.configs) if s in pipeline.configs]
-    spec = tokenizer_spec(loaded[0]) if loaded else "default"
+    loaded = next((s for s in ("sft", "pretrain", *pipeline.configs) if s in pipeline.configs), None)
+    spec = tokenizer_spec(pipeline.configs[loaded], loaded) if loaded else "default"
     tokenizer = Tokenizer.load(spec)
     prompts = heldout_prompts(pipeline.demo, pipeline.config.report, tokenizer)
     # the KL of each stage after SFT is to the model it started from

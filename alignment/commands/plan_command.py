@@ -96,7 +96,7 @@ def plan_config(args: argparse.Namespace) -> tuple[list[StagePlan], bool]:
         return plan_pipeline(args), True
     config = load_config(stage.schema, args.config, args.overrides)
     trainer = stage.training_section(config).trainer
-    models = stage_models(config, ModelResolver(args.model))
+    models = stage_models(stage, config, ModelResolver(args.model))
     return [stage.plan(config, models, target_from(args, trainer.accelerator))], False
 
 
@@ -116,7 +116,7 @@ def plan_pipeline(args: argparse.Namespace) -> list[StagePlan]:
         config, _ = pipeline.load_stage_config(name)
         final = pipeline.stage_dir(name) / "final"
         pipeline.outputs[name] = (final, "plan")  # the next stages are wired to it
-        models = stage_models(config, ModelResolver(args.model, known))
+        models = stage_models(stage, config, ModelResolver(args.model, known))
         trainer = stage.training_section(config).trainer
         plans.append(stage.plan(config, models, target_from(args, trainer.accelerator)))
         known[str(final)] = models.policy

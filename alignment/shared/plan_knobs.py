@@ -162,7 +162,7 @@ def preflight(stage: Any, config: Any) -> PlannedRun | None:
     trainer = stage.training_section(config).trainer
     in_use = host_memory_now()[1]
     try:
-        plan = stage.plan(config, stage_models(config, ModelResolver(None)), device_target(trainer))
+        plan = stage.plan(config, stage_models(stage, config, ModelResolver(None)), device_target(trainer))
     except LanternError as error:
         # a missing or unreadable model, bad rows: the stage's own checks stop on it next, naming it their way (not
         # "training goes on", which it then did not)

@@ -1,5 +1,6 @@
 """The models a stage config names, as model configs (no weights): its own folders' configs, a preset, or the model
-given for every path (``lantern plan --model``); what ``lantern plan`` and a stage's pre-flight plan read."""
+given for every path (``lantern plan --model``), by the roles the stage record declares; what ``lantern plan`` and a
+stage's pre-flight plan read."""
 
 from __future__ import annotations
 
@@ -71,30 +72,26 @@ class ModelResolver:
         return fallback
 
 
-def reward_paths(config: Any) -> list[tuple[str, str]]:
-    terms = [(term.path, f"reward.terms[{i}].path") for i, term in enumerate(config.reward.terms) if term.kind == "reward_model"]  # fmt: skip
-    if not config.reward.terms and getattr(config.init, "reward_model", None):
-        terms.append((config.init.reward_model, "init.reward_model"))
-    return terms
-
-
-def stage_models(config: Any, resolve: ModelResolver) -> Models:
-    """The models ``config`` names, by role, read from its ``init`` section: a checkpoint to fine-tune (SFT, the
-    reward model), a policy with a reference (DPO), or a policy with the reward models that score its samples and,
-    where the config has one, a critic (PPO); no init section: a model built from ``model`` (pretraining)."""
-    init = getattr(config, "init", None)
-    if init is None:
-        return Models(resolve(None, "model", config.model))
-    if hasattr(init, "checkpoint"):
-        return Models(resolve(init.checkpoint, "init.checkpoint", config.model))
-    if hasattr(init, "reference"):
-        reference = resolve(init.reference, "init.reference") if init.reference else None
-        return Models(resolve(init.policy, "init.policy", config.model), reference=reference)
-    policy = resolve(init.policy, "init.policy")
-    rewards = [resolve(path, key) for path, key in reward_paths(config)]
-    critic = None
-    if hasattr(init, "critic"):  # a copy of the reward model, else a fresh head on the policy's backbone
-        critic = policy
-        if init.critic == "reward_model" and (rewards or init.reward_model):
-            critic = rewards[0] if rewards else resolve(init.reward_model, "init.reward_model")
-    return Models(policy, rewards=rewards, critic=critic)
+def stage_models(stage: Any, config: Any, resolve: ModelResolver) -> Models:
+    """The models ``config`` names, by the roles its stage record declares (``Stage.models``): the one it starts
+    from (unset: its ``model`` section, as pretraining's and a seeded SFT's), the reference, the reward models that
+    score its samples, the critic (the first of its critic roles that applies and is set), and any other role by
+    its name."""
+    fallback = getattr(config, "model", None)
+    start = next((role for role in stage.models if role.start), None)
+    folders = start.folders(config) if start else []
+    policy = resolve(folders[0][0] if folders else None, start.key if start else "model", fallback)
+    models = Models(policy)
+    for role in stage.models:
+        if role is start or not role.applies(config):
+            continue
+        found = [resolve(folder, key) for folder, key in role.folders(config)]
+        if role.role == "reference":
+            models.reference = models.reference or (found[0] if found else None)
+        elif role.role == "reward model":
+            models.rewards += found
+        elif role.role == "critic":
+            models.critic = models.critic or (found[0] if found else None)
+        elif found:
+            models.others.setdefault(role.role, []).extend(found)
+    return models

@@ -61,13 +61,13 @@ def cache_length(width: int, setup: Setup, max_seq_len: int) -> int:
     return min(length, max_seq_len)
 
 
-def template_prefix(config: Any) -> int:
+def template_prefix(stage: Any, config: Any) -> int:
     """The tokens the stage's chat template writes before every prompt's user turn (a default system turn): a rollout
     of several questions shares at least those, prefilled and scored once a pass (``models.prefill``). 0 when fewer
     than ``SHARED_PREFIX_MIN`` or the tokenizer cannot be read where the plan runs (a folder an upstream stage
     writes)."""
     try:
-        tokenizer = load_tokenizer(resolve_tokenizer_spec(config.data.tokenizer, config.init.policy))
+        tokenizer = load_tokenizer(resolve_tokenizer_spec(config.data.tokenizer, stage.model_folders(config)[0]))
         first, second = (tokenizer.encode_chat_prompt([{"role": "user", "content": text}]) for text in ("1 + 2", "x"))
     except (OSError, ValueError, ConfigError):
         return 0
@@ -211,7 +211,7 @@ def rl_timing(
     trainer, hp = config.trainer, rollout_shape(stage, config)[0]
     policy = models.policy
     tokens = sequences * width * setup.world
-    shared = template_prefix(config)
+    shared = template_prefix(stage, config)
     # the policy's and critic's passes run the shared prefix once a micro-batch, not once a row
     passes = hp.epochs * (sequences // hp.micro_batch_size)
     unshared = (sequences * (width - shared) + passes * shared) / (sequences * width)

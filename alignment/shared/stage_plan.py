@@ -60,6 +60,7 @@ class Models:
     reference: ModelConfig | None = None  # DPO's init.reference, when it is another model
     rewards: list[ModelConfig] = field(default_factory=list)  # reward models scoring RL and rejection sampling
     critic: ModelConfig | None = None  # PPO's critic backbone
+    others: dict[str, list[ModelConfig]] = field(default_factory=dict)  # any other role a stage declares, by name
 
 
 @dataclass

@@ -114,7 +114,7 @@ def reference_cache_key(config: DPOConfig, reference: nn.Module, datamodule: DPO
 
 def run_dpo(config: DPOConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the policy; returns the run folder on rank 0."""
-    check_stage_config(config)
+    check_stage_config(config, stage_named("dpo").model_folders(config))
     check_dpo_config(config)
     plan = stage_named("dpo").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)

@@ -102,7 +102,8 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     """
     if config.init.checkpoint:
         require_source(config.init.checkpoint, "init.checkpoint")
-    check_stage_config(config)  # before anything is created; data.tokenizer: auto is init.checkpoint's
+    # before anything is created; data.tokenizer: auto is init.checkpoint's
+    check_stage_config(config, stage_named("pretrain").model_folders(config))
     if config.init.checkpoint:  # continued pretraining: the checkpoint's shape (a conflicting section was refused)
         config.model = dataclasses.replace(
             source_model_config(config.init.checkpoint), attention=config.model.attention

@@ -27,6 +27,40 @@ def resolve(reference: Any) -> Any:
     return _imported(reference) if isinstance(reference, str) else reference
 
 
+def config_value(config: Any, key: str) -> Any:
+    """The value at a dotted key path of a config (None where a section is missing)."""
+    return functools.reduce(lambda section, name: getattr(section, name, None), key.split("."), config)
+
+
+@dataclass(frozen=True)
+class ModelRole:
+    """A model folder a stage reads, declared in its record: the config key that names it and what it is for. The
+    config checks (its tokenizer), ``lantern plan``, the pipeline's wiring and the report read these, nothing else."""
+
+    key: str  # the config key of the folder; "reward.terms[].path": that field of each item of a list
+    role: str  # what the stage uses it as: "policy", "reference", "reward model", "critic", ...
+    start: bool = False  # the model the stage starts from: data.tokenizer auto is its tokenizer, the others share it
+    upstream: str | None = None  # the stage whose final/ the pipeline wires into ``key``
+    only: tuple[tuple[str, Any], ...] = ()  # of a list's items, those whose fields have these values
+    when: tuple[str, Any] | None = None  # used as ``role`` only while this config key has this value
+
+    def folders(self, config: Any) -> list[tuple[str, str]]:
+        """(folder, key) of each folder ``config`` names under ``key`` (unset ones left out)."""
+        if "[]." not in self.key:
+            value = config_value(config, self.key)
+            return [(str(value), self.key)] if value else []
+        items_key, field_name = self.key.split("[].")
+        found = []
+        for index, item in enumerate(config_value(config, items_key) or []):
+            value = getattr(item, field_name, None)
+            if value and all(getattr(item, name, None) == wanted for name, wanted in self.only):
+                found.append((str(value), f"{items_key}[{index}].{field_name}"))
+        return found
+
+    def applies(self, config: Any) -> bool:
+        return self.when is None or config_value(config, self.when[0]) == self.when[1]
+
+
 @dataclass(frozen=True, eq=False)  # one record a stage: compared and hashed by identity
 class Stage:
     name: str  # the pipeline's section and run folder, the plan's and the report's label
@@ -39,8 +73,8 @@ class Stage:
     preset: str  # the pipeline's default preset
     # the config keys whose tokens one row holds, summed: what must fit the model's context (check_row_tokens)
     row_tokens: tuple[str, ...]
-    # config key -> the stage whose final/ the pipeline wires into it
-    starts_from: Mapping[str, str] = field(default_factory=dict)
+    # the model folders it reads, by role (the first with start=True is the one it starts from)
+    models: tuple[ModelRole, ...] = ()
     demo_files: Mapping[str, str] = field(default_factory=dict)  # config key -> the demo file (no .jsonl) it reads
     corpus_key: str | None = None  # the config key the pipeline's prepared corpus goes to (pretraining's data)
     # where the trainer, checkpoint, logger and peft sections are: rejection sampling's are in its ``sft`` section
@@ -81,6 +115,24 @@ class Stage:
     def rollout_section(self) -> str | None:
         """The config section of an RL stage's rollout hyperparameters (its algorithm's), else None."""
         return None if self.algorithm_at is None else self.algorithm.stage
+
+    @property
+    def starts_from(self) -> dict[str, str]:
+        """Config key -> the stage whose final/ the pipeline wires into it."""
+        return {role.key: role.upstream for role in self.models if role.upstream}
+
+    def model_folders(self, config: Any) -> tuple[str | None, list[tuple[str, str]]]:
+        """(the folder the stage starts from, or None; (folder, key) of each other model folder it reads)."""
+        start = next((role for role in self.models if role.start), None)
+        first = start.folders(config) if start else []
+        seen = {folder for folder, _ in first}
+        others = []
+        for role in self.models:
+            for folder, key in role.folders(config):
+                if folder not in seen:
+                    seen.add(folder)
+                    others.append((folder, key))
+        return (first[0][0] if first else None), others
 
     @property
     def x_axis(self) -> str:
@@ -144,6 +196,7 @@ STAGES: tuple[Stage, ...] = (
         "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
         "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
         ("loader.seq_len",),
+        models=(ModelRole("init.checkpoint", "initial weights", start=True),),  # continued pretraining
         corpus_key="data.out_dir",
         # val/*/loss: each source of a mixture (data.sources), as its run logged it
         headline=(("val/loss", "", "first_last"), ("val/*/loss", "", "first_last")),
@@ -153,7 +206,8 @@ STAGES: tuple[Stage, ...] = (
         "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",
         "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
         f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
-        starts_from={"init.checkpoint": "pretrain"}, demo_files={"data.train": "train", "data.val": "val"},
+        models=(ModelRole("init.checkpoint", "policy", start=True, upstream="pretrain"),),
+        demo_files={"data.train": "train", "data.val": "val"},
         headline=(("val/loss", "", "first_last"), ("val/accuracy", "(exact match)", "first_last")),
         panel=("SFT", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
     ),
@@ -161,8 +215,11 @@ STAGES: tuple[Stage, ...] = (
         "rm", "rm", "train a reward model on preference pairs",
         "alignment.schemas.reward:RMConfig", "alignment.stages.reward:run_rm", "alignment.stages.reward:RewardModule",
         f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml", ("data.seq_len",),
-        # its policy_samples (when its preset names a checker) sample the SFT model
-        starts_from={"init.checkpoint": "sft", "policy_samples.policy": "sft"},
+        models=(
+            ModelRole("init.checkpoint", "backbone", start=True, upstream="sft"),
+            # its policy_samples (when its preset names a checker) sample the SFT model
+            ModelRole("policy_samples.policy", "samples' policy", upstream="sft"),
+        ),
         demo_files={"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
         language_model=False, headline=(("val/accuracy", "(pairwise, held-out pairs)", "first_last"),),
         panel=("reward model", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
@@ -173,7 +230,15 @@ STAGES: tuple[Stage, ...] = (
         "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo_module:PPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
         ("data.max_prompt_tokens", "ppo.response_max_tokens"),
-        starts_from={"init.policy": "sft", "init.reward_model": "rm"},
+        models=(
+            ModelRole("init.policy", "policy", start=True, upstream="sft"),
+            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
+            ModelRole("init.reward_model", "reward model", upstream="rm", when=("reward.terms", [])),
+            # the critic, in this order: the reward's first reward model, init.reward_model, a head on the policy
+            ModelRole("reward.terms[].path", "critic", only=(("kind", "reward_model"),), when=("init.critic", "reward_model")),
+            ModelRole("init.reward_model", "critic", when=("init.critic", "reward_model")),
+            ModelRole("init.policy", "critic"),
+        ),
         demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.ppo:PPO",
         headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
     ),
@@ -182,14 +247,20 @@ STAGES: tuple[Stage, ...] = (
         "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo_module:GRPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
         ("data.max_prompt_tokens", "grpo.response_max_tokens"),
-        starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "data.val": "prompts"},
-        algorithm_at="alignment.stages.grpo:GRPO", headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
+        models=(
+            ModelRole("init.policy", "policy", start=True, upstream="sft"),
+            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
+        ),
+        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.grpo:GRPO", headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
     ),
     Stage(
         "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",
         "alignment.schemas.dpo:DPOConfig", "alignment.stages.dpo:run_dpo", "alignment.stages.dpo_module:DPOModule",
         f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml", ("data.seq_len",),
-        starts_from={"init.policy": "sft"}, demo_files={"data.train": "pairs"},
+        models=(
+            ModelRole("init.policy", "policy", start=True, upstream="sft"), ModelRole("init.reference", "reference"),
+        ),
+        demo_files={"data.train": "pairs"},
         headline=(
             ("val/loss", "", "first_last"), ("val/reward_accuracy", "(implicit reward, held-out pairs)", "first_last")
         ),
@@ -201,7 +272,11 @@ STAGES: tuple[Stage, ...] = (
         "alignment.stages.rejection_sampling:run_rejection_sampling", "alignment.stages.sft:SFTModule",
         "alignment.shared.plan_rl:plan_rejection_sampling", "configs/rejection_sampling/tiny.yaml",
         ("data.max_prompt_tokens", "sampling.response_max_tokens"),
-        starts_from={"init.policy": "sft"}, demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
+        models=(
+            ModelRole("init.policy", "policy", start=True, upstream="sft"),
+            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
+        ),
+        demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
         training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
     ),
 )  # fmt: skip

@@ -285,8 +285,9 @@ def run_sampling(
 def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
     returns the run folder on rank 0, else None."""
-    check_stage_config(config, config.sft.trainer)  # before anything is created
-    plan = stage_named("rejection_sampling").preflight(config)  # before any weights load
+    stage = stage_named("rejection_sampling")
+    check_stage_config(config, stage.model_folders(config), config.sft.trainer)  # before anything is created
+    plan = stage.preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     model = check_config(config, tokenizer)
     prompts = load_training_prompts(config)

@@ -164,7 +164,7 @@ def preference_stage_callbacks(config: Any, run_dir: Path, tokenizer: Any, datam
 
 def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
-    check_stage_config(config)
+    check_stage_config(config, stage_named("rm").model_folders(config))
     plan = stage_named("rm").preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     samples = config.policy_samples

@@ -105,7 +105,7 @@ def run_rl(
     """Check everything that can be checked, then run the RL stage; returns the run folder on rank 0, else None.
 
     ``reward_fn`` replaces the configured reward (tests, or a programmatic reward over token rows)."""
-    check_stage_config(config)  # before anything is created
+    check_stage_config(config, stage_named(algorithm.stage).model_folders(config))  # before anything is created
     check_rl_config(config, algorithm)
     plan = stage_named(algorithm.stage).preflight(config)  # before any weights load
     checker = load_checker(config.eval.checker, "eval.checker")

@@ -211,10 +211,11 @@ def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer:
 
 
 def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
-    """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``
-    is what the run folder records."""
-    check_stage_config(config)  # before anything is created
-    plan = stage_named("sft").preflight(config)  # before any weights load
+    """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``:
+    the record (an SFT variant's own) whose model roles are checked and which the run folder records."""
+    record = stage_named(stage)
+    check_stage_config(config, record.model_folders(config))  # before anything is created
+    plan = record.preflight(config)  # before any weights load
     return fine_tune(config, extra_callbacks, stage=stage, plan=plan)
 
 

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from alignment.commands.cli import main as lantern
 from alignment.schemas.pretrain import PretrainConfig
 from alignment.stages.pretrain import run_pretrain
+from alignment.stages.registry import stage_named
 from data.pretrain.manifest import read_manifest
 from data.tokenizer.base import load_tokenizer
 from models.errors import ConfigError
@@ -51,7 +52,7 @@ def prepared(config: PretrainConfig) -> PretrainConfig:
     """``lantern prepare`` of ``config`` as the command does it (data.tokenizer: auto resolved to the checkpoint's)."""
     from data.pretrain.prepare import prepare
 
-    resolve_stage_tokenizer(config)
+    resolve_stage_tokenizer(config, *stage_named("pretrain").model_folders(config))
     prepare(config.data)
     return config
 
@@ -77,7 +78,7 @@ def test_a_folder_continues_with_its_weights_and_tokenizer(start: Path, tmp_path
     # the run's training checkpoint is a source too: a second phase starts where the first ended
     ckpt = sorted((run_dir / "checkpoints").glob("*.ckpt"))[-1]
     second = config_for(tmp_path, f"init.checkpoint={ckpt}", "run.name=phase-two", "trainer.max_steps=1")
-    resolve_stage_tokenizer(second)
+    resolve_stage_tokenizer(second, *stage_named("pretrain").model_folders(second))
     assert load_tokenizer(second.data.tokenizer).fingerprint == load_tokenizer("default").fingerprint
     phase_two = run_pretrain(
         config_for(tmp_path, f"init.checkpoint={ckpt}", "run.name=phase-two", "trainer.max_steps=1")
@@ -128,7 +129,7 @@ def test_another_tokenizer_than_the_checkpoints_is_refused(start: Path, tmp_path
     json_file = next(path for path in other if path.name == "tokenizer.json")
     config = config_for(tmp_path, f"init.checkpoint={start}", f"data.tokenizer={json_file}")
     with pytest.raises(ConfigError, match="carries its tokenizer"):
-        resolve_stage_tokenizer(config)
+        resolve_stage_tokenizer(config, *stage_named("pretrain").model_folders(config))
 
 
 @pytest.mark.slow
@@ -147,7 +148,7 @@ def test_smollm2_gguf_continues_with_its_tokenizer_and_template(smollm2, tmp_pat
     ]  # fmt: skip
     refused = load_config(PretrainConfig, preset, [*overrides, "data.tokenizer=default"])
     with pytest.raises(ConfigError, match="carries its tokenizer"):
-        resolve_stage_tokenizer(refused)
+        resolve_stage_tokenizer(refused, *stage_named("pretrain").model_folders(refused))
 
     assert lantern(["prepare", str(preset), *overrides]) == 0
     config = load_config(PretrainConfig, preset, overrides)

@@ -19,7 +19,7 @@ from alignment.commands.plan_command import detect_stage
 from alignment.schemas.sft import SFTConfig
 from alignment.stages import pretrain as pretrain_stage
 from alignment.stages import registry
-from alignment.stages.registry import Stage
+from alignment.stages.registry import ModelRole, Stage
 from models.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,8 @@ VARIANT = Stage(
     "sft_variant", "sft-variant", "SFT once more, on the SFT model (a test's stage)",
     "alignment.schemas.sft:SFTConfig", run_sft_variant, "alignment.stages.sft:SFTModule",
     "alignment.shared.stage_plan:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
-    starts_from={"init.checkpoint": "sft"}, demo_files={"data.train": "train", "data.val": "val"},
+    models=(ModelRole("init.checkpoint", "policy", start=True, upstream="sft"),),
+    demo_files={"data.train": "train", "data.val": "val"},
 )  # fmt: skip
 
 
@@ -97,6 +98,52 @@ def test_the_pipeline_takes_the_variant_and_lantern_plan_plans_it(variant, tmp_p
     assert plans[2]["model"] == plans[1]["model"]  # the variant starts from the SFT model
     assert cli.main(["plan", "configs/sft/tiny.yaml", "--stage", "sft-variant", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stage"] == "sft_variant"
+
+
+@dataclasses.dataclass
+class TeacherConfig:
+    path: str | None = None  # a model folder the variant reads beside the one it trains
+
+
+@dataclasses.dataclass
+class TeacherSFTConfig(SFTConfig):
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+
+
+# a stage with a role no stage had, declared in its own record only: the config checks, the plan and the pipeline
+# read it from there (nothing below alignment/ names teacher.path)
+TEACHER_VARIANT = dataclasses.replace(
+    VARIANT, schema_at=TeacherSFTConfig,
+    models=(*VARIANT.models, ModelRole("teacher.path", "teacher", upstream="sft")),
+)  # fmt: skip
+
+
+def test_a_new_role_declared_in_the_record_alone_is_checked_planned_and_wired(monkeypatch, setup, tmp_path, capsys):
+    monkeypatch.setattr(registry, "STAGES", registry.with_stage(TEACHER_VARIANT))
+    from models.formats.checkpoint import save_checkpoint
+    from models.model import ModelConfig, Transformer
+    from tests.alignment.conftest import TINY
+
+    other_vocab = save_checkpoint(Transformer(ModelConfig(**{**TINY, "vocab_size": 300})), tmp_path / "teacher")
+    demo = setup["root"] / "demo"
+    overrides = [
+        f"init.checkpoint={setup['policy']}", f"data.train=[{demo / 'train.jsonl'}]", f"run.out_dir={tmp_path}",
+        "logger.kind=none", "trainer.accelerator=cpu",
+    ]  # fmt: skip
+    # the tokenizer check: the teacher must read data.tokenizer like the model the stage starts from
+    code = cli.main(["sft-variant", "configs/sft/tiny.yaml", *overrides, f"teacher.path={other_vocab}"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(other_vocab) in err and "data.tokenizer" in err, err
+    # the plan resolves the role: a teacher that is not there is named by its key
+    assert cli.main(["plan", "configs/sft/tiny.yaml", "--stage", "sft-variant", f"teacher.path={tmp_path / 'no'}"]) == 2
+    assert "teacher.path: " in capsys.readouterr().err
+    from alignment.shared.plan_models import ModelResolver, stage_models
+    from trainer.config import load_config
+
+    config = load_config(TeacherSFTConfig, ROOT / "configs/sft/tiny.yaml", [f"teacher.path={setup['policy']}"])
+    assert stage_models(TEACHER_VARIANT, config, ModelResolver(None)).others["teacher"][0].dim == TINY["dim"]
+    # the pipeline wires the SFT stage's final/ into it
+    assert TEACHER_VARIANT.starts_from == {"init.checkpoint": "sft", "teacher.path": "sft"}
 
 
 @pytest.mark.parametrize("added", [False, True], ids=["as-shipped", "with-the-variant"])

@@ -230,6 +230,7 @@ def test_rl_time_counts_the_shared_preamble_and_rows_leaving_the_batch(capsys, t
     """The chat template's system preamble is prefilled and scored once a pass, not once a row; with
     --mean-response-tokens a row pays decoding until it stops; without it, every row runs to the limit."""
     from alignment.shared.plan_rl import template_prefix
+    from alignment.stages.registry import stage_named
     from data.tokenizer.base import load_tokenizer
 
     folder = smollm2_style_tokenizer(tmp_path / "tokenizer")
@@ -237,10 +238,11 @@ def test_rl_time_counts_the_shared_preamble_and_rows_leaving_the_batch(capsys, t
     # <|im_start|>system\n...<|im_end|>\n<|im_start|>user\n: three special tokens and the text between them
     texts = ("system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face", "\n", "user\n")
     preamble = [0] * 3 + [token for text in texts for token in chat.encode(text)]
-    config = OmegaConf.create({"data": {"tokenizer": str(folder)}, "init": {"policy": None}})
-    assert template_prefix(config) == len(preamble) >= 8
+    grpo = stage_named("grpo")
+    config = OmegaConf.create({"data": {"tokenizer": str(folder)}, "init": {"policy": None}, "reward": {"terms": []}})
+    assert template_prefix(grpo, config) == len(preamble) >= 8
     config.data.tokenizer = "default"  # BOS alone: shorter than a prefix worth running once
-    assert template_prefix(config) == 0
+    assert template_prefix(grpo, config) == 0
 
     args = ["configs/grpo/tiny.yaml", "--model", "llama3.2-1b", "data.max_prompt_tokens=64", "grpo.response_max_tokens=64"]  # fmt: skip
     plain = plan_json(capsys, *args, "data.tokenizer=default")["time"]
