@@ -227,7 +227,7 @@ STAGES: tuple[Stage, ...] = (
     # the RL stages train on the training pool's prompts and evaluate on the val split's (never trained on)
     Stage(
         "ppo", "ppo", "optimise the SFT policy against the reward model with PPO",
-        "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo_module:PPOModule",
+        "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo:PPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
         ("data.max_prompt_tokens", "ppo.response_max_tokens"),
         models=(
@@ -244,7 +244,7 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         "grpo", "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward",
-        "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo_module:GRPOModule",
+        "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo:GRPOModule",
         "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
         ("data.max_prompt_tokens", "grpo.response_max_tokens"),
         models=(

@@ -115,27 +115,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
-def lock_exclusively(fd: int, *, wait: bool = False) -> bool:
-    """``flock`` the open ``fd`` for this process alone, never for a child it forks: True once held, False when
-    another process holds it (only without ``wait``). It ends with ``close_lock(fd)`` or this process."""
+def lock_exclusively(fd: int, *, wait: bool = False, shared: bool = False) -> bool:
+    """``flock`` the open ``fd`` for this process alone (``shared``: with other readers), never for a child it forks:
+    True once held, False when another process holds it (exclusively, for a shared lock; only without ``wait``). It
+    ends with ``close_lock(fd)`` or this process."""
     _locked_fds.add(fd)  # before locking: a fork in another thread right after must not keep it
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        _locked_fds.discard(fd)
-        return False
-    except BaseException:
-        _locked_fds.discard(fd)
-        raise
-    return True
-
-
-def lock_shared(fd: int) -> bool:
-    """``flock`` the open ``fd`` shared with other readers, as ``lock_exclusively`` does (never for a forked child):
-    False while a process holds it exclusively."""
-    _locked_fds.add(fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except BaseException as error:
         _locked_fds.discard(fd)
         if isinstance(error, BlockingIOError):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import LanternError
-from models.files.atomic import close_lock, lock_exclusively, lock_shared, process_running, write_atomically
+from models.files.atomic import close_lock, lock_exclusively, process_running, write_atomically
 
 FOLDER_MARKER = ".lantern-folder.json"
 LOCK_FILE = ".lantern.lock"
@@ -152,7 +152,7 @@ def hold_for_reading(folder: Path, *, what: str) -> int | None:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
-    if not lock_shared(fd):
+    if not lock_exclusively(fd, shared=True):
         os.close(fd)
         rebuilder = _describe_holder(_holder_of(folder / LOCK_FILE), folder / LOCK_FILE)
         raise FolderInUse(

@@ -1,4 +1,4 @@
-"""GRPO / RLOO as a stage (alignment/stages/grpo.py, grpo_module.py): a toy verifiable reward rises, the first ratio is
+"""GRPO / RLOO as a stage (alignment/stages/grpo.py): a toy verifiable reward rises, the first ratio is
 exactly 1, resume is exact, bad configs and overlapping held-out prompts fail before compute, and 2-process
 FSDP2 on CPU matches a single process. The advantage maths by hand is in test_losses.py."""
 
@@ -78,7 +78,7 @@ def test_a_verifiable_toy_reward_rises(setup, tmp_path, baseline, aggregation):
 def first_log_ratios() -> Iterator[list[float]]:
     """The first minibatch's max |log ratio| of every GRPO rollout run inside (0 when the training pass reproduces
     the rollout's log-probs), in order."""
-    from alignment.stages.grpo_module import GRPOModule
+    from alignment.stages.grpo import GRPOModule
 
     captured: list[float] = []
     update = GRPOModule.update
@@ -104,7 +104,7 @@ def test_first_ratio_is_exactly_one(setup, tmp_path):
 def test_one_update_a_rollout_takes_the_sampling_log_probs_from_its_own_forward(setup, tmp_path, monkeypatch):
     """A rollout of 16 with minibatch 16 makes one update: its forward gives the old log-probs (one policy pass a
     micro-batch fewer), and it trains the weights the separate pass trains."""
-    from alignment.stages.grpo_module import GRPOModule
+    from alignment.stages.grpo import GRPOModule
 
     calls: list[str] = []
     forward = GRPOModule.policy_logprobs
@@ -202,7 +202,7 @@ def test_sampler_state_is_restored_whichever_comes_first_the_sampler_or_the_chec
     """Single-process runs restore the checkpoint before on_fit_start creates the sampler; FSDP
     (ModelParallelStrategy) restores it after. Both orders must continue the saved random stream."""
     from alignment.shared.rewards import build_reward
-    from alignment.stages.grpo_module import GRPOModule
+    from alignment.stages.grpo import GRPOModule
     from data.tokenizer.tokenizer import Tokenizer
     from models.formats.checkpoint import load_checkpoint
 

@@ -17,8 +17,7 @@ from safetensors.torch import load_file
 from alignment.shared.responses import response_logprobs
 from alignment.stages.dpo import load_dpo_models, run_dpo
 from alignment.stages.dpo_module import DPOModule, response_logprob_sums
-from alignment.stages.grpo import run_grpo
-from alignment.stages.grpo_module import GRPOModule
+from alignment.stages.grpo import GRPOModule, run_grpo
 from alignment.stages.ppo import run_ppo
 from models.adapters import base_fingerprint
 from models.formats.checkpoint import load_checkpoint

@@ -22,8 +22,7 @@ from alignment.shared.losses import (
     token_rewards,
 )
 from alignment.shared.responses import response_logprobs, response_values
-from alignment.stages.ppo import run_ppo
-from alignment.stages.ppo_module import PPOModule
+from alignment.stages.ppo import PPOModule, run_ppo
 from models.errors import ConfigError
 from models.generation import generate, left_pad
 from models.heads import ScalarModel, save_scalar_model

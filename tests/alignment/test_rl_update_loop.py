@@ -11,10 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignment.stages.grpo import run_grpo
-from alignment.stages.grpo_module import GRPOModule
-from alignment.stages.ppo import run_ppo
-from alignment.stages.ppo_module import PPOModule
+from alignment.stages.grpo import GRPOModule, run_grpo
+from alignment.stages.ppo import PPOModule, run_ppo
 from tests.alignment import rl_update_reference
 from tests.alignment.test_grpo import TOY, grpo_config
 from tests.alignment.test_ppo import ppo_config

@@ -18,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -145,22 +147,29 @@ time.sleep(300)
 """
 
 
+@contextmanager
+def process_holding(script: str, folder: Path, ready: str) -> Iterator[subprocess.Popen]:
+    """Another process running ``script`` on ``folder`` from the moment it prints ``ready``; SIGKILLed at the end."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(folder)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == ready
+        yield process
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+
+
 def test_a_second_prepare_into_one_folder_is_refused_while_the_first_runs(tmp_path):
     """Before: two prepares into one folder both reported success with different counts; the last writer won."""
     source, out = small_corpus(tmp_path / "src"), tmp_path / "data"
     prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))
     before = contents(out)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(out)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with process_holding(HOLDER, out, "locked") as holder:
         with pytest.raises(FolderInUse, match=rf"data folder {out} is in use by process {holder.pid}"):
             prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))
         assert contents(out) == before
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
     prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))  # a dead holder never blocks
 
 
@@ -180,19 +189,12 @@ def test_prepare_refuses_to_rebuild_data_a_run_is_reading(tmp_path):
     source, out = small_corpus(tmp_path / "src"), tmp_path / "data"
     prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))
     before = contents(out)
-    reader = subprocess.Popen(
-        [sys.executable, "-c", READER, str(out)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert reader.stdout.readline().strip() == "reading"
+    with process_holding(READER, out, "reading") as reader:
         prepare(PrepareConfig(source=[str(source)], out_dir=str(out)))  # up to date: nothing to replace
         message = rf"data folder {out} is being read by a training run \(process {reader.pid}\): let it finish"
         with pytest.raises(FolderInUse, match=message):
             prepare(PrepareConfig(source=[str(source)], out_dir=str(out), val_fraction=0.2))
         assert contents(out) == before
-    finally:
-        reader.send_signal(signal.SIGKILL)
-        reader.wait(timeout=30)
     rebuild = lock_out_readers(out, what="data folder", hint="")  # what a prepare holds while it rebuilds
     try:
         with pytest.raises(FolderInUse, match=rf"data folder {out} is being rebuilt by `lantern prepare`"):
