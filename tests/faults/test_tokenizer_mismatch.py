@@ -19,6 +19,7 @@ from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.reward import RMConfig
 from alignment.schemas.rl import GRPOConfig, PPOConfig
 from alignment.schemas.sft import SFTConfig
+from alignment.stages.registry import stage_named
 from data.demo.tasks import write_demo_dataset
 from data.tokenizer.base import load_tokenizer
 from data.tokenizer.hf import HFTokenizer
@@ -120,7 +121,8 @@ def test_every_stage_checks_the_pair_in_its_first_check(stage, bpe_json, tmp_pat
 
     def checked(folder: Path) -> object:
         config = load_config(schema, ROOT / path, [f"{key}={folder}", f"run.out_dir={tmp_path / 'runs'}"])
-        check_stage_config(config, getattr(config, "sft", config).trainer)  # rejection sampling: its sft's trainer
+        folders = stage_named(stage).model_folders(config)  # the folders its record declares
+        check_stage_config(config, folders, getattr(config, "sft", config).trainer)  # rejection sampling: its sft's
         return config
 
     bare = save_checkpoint(tiny_model(DEFAULT_VOCAB + 904), tmp_path / "bare")

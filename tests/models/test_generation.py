@@ -743,6 +743,7 @@ def test_rows_leaving_a_compiled_batch_compile_a_few_variants_not_one_per_size(b
         batches.append(next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2))
         return graph
 
+    torch._dynamo.reset()  # the recompile limit counts per code object: the step's earlier tests' variants count too
     step = torch.compile(fast_decode.decode_and_sample, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True)  # fmt: skip
     monkeypatch.setattr(fast_decode, "compiled", lambda function: step)
     prompts = [[(row * 7 + j) % 120 + 1 for j in range(3 + row % 5)] for row in range(64)]

@@ -19,7 +19,7 @@ def test_a_warmup_longer_than_the_run_is_a_warning_at_load(tmp_path, caplog):
     )
     assert "optim.warmup_steps (100) exceeds trainer.max_steps (50)" in caplog.text
     caplog.clear()
-    check_stage_config(config)  # checked once, at load
+    check_stage_config(config, (None, []))  # checked once, at load
     assert "exceeds" not in caplog.text
 
 

@@ -60,7 +60,7 @@ def test_true_and_false_are_kept(cuda, available, value):
 def test_the_resolved_value_is_what_the_run_records(cuda, written, expected):
     cuda(False)
     config = load_config(PretrainConfig, TINY, [f"trainer.compile={written}"])
-    check_stage_config(config)
+    check_stage_config(config, (None, []))  # no model folder: pretraining from scratch
     assert config.trainer.compile is expected
     assert yaml.safe_load(to_yaml(config))["trainer"]["compile"] is expected  # config.yaml's text
 
