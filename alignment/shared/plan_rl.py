@@ -196,7 +196,7 @@ def decode_seconds(
     gpu = target.gpu
     mfu = mfu_for(gpu, True, target.mfu).mfu
     bandwidth = gpu.memory_tbs * 1e12 * DECODE_EFFICIENCY
-    reads = (steps * weights + rows * row_steps * cache / rows / 2) / bandwidth
+    reads = (steps * weights + row_steps * cache / 2) / bandwidth  # each row's cache (cache / rows) for row_steps
     computes = 2 * matmuls * rows * row_steps / (peak_flops(gpu, setup.precision) * mfu)
     return max(reads, computes)
 
@@ -212,9 +212,10 @@ def rl_timing(
     policy = models.policy
     tokens = sequences * width * setup.world
     shared = template_prefix(stage, config)
-    # the policy's and critic's passes run the shared prefix once a micro-batch, not once a row
-    passes = hp.epochs * (sequences // hp.micro_batch_size)
-    unshared = (sequences * (width - shared) + passes * shared) / (sequences * width)
+    # each pass over the rollout (scoring, every training epoch) runs the shared prefix once a micro-batch, not once
+    # a row: the share of a full pass's tokens it computes
+    micro_batches = sequences // hp.micro_batch_size
+    unshared = (sequences * (width - shared) + micro_batches * shared) / (sequences * width)
     policy_fpt = lm_flops_per_token(policy, width, params)
     forward = policy_fpt / 3  # a forward is 2 of a training token's 6 units
     scoring = forward * (2 + (1 if critic_params is not None else 0)) * unshared  # old log-probs, reference, values

@@ -32,7 +32,7 @@ def config_value(config: Any, key: str) -> Any:
     return functools.reduce(lambda section, name: getattr(section, name, None), key.split("."), config)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity, like a Stage (``when`` may hold a list)
 class ModelRole:
     """A model folder a stage reads, declared in its record: the config key that names it and what it is for. The
     config checks (its tokenizer), ``lantern plan``, the pipeline's wiring and the report read these, nothing else."""
