@@ -178,11 +178,6 @@ def _section_type(kind: Any) -> type | None:
     return next((option for option in options if is_dataclass(option)), None)
 
 
-def check_model_size(model: Any, source: str = "", prefix: str = "model.") -> None:
-    """A model config that enters from outside a stage config (``--model``, a checkpoint folder): its declared bounds."""
-    check_config(model, source, prefix)
-
-
 def read_yaml(path: Path) -> Any:
     """The one reader of a YAML config (a stage's, a pipeline's, a model preset): its top level as OmegaConf reads it,
     or a one-line ``ConfigError`` naming the file and line (a syntax error, a key given twice in one mapping). Safe:

@@ -14,9 +14,14 @@ from models.families import HF_ARCHITECTURES, family_of
 from models.resources import model_preset_path, model_presets
 from models.rope import RopeScaling
 
-__all__ = ["ATTENTION_BACKENDS", "ModelConfig"]
+__all__ = ["ATTENTION_BACKENDS", "InvalidModelConfig", "ModelConfig"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+class InvalidModelConfig(ValueError):
+    """A value of a ModelConfig outside its declared range or choices, or breaking a rule between fields; the message
+    names it ``ModelConfig.KEY``, which the place the config entered renames after its own keys."""
 
 
 @dataclass
@@ -63,7 +68,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         """Normalise (a rope_scaling mapping, the derived n_kv_heads and head_dim), then check every declared range
         and choice and the cross-field rules (``check_fields``) once, wherever a config is made: a stage config, a
-        checkpoint's, --model. A ValueError naming ``ModelConfig.KEY``: where it entered names the source."""
+        checkpoint's, --model. ``InvalidModelConfig`` otherwise: where it entered names the source."""
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_kv_heads is None:
@@ -73,7 +78,7 @@ class ModelConfig:
         try:
             check_config(self, prefix="ModelConfig.")
         except ConfigError as error:
-            raise ValueError(str(error)) from None
+            raise InvalidModelConfig(str(error)) from None
 
     def check_fields(self, prefix: str) -> None:
         """The rules between fields (``check_config`` runs it after each field's own)."""

@@ -10,9 +10,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from alignment.shared.stage_plan import Models
-from models.config_checks import check_model_size
 from models.errors import ConfigError
-from models.model import ModelConfig
+from models.model_config import InvalidModelConfig, ModelConfig
 from models.resources import model_preset_path
 from trainer.config import load_preset
 from trainer.model_sources import source_model_config
@@ -20,7 +19,7 @@ from trainer.model_sources import source_model_config
 
 def model_named(name: str) -> ModelConfig:
     """``--model``: a preset (llama3.2-1b), a model YAML, or a model source (a folder, a GGUF file, a training
-    checkpoint); its sizes within bounds."""
+    checkpoint); its sizes within bounds (``ModelConfig`` checks its declared ranges where it is made)."""
     folder = Path(name).expanduser()
     if folder.is_dir() or (folder.suffix in (".gguf", ".ckpt") and folder.is_file()):
         return folder_model(folder, f"--model {name}")
@@ -32,7 +31,6 @@ def model_named(name: str) -> ModelConfig:
         raise
     except (TypeError, ValueError) as error:
         raise ConfigError(f"--model {name}: {str(error).replace('ModelConfig.', 'model.')}") from error
-    check_model_size(config, f"--model {name}")
     return config
 
 
@@ -40,11 +38,11 @@ def folder_model(folder: Path, key: str) -> ModelConfig:
     """The model config of a model source (a checkpoint folder, a GGUF file, a training checkpoint), its sizes within
     bounds (a planned model is built on the meta device, one module per layer: an absurd size is refused, not built)."""
     try:
-        config = source_model_config(folder)
+        return source_model_config(folder)
+    except InvalidModelConfig as error:  # read, and refused by its own declared ranges
+        raise ConfigError(f"{key} ({folder}): {str(error).replace('ModelConfig.', 'model.')}") from error
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {folder} holds no readable model config ({error})") from error
-    check_model_size(config, f"{key} ({folder})")
-    return config
 
 
 class ModelResolver:
@@ -78,7 +76,7 @@ def stage_models(stage: Any, config: Any, resolve: ModelResolver) -> Models:
     score its samples, the critic (the first of its critic roles that applies and is set), and any other role by
     its name."""
     fallback = getattr(config, "model", None)
-    start = next((role for role in stage.models if role.start), None)
+    start = stage.start_role
     folders = start.folders(config) if start else []
     policy = resolve(folders[0][0] if folders else None, start.key if start else "model", fallback)
     models = Models(policy)

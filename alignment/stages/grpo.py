@@ -24,7 +24,6 @@ from alignment.stages.rl import RLAlgorithm, run_rl
 from alignment.stages.rl_module import MicroBatchLoss, RLModule
 from models.model import Transformer
 from trainer.callbacks import LossPlot
-from trainer.config import to_dict
 from trainer.optim import optimizer_from_config
 
 
@@ -42,8 +41,6 @@ class GRPOModule(RLModule):
         checker: Checker | None = None,
     ) -> None:
         super().__init__(config, config.grpo, policy, reference, reward, tokenizer, checker)
-        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
-        self.automatic_optimization = False
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.schedule_steps())

@@ -38,7 +38,6 @@ from models.errors import ConfigError
 from models.heads import ScalarModel
 from models.model import Transformer
 from trainer.callbacks import LossPlot
-from trainer.config import to_dict
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism
 
@@ -60,8 +59,6 @@ class PPOModule(RLModule):
         checker: Checker | None = None,
     ) -> None:
         super().__init__(config, config.ppo, policy, reference, reward, tokenizer, checker)
-        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
-        self.automatic_optimization = False
         self.critic = critic
         ppo = config.ppo
         self.kl_controller = KLController(

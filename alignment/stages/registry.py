@@ -121,9 +121,14 @@ class Stage:
         """Config key -> the stage whose final/ the pipeline wires into it."""
         return {role.key: role.upstream for role in self.models if role.upstream}
 
+    @property
+    def start_role(self) -> ModelRole | None:
+        """The role of the model the stage starts from (none: pretraining from scratch builds its ``model``)."""
+        return next((role for role in self.models if role.start), None)
+
     def model_folders(self, config: Any) -> tuple[str | None, list[tuple[str, str]]]:
         """(the folder the stage starts from, or None; (folder, key) of each other model folder it reads)."""
-        start = next((role for role in self.models if role.start), None)
+        start = self.start_role
         first = start.folders(config) if start else []
         seen = {folder for folder, _ in first}
         others = []
@@ -251,7 +256,8 @@ STAGES: tuple[Stage, ...] = (
             ModelRole("init.policy", "policy", start=True, upstream="sft"),
             ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
         ),
-        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.grpo:GRPO", headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
+        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.grpo:GRPO",
+        headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
     ),
     Stage(
         "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",

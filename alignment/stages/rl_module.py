@@ -28,6 +28,7 @@ from models.generation import generate, left_pad
 from models.model import Transformer
 from models.prefill import shared_prefix_length
 from trainer.callbacks import write_curves
+from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import unsharded_for_generation
 
@@ -75,6 +76,8 @@ class RLModule(LanguageModelModule):
         checker: Checker | None = None,
     ) -> None:
         super().__init__(config)
+        self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
+        self.automatic_optimization = False  # the rollout's updates are made by hand (``optimise``)
         self.hp = hyperparameters
         self.model, self.tokenizer, self.reward = policy, tokenizer, reward
         if reference is None and adapter_config(policy) is None:
