@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from alignment.commands.convert_cli import add_convert_command
 from alignment.commands.eval_cli import add_eval_command
@@ -117,7 +117,7 @@ def _prepare(args: argparse.Namespace) -> None:
     config = load_config(PretrainConfig, args.config, args.overrides)
     if config.init.checkpoint:  # continued pretraining: data.tokenizer auto is the checkpoint's, another refused
         require_source(config.init.checkpoint, "init.checkpoint")
-        resolve_stage_tokenizer(config, *registry.stage_named("pretrain").model_folders(config))
+        resolve_stage_tokenizer(config, *registry.PRETRAIN.model_folders(config))
     prepared = prepare_data(config.data)  # one corpus, or each source of a mixture into out_dir/NAME
 
     def splits(record: dict) -> str:
@@ -183,11 +183,51 @@ def _add_config_command(commands, name: str, help: str, handler) -> None:
     stage.set_defaults(handler=handler)
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("tokenizer", "generate", "convert", "eval", "prepare", "pipeline", "plan", "demo-data", "export")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``lantern`` parser; ``command``: only that subcommand's arguments are built (the one ``main`` runs, so a
+    run does not read every other command's module), None: every subcommand's (``--help``, an unknown command)."""
     parser = argparse.ArgumentParser(prog="lantern", description="Train Llama-style language models end to end.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def wanted(name: str) -> bool:
+        return command is None or command == name
+
+    if wanted("tokenizer"):
+        _add_tokenizer_command(commands)
+    if wanted("generate"):
+        _add_generate_command(commands)
+    if wanted("convert"):
+        add_convert_command(commands)
+    if wanted("eval"):
+        add_eval_command(commands)
+    if wanted("prepare"):
+        _add_config_command(
+            commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare
+        )
+    for stage in registry.STAGES:
+        if wanted(stage.command):
+            _add_config_command(commands, stage.command, stage.help, functools.partial(_run_stage, stage))
+    if wanted("pipeline"):
+        _add_config_command(
+            commands,
+            "pipeline",
+            "run prepare, pretrain, SFT, reward model and PPO from one config, with a report",
+            _pipeline,
+        )
+    if wanted("plan"):
+        add_plan_command(commands, _plan)
+    if wanted("demo-data"):
+        _add_demo_data_command(commands)
+    if wanted("export"):
+        add_export_command(commands)
+    return parser
+
+
+def _add_tokenizer_command(commands: Any) -> None:
     tokenizer = commands.add_parser("tokenizer", help="train byte-level BPE tokenizers")
     tokenizer_commands = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     train = tokenizer_commands.add_parser("train", help="train a BPE tokenizer and write a tiktoken file")
@@ -196,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="output .tiktoken file")
     train.set_defaults(handler=_tokenizer_train)
 
+
+def _add_generate_command(commands: Any) -> None:
     gen = commands.add_parser("generate", help="generate text from a checkpoint (KV cache)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -227,23 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true", help="same as --decode compiled")
     gen.set_defaults(handler=_generate)
 
-    add_convert_command(commands)
-    add_eval_command(commands)
 
-    _add_config_command(
-        commands, "prepare", "tokenize a corpus into token shards (the config's data section)", _prepare
-    )
-    for stage in registry.STAGES:
-        _add_config_command(commands, stage.command, stage.help, functools.partial(_run_stage, stage))
-    _add_config_command(
-        commands,
-        "pipeline",
-        "run prepare, pretrain, SFT, reward model and PPO from one config, with a report",
-        _pipeline,
-    )
-
-    add_plan_command(commands, _plan)
-
+def _add_demo_data_command(commands: Any) -> None:
     demo = commands.add_parser(
         "demo-data", help="write the verifiable demo instruction data (SFT, preference pairs, prompts)"
     )
@@ -259,9 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of line_count training demonstrations that answer one line too many (0-1)",
     )  # fmt: skip
     demo.set_defaults(handler=_demo_data)
-
-    add_export_command(commands)
-    return parser
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -290,7 +314,11 @@ def _configure_logging(level: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the only option before the command is -v, which takes no value: the first other word is the command
+    first = next((word for word in argv if not word.startswith("-")), None)
+    known = first in COMMANDS or any(first == stage.command for stage in registry.STAGES)
+    parser = build_parser(first if known else None)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "plan" and all("=" in item and not item.startswith("-") for item in extra):
         args.overrides += extra  # `lantern plan CONFIG --gpu h100 key=value`: overrides after the options too

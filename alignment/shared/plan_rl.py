@@ -87,9 +87,8 @@ def decode_steps(target: Target, hp: Any) -> tuple[int, float, str]:
 
 def rollout_shape(stage: Any, config: Any) -> tuple[Any, int, int]:
     """(the hyperparameter section, sequences one rollout samples per GPU, prompt + response width)."""
-    algorithm = stage.algorithm
-    hp = getattr(config, algorithm.stage)
-    sequences = math.prod(getattr(hp, key) for key in algorithm.rollout)
+    hp = getattr(config, stage.rollout_section)
+    sequences = math.prod(getattr(hp, key) for key in stage.rollout)
     return hp, sequences, config.data.max_prompt_tokens + hp.response_max_tokens
 
 

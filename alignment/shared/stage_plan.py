@@ -389,7 +389,7 @@ def plan_lm(
     on_the_fly = False
     if reference is not None:
         ref_params = meta_parameters(models.reference or models.policy)
-        ref_bytes = 2 if setup.numerics == "bf16" else 4  # dpo_module.reference_dtype
+        ref_bytes = 2 if setup.numerics == "bf16" else 4  # dpo.reference_dtype
         frozen = frozen_items("reference (frozen)", ref_params, ref_bytes, on_host=False)
         if reference == "precompute":
             notes.append("the reference scores every pair once before the first step, then is freed")

@@ -1,8 +1,8 @@
 """GRPO / RLOO, one file: ``GRPOModule`` (each rollout samples ``group_size`` responses per prompt, gives each the
 group advantage, GRPO's normalised score or RLOO's leave-one-out, and gives the shared update loop its clipped
 surrogate with the KL to the reference in the loss, normalised by the minibatch's tokens or responses over all
-ranks), then what the RL recipe takes of it (``GRPO``: a checker by default, no critic: the group is the baseline)
-and ``run_grpo``.
+ranks; its curves; the reward is ``reward.terms``, a checker by default, and there is no critic: the group is the
+baseline), then ``run_grpo``, the RL recipe given the stage's record (``registry.GRPO``).
 
     lantern grpo configs/grpo/tiny.yaml grpo.baseline=rloo
 """
@@ -19,8 +19,9 @@ from torch import Tensor
 
 from alignment.schemas.rl import GRPOConfig
 from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
-from alignment.shared.rewards import Checker, Reward, build_reward
-from alignment.stages.rl import RLAlgorithm, run_rl
+from alignment.shared.rewards import Checker, Reward
+from alignment.stages.registry import GRPO, Stage
+from alignment.stages.rl import run_rl
 from alignment.stages.rl_module import MicroBatchLoss, RLModule
 from models.model import Transformer
 from trainer.callbacks import LossPlot
@@ -145,42 +146,28 @@ class GRPOModule(RLModule):
         stats.update({f"{name}_grad_norm": norm for name, norm in self.grad_norms.items()})
         return stats
 
-
-def grpo_reward(config: GRPOConfig) -> Reward:
-    return build_reward(config.reward.terms)
-
-
-def grpo_plots(config: GRPOConfig, run_dir: Path) -> list[L.Callback]:
-    name = config.grpo.baseline.upper()
-    return [
-        LossPlot(
-            run_dir,
-            metrics=("grpo/score", "grpo/solved_groups", "grpo/zero_variance_groups"),
-            title=f"{name}: mean score of the samples, groups with a solution, groups without signal",
-            filename="reward.png",
-            ylabel="per rollout",
-        ),
-        LossPlot(
-            run_dir,
-            metrics=("grpo/kl",),
-            title=f"{name}: KL to the reference per sequence",
-            filename="kl.png",
-            ylabel="KL (nats)",
-        ),
-        LossPlot(run_dir, metrics=("grpo/policy_loss",), title=f"{name}: policy loss", filename="loss.png"),
-    ]
+    @classmethod
+    def plots(cls, config: GRPOConfig, run_dir: Path) -> list[L.Callback]:
+        name = config.grpo.baseline.upper()
+        return [
+            LossPlot(
+                run_dir,
+                metrics=("grpo/score", "grpo/solved_groups", "grpo/zero_variance_groups"),
+                title=f"{name}: mean score of the samples, groups with a solution, groups without signal",
+                filename="reward.png",
+                ylabel="per rollout",
+            ),
+            LossPlot(
+                run_dir,
+                metrics=("grpo/kl",),
+                title=f"{name}: KL to the reference per sequence",
+                filename="kl.png",
+                ylabel="KL (nats)",
+            ),
+            LossPlot(run_dir, metrics=("grpo/policy_loss",), title=f"{name}: policy loss", filename="loss.png"),
+        ]
 
 
-GRPO = RLAlgorithm(
-    stage="grpo",
-    title="GRPO",
-    rollout=("prompts_per_rollout", "group_size"),
-    module=GRPOModule,
-    reward=grpo_reward,
-    plots=grpo_plots,
-)
-
-
-def run_grpo(config: GRPOConfig, extra_callbacks: list | None = None) -> Path | None:
-    """GRPO (or RLOO) through the RL recipe (``run_rl``)."""
-    return run_rl(config, GRPO, extra_callbacks)
+def run_grpo(config: GRPOConfig, extra_callbacks: list | None = None, *, stage: Stage = GRPO) -> Path | None:
+    """GRPO (or RLOO) through the RL recipe (``run_rl``); ``stage``: its record (a variant's own)."""
+    return run_rl(config, stage, extra_callbacks)

@@ -1,8 +1,9 @@
 """PPO, one file: ``PPOModule`` (each global step is one rollout: sample, score, GAE against the critic with a KL
 penalty to the reference in the reward, then clipped-surrogate epochs through the shared update loop with two
-optimisers, policy and critic; the first minibatch's ratio is exactly 1), then what the RL recipe takes of it
-(``PPO``: a reward model by default, and a critic copied from it in its normalised units or a fresh value head on
-the policy's backbone; with LoRA the critic gets its own adapters) and ``run_ppo``.
+optimisers, policy and critic; the first minibatch's ratio is exactly 1; what the RL recipe asks of it: a reward
+model by default, a critic copied from it in its normalised units or a fresh value head on the policy's backbone,
+with LoRA the critic's own adapters, its curves), then ``run_ppo``, the RL recipe given the stage's record
+(``registry.PPO``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from alignment.shared.losses import (
 )
 from alignment.shared.responses import RewardFunction, Rollout, response_values
 from alignment.shared.rewards import Checker, Reward, RewardTerm, build_reward, load_reward_model_score
-from alignment.stages.rl import RLAlgorithm, run_rl
+from alignment.stages.registry import PPO, Stage
+from alignment.stages.rl import run_rl
 from alignment.stages.rl_module import MicroBatchLoss, RLModule
 from models.errors import ConfigError
 from models.heads import ScalarModel
@@ -196,16 +198,75 @@ class PPOModule(RLModule):
         super().on_load_checkpoint(checkpoint)
         self.kl_controller.load_state_dict(checkpoint["ppo"]["kl_controller"])
 
+    @classmethod
+    def build_reward(cls, config: PPOConfig) -> Reward:
+        """``reward.terms`` if any, else the reward model of ``init.reward_model``."""
+        if config.reward.terms:
+            return build_reward(config.reward.terms)
+        if not config.init.reward_model:
+            raise ConfigError(
+                "init.reward_model is required (the reward-model folder, `lantern rm`), or name reward.terms"
+            )
+        return Reward(
+            [
+                RewardTerm(
+                    "reward_model", 1.0, tokens=load_reward_model_score(config.init.reward_model, "init.reward_model")
+                )
+            ]
+        )
 
-def ppo_reward(config: PPOConfig) -> Reward:
-    """``reward.terms`` if any, else the reward model of ``init.reward_model``."""
-    if config.reward.terms:
-        return build_reward(config.reward.terms)
-    if not config.init.reward_model:
-        raise ConfigError("init.reward_model is required (the reward-model folder, `lantern rm`), or name reward.terms")
-    return Reward(
-        [RewardTerm("reward_model", 1.0, tokens=load_reward_model_score(config.init.reward_model, "init.reward_model"))]
-    )
+    @classmethod
+    def extra_models(cls, config: PPOConfig, policy: Transformer, reward: Reward) -> dict[str, ScalarModel]:
+        """The critic, once the reward models are checked to share the policy's vocabulary."""
+        for scorer in reward.models:
+            if scorer.model.config.vocab_size != policy.config.vocab_size:
+                raise ConfigError(
+                    f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
+                    f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
+                )
+        if critic_from_reward_model(config, reward):
+            if reward.models:  # the reward is (partly) this model, in its normalised units: so are the critic's values
+                critic = normalised_critic(reward.models[0].model, reward.models[0].stats)
+            else:  # another reward (a checker, a function): the model's statistics say nothing of its scale
+                critic = normalised_critic(
+                    load_reward_model_score(config.init.reward_model, "init.reward_model").model, {}
+                )
+        else:
+            critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
+        return {"critic": critic.freeze_lm_head()}
+
+    @classmethod
+    def extra_adapters(cls, config: PPOConfig, models: dict[str, ScalarModel], reward: Reward) -> dict[str, dict]:
+        """With peft.kind=lora, the critic's own adapters (in place) beside its fully trained score head (``head.``),
+        and its base's record: the reward model's backbone it was copied from, or the policy's as loaded."""
+        if not config.peft.enabled:
+            return {}
+        critic = models["critic"]
+        if not critic_from_reward_model(config, reward):
+            source = config.init.policy
+        else:
+            source = reward.models[0].path if reward.models else config.init.reward_model
+        return {"critic": add_model_adapters(config, critic, source, base=critic.backbone, trainable=("head.",))}
+
+    @classmethod
+    def plots(cls, config: PPOConfig, run_dir: Path) -> list[L.Callback]:
+        return [
+            LossPlot(
+                run_dir,
+                metrics=("ppo/score", "ppo/reward"),
+                title="PPO: score and total reward (score - KL penalty) per rollout",
+                filename="reward.png",
+                ylabel="mean per sequence",
+            ),
+            LossPlot(
+                run_dir,
+                metrics=("ppo/kl",),
+                title="PPO: KL to the reference per sequence",
+                filename="kl.png",
+                ylabel="KL (nats)",
+            ),
+            LossPlot(run_dir, metrics=("ppo/policy_loss", "ppo/value_loss"), title="PPO losses", filename="loss.png"),
+        ]
 
 
 def normalised_critic(reward_model: ScalarModel, stats: dict[str, float]) -> ScalarModel:
@@ -221,77 +282,18 @@ def normalised_critic(reward_model: ScalarModel, stats: dict[str, float]) -> Sca
     return critic
 
 
-def ppo_models(config: PPOConfig, policy: Transformer, reward: Reward) -> dict[str, ScalarModel]:
-    """The critic, once the reward models are checked to share the policy's vocabulary."""
-    for scorer in reward.models:
-        if scorer.model.config.vocab_size != policy.config.vocab_size:
-            raise ConfigError(
-                f"the reward model {scorer.path} has vocab_size {scorer.model.config.vocab_size}, "
-                f"the policy {config.init.policy} {policy.config.vocab_size}: they must share one tokenizer"
-            )
-    if critic_from_reward_model(config, reward):
-        if reward.models:  # the reward is (partly) this model, in its normalised units: so are the critic's values
-            critic = normalised_critic(reward.models[0].model, reward.models[0].stats)
-        else:  # another reward (a checker, a function): the model's statistics say nothing of its scale
-            critic = normalised_critic(load_reward_model_score(config.init.reward_model, "init.reward_model").model, {})
-    else:
-        critic = ScalarModel.from_backbone(copy.deepcopy(policy), init="zeros")
-    return {"critic": critic.freeze_lm_head()}
-
-
 def critic_from_reward_model(config: PPOConfig, reward: Reward) -> bool:
     """Whether the critic is a copy of a reward model (the reward's first, else init.reward_model's), not a fresh
     head on the policy's backbone."""
     return config.init.critic == "reward_model" and bool(reward.models or config.init.reward_model)
 
 
-def ppo_adapters(config: PPOConfig, models: dict[str, ScalarModel], reward: Reward) -> dict[str, dict]:
-    """With peft.kind=lora, the critic's own adapters (in place) beside its fully trained score head (``head.``),
-    and its base's record: the reward model's backbone it was copied from, or the policy's as loaded."""
-    if not config.peft.enabled:
-        return {}
-    critic = models["critic"]
-    if not critic_from_reward_model(config, reward):
-        source = config.init.policy
-    else:
-        source = reward.models[0].path if reward.models else config.init.reward_model
-    return {"critic": add_model_adapters(config, critic, source, base=critic.backbone, trainable=("head.",))}
-
-
-def ppo_plots(config: PPOConfig, run_dir: Path) -> list[L.Callback]:
-    return [
-        LossPlot(
-            run_dir,
-            metrics=("ppo/score", "ppo/reward"),
-            title="PPO: score and total reward (score - KL penalty) per rollout",
-            filename="reward.png",
-            ylabel="mean per sequence",
-        ),
-        LossPlot(
-            run_dir,
-            metrics=("ppo/kl",),
-            title="PPO: KL to the reference per sequence",
-            filename="kl.png",
-            ylabel="KL (nats)",
-        ),
-        LossPlot(run_dir, metrics=("ppo/policy_loss", "ppo/value_loss"), title="PPO losses", filename="loss.png"),
-    ]
-
-
-PPO = RLAlgorithm(
-    stage="ppo",
-    title="PPO",
-    rollout=("rollout_batch_size",),
-    module=PPOModule,
-    reward=ppo_reward,
-    plots=ppo_plots,
-    extra_models=ppo_models,
-    extra_adapters=ppo_adapters,
-)
-
-
 def run_ppo(
-    config: PPOConfig, extra_callbacks: list | None = None, reward_fn: RewardFunction | None = None
+    config: PPOConfig,
+    extra_callbacks: list | None = None,
+    reward_fn: RewardFunction | None = None,
+    *,
+    stage: Stage = PPO,
 ) -> Path | None:
-    """PPO through the RL recipe (``run_rl``); ``reward_fn`` replaces the configured reward."""
-    return run_rl(config, PPO, extra_callbacks, reward_fn)
+    """PPO through the RL recipe (``run_rl``); ``reward_fn`` replaces the configured reward; ``stage``: its record."""
+    return run_rl(config, stage, extra_callbacks, reward_fn)

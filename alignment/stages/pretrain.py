@@ -13,7 +13,7 @@ from torch import Tensor
 
 from alignment.schemas.pretrain import PretrainConfig
 from alignment.shared.initial_model import load_initial_model
-from alignment.stages.registry import stage_named
+from alignment.stages.registry import PRETRAIN, Stage
 from data.pretrain.datamodule import PretrainDataModule
 from data.pretrain.mixture import check_prepared
 from data.streams.mixture import normalised
@@ -94,7 +94,9 @@ def pretrain_datamodule(config: PretrainConfig):
     )
 
 
-def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
+def run_pretrain(
+    config: PretrainConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: Stage = PRETRAIN
+) -> Path | None:
     """Check everything that can be checked, then train; returns the run folder (None on ranks other than 0).
 
     Under a multi-process strategy Lightning re-runs the command in each new process, so everything here is
@@ -103,14 +105,14 @@ def run_pretrain(config: PretrainConfig, extra_callbacks: list[L.Callback] | Non
     if config.init.checkpoint:
         require_source(config.init.checkpoint, "init.checkpoint")
     # before anything is created; data.tokenizer: auto is init.checkpoint's
-    check_stage_config(config, stage_named("pretrain").model_folders(config))
+    check_stage_config(config, stage.model_folders(config))
     if config.init.checkpoint:  # continued pretraining: the checkpoint's shape (a conflicting section was refused)
         config.model = dataclasses.replace(
             source_model_config(config.init.checkpoint), attention=config.model.attention
         )
-    plan = stage_named("pretrain").preflight(config)
+    plan = stage.preflight(config)
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    stage_named("pretrain").check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
+    stage.check_row_tokens(config, config.model.max_seq_len, "model.max_seq_len")
     check_prepared(config.data, tokenizer)  # each source of a mixture: prepared, by this tokenizer, not empty
     datamodule = pretrain_datamodule(config)
     try:

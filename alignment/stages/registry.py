@@ -1,5 +1,6 @@
 """Every training stage as one record, listed once (``STAGES``, in pipeline order): the CLI, the pipeline, its report,
-``lantern plan`` and the interrupt message read this list and nothing else.
+``lantern plan`` and the interrupt message read this list and nothing else; a stage's recipe receives its record
+(``Stage.run``), and an RL stage's algorithm is its module's class methods (``RLModule``), not a second record.
 
 Light on purpose (``lantern --help`` imports it): the heavy parts are named ``"module:attr"`` and imported when first
 used. Readers go through this module's ``STAGES`` at call time, so a test may add a stage with
@@ -79,7 +80,10 @@ class Stage:
     corpus_key: str | None = None  # the config key the pipeline's prepared corpus goes to (pretraining's data)
     # where the trainer, checkpoint, logger and peft sections are: rejection sampling's are in its ``sft`` section
     training_prefix: str = ""
-    algorithm_at: str | None = None  # the RL algorithm (its hyperparameter section and rollout shape), if any
+    # an RL stage's rollout: the keys of its hyperparameter section (the config section of the stage's name) whose
+    # product is the sequences one rollout samples per rank, the first counting its prompts; () for the others.
+    # The algorithm's other hooks (its reward, extra models, plots) are class methods of its module (RLModule)
+    rollout: tuple[str, ...] = ()
     language_model: bool = True  # whether final/ is a language model the report scores (the reward model's is not)
     # the report's line for the stage: (metric, note, "first_last" | "final") over its run's CSVs; {stage} is its name,
     # and a metric with a * (val/*/loss) is each series it matches
@@ -92,16 +96,17 @@ class Stage:
         return resolve(self.schema_at)
 
     @property
-    def run(self) -> Callable[[Any], Any]:
+    def recipe(self) -> Callable[..., Any]:
+        """The run function, as its module holds it now."""
         return resolve(self.run_at)
+
+    def run(self, config: Any) -> Any:
+        """The stage's recipe on ``config``, given this record (a variant's own): the run folder on rank 0, else None."""
+        return self.recipe(config, stage=self)
 
     @property
     def module(self) -> type:
         return resolve(self.module_at)
-
-    @property
-    def algorithm(self) -> Any:
-        return None if self.algorithm_at is None else resolve(self.algorithm_at)
 
     @property
     def schema_location(self) -> tuple[str, str]:
@@ -113,8 +118,13 @@ class Stage:
 
     @property
     def rollout_section(self) -> str | None:
-        """The config section of an RL stage's rollout hyperparameters (its algorithm's), else None."""
-        return None if self.algorithm_at is None else self.algorithm.stage
+        """The config section of an RL stage's rollout hyperparameters (named as the stage), else None."""
+        return self.name if self.rollout else None
+
+    @property
+    def title(self) -> str:
+        """The stage's name in messages (``GRPO``)."""
+        return self.name.upper()
 
     @property
     def starts_from(self) -> dict[str, str]:
@@ -142,7 +152,7 @@ class Stage:
     @property
     def x_axis(self) -> str:
         """What a step of its curves is: an RL stage's is a rollout."""
-        return "optimizer step" if self.algorithm_at is None else "rollout"
+        return "rollout" if self.rollout else "optimizer step"
 
     def training_section(self, config: Any) -> Any:
         """The part of ``config`` that holds its trainer, checkpoint, logger and peft sections."""
@@ -195,97 +205,105 @@ def _rl_panel(title: str) -> tuple[str, tuple[tuple[str, ...], str], tuple[tuple
     )
 
 
-STAGES: tuple[Stage, ...] = (
-    Stage(
-        "pretrain", "pretrain", "pretrain a model on prepared token shards",
-        "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
-        "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
-        ("loader.seq_len",),
-        models=(ModelRole("init.checkpoint", "initial weights", start=True),),  # continued pretraining
-        corpus_key="data.out_dir",
-        # val/*/loss: each source of a mixture (data.sources), as its run logged it
-        headline=(("val/loss", "", "first_last"), ("val/*/loss", "", "first_last")),
-        panel=("pretraining", (("train/loss", "val/loss", "val/*/loss"), "loss"), ((), "")),
+PRETRAIN = Stage(
+    "pretrain", "pretrain", "pretrain a model on prepared token shards",
+    "alignment.schemas.pretrain:PretrainConfig", "alignment.stages.pretrain:run_pretrain",
+    "alignment.stages.pretrain:PretrainModule", f"{_PLANS}:plan_pretrain", "configs/pretrain/tiny.yaml",
+    ("loader.seq_len",),
+    models=(ModelRole("init.checkpoint", "initial weights", start=True),),  # continued pretraining
+    corpus_key="data.out_dir",
+    # val/*/loss: each source of a mixture (data.sources), as its run logged it
+    headline=(("val/loss", "", "first_last"), ("val/*/loss", "", "first_last")),
+    panel=("pretraining", (("train/loss", "val/loss", "val/*/loss"), "loss"), ((), "")),
+)  # fmt: skip
+
+SFT = Stage(
+    "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",
+    "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
+    f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
+    models=(ModelRole("init.checkpoint", "policy", start=True, upstream="pretrain"),),
+    demo_files={"data.train": "train", "data.val": "val"},
+    headline=(("val/loss", "", "first_last"), ("val/accuracy", "(exact match)", "first_last")),
+    panel=("SFT", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
+)  # fmt: skip
+
+RM = Stage(
+    "rm", "rm", "train a reward model on preference pairs",
+    "alignment.schemas.reward:RMConfig", "alignment.stages.reward:run_rm", "alignment.stages.reward:RewardModule",
+    f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml", ("data.seq_len",),
+    models=(
+        ModelRole("init.checkpoint", "backbone", start=True, upstream="sft"),
+        # its policy_samples (when its preset names a checker) sample the SFT model
+        ModelRole("policy_samples.policy", "samples' policy", upstream="sft"),
     ),
-    Stage(
-        "sft", "sft", "supervised fine-tuning on chat / prompt-response / Alpaca data",
-        "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
-        f"{_PLANS}:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
-        models=(ModelRole("init.checkpoint", "policy", start=True, upstream="pretrain"),),
-        demo_files={"data.train": "train", "data.val": "val"},
-        headline=(("val/loss", "", "first_last"), ("val/accuracy", "(exact match)", "first_last")),
-        panel=("SFT", (("train/loss", "val/loss"), "loss"), (("val/accuracy",), "exact-match accuracy")),
+    demo_files={"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
+    language_model=False, headline=(("val/accuracy", "(pairwise, held-out pairs)", "first_last"),),
+    panel=("reward model", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
+)  # fmt: skip
+
+# the RL stages train on the training pool's prompts and evaluate on the val split's (never trained on)
+PPO = Stage(
+    "ppo", "ppo", "optimise the SFT policy against the reward model with PPO",
+    "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo:PPOModule",
+    "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
+    ("data.max_prompt_tokens", "ppo.response_max_tokens"),
+    models=(
+        ModelRole("init.policy", "policy", start=True, upstream="sft"),
+        ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
+        ModelRole("init.reward_model", "reward model", upstream="rm", when=("reward.terms", [])),
+        # the critic, in this order: the reward's first reward model, init.reward_model, a head on the policy
+        ModelRole("reward.terms[].path", "critic", only=(("kind", "reward_model"),), when=("init.critic", "reward_model")),
+        ModelRole("init.reward_model", "critic", when=("init.critic", "reward_model")),
+        ModelRole("init.policy", "critic"),
     ),
-    Stage(
-        "rm", "rm", "train a reward model on preference pairs",
-        "alignment.schemas.reward:RMConfig", "alignment.stages.reward:run_rm", "alignment.stages.reward:RewardModule",
-        f"{_PLANS}:plan_rm", "configs/rm/tiny.yaml", ("data.seq_len",),
-        models=(
-            ModelRole("init.checkpoint", "backbone", start=True, upstream="sft"),
-            # its policy_samples (when its preset names a checker) sample the SFT model
-            ModelRole("policy_samples.policy", "samples' policy", upstream="sft"),
-        ),
-        demo_files={"data.train": "pairs", "policy_samples.prompts": "train_prompts", "policy_samples.heldout": "prompts"},
-        language_model=False, headline=(("val/accuracy", "(pairwise, held-out pairs)", "first_last"),),
-        panel=("reward model", (("train/accuracy", "val/accuracy"), "pairwise accuracy"), ((), "")),
+    demo_files={"data.train": "train_prompts", "data.val": "prompts"}, rollout=("rollout_batch_size",),
+    headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
+)  # fmt: skip
+
+GRPO = Stage(
+    "grpo", "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward",
+    "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo:GRPOModule",
+    "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
+    ("data.max_prompt_tokens", "grpo.response_max_tokens"),
+    models=(
+        ModelRole("init.policy", "policy", start=True, upstream="sft"),
+        ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
     ),
-    # the RL stages train on the training pool's prompts and evaluate on the val split's (never trained on)
-    Stage(
-        "ppo", "ppo", "optimise the SFT policy against the reward model with PPO",
-        "alignment.schemas.rl:PPOConfig", "alignment.stages.ppo:run_ppo", "alignment.stages.ppo:PPOModule",
-        "alignment.shared.plan_rl:plan_rl_stage", "configs/ppo/tiny.yaml",
-        ("data.max_prompt_tokens", "ppo.response_max_tokens"),
-        models=(
-            ModelRole("init.policy", "policy", start=True, upstream="sft"),
-            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
-            ModelRole("init.reward_model", "reward model", upstream="rm", when=("reward.terms", [])),
-            # the critic, in this order: the reward's first reward model, init.reward_model, a head on the policy
-            ModelRole("reward.terms[].path", "critic", only=(("kind", "reward_model"),), when=("init.critic", "reward_model")),
-            ModelRole("init.reward_model", "critic", when=("init.critic", "reward_model")),
-            ModelRole("init.policy", "critic"),
-        ),
-        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.ppo:PPO",
-        headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
+    demo_files={"data.train": "train_prompts", "data.val": "prompts"},
+    rollout=("prompts_per_rollout", "group_size"),
+    headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
+)  # fmt: skip
+
+DPO = Stage(
+    "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",
+    "alignment.schemas.dpo:DPOConfig", "alignment.stages.dpo:run_dpo", "alignment.stages.dpo:DPOModule",
+    f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml", ("data.seq_len",),
+    models=(
+        ModelRole("init.policy", "policy", start=True, upstream="sft"), ModelRole("init.reference", "reference"),
     ),
-    Stage(
-        "grpo", "grpo", "critic-free RL (GRPO or RLOO): groups of samples per prompt, scored by the reward",
-        "alignment.schemas.rl:GRPOConfig", "alignment.stages.grpo:run_grpo", "alignment.stages.grpo:GRPOModule",
-        "alignment.shared.plan_rl:plan_rl_stage", "configs/grpo/tiny.yaml",
-        ("data.max_prompt_tokens", "grpo.response_max_tokens"),
-        models=(
-            ModelRole("init.policy", "policy", start=True, upstream="sft"),
-            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
-        ),
-        demo_files={"data.train": "train_prompts", "data.val": "prompts"}, algorithm_at="alignment.stages.grpo:GRPO",
-        headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
-    ),
-    Stage(
-        "dpo", "dpo", "direct preference optimisation (DPO, IPO or SimPO) on preference pairs",
-        "alignment.schemas.dpo:DPOConfig", "alignment.stages.dpo:run_dpo", "alignment.stages.dpo_module:DPOModule",
-        f"{_PLANS}:plan_dpo", "configs/dpo/tiny.yaml", ("data.seq_len",),
-        models=(
-            ModelRole("init.policy", "policy", start=True, upstream="sft"), ModelRole("init.reference", "reference"),
-        ),
-        demo_files={"data.train": "pairs"},
-        headline=(
-            ("val/loss", "", "first_last"), ("val/reward_accuracy", "(implicit reward, held-out pairs)", "first_last")
-        ),
-    ),
-    Stage(
-        "rejection_sampling", "rejection-sampling",
-        "sample K answers per prompt, keep the best by the reward, then SFT on them",
-        "alignment.schemas.rejection_sampling:RejectionSamplingConfig",
-        "alignment.stages.rejection_sampling:run_rejection_sampling", "alignment.stages.sft:SFTModule",
-        "alignment.shared.plan_rl:plan_rejection_sampling", "configs/rejection_sampling/tiny.yaml",
-        ("data.max_prompt_tokens", "sampling.response_max_tokens"),
-        models=(
-            ModelRole("init.policy", "policy", start=True, upstream="sft"),
-            ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
-        ),
-        demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
-        training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
+    demo_files={"data.train": "pairs"},
+    headline=(
+        ("val/loss", "", "first_last"), ("val/reward_accuracy", "(implicit reward, held-out pairs)", "first_last")
     ),
 )  # fmt: skip
+
+REJECTION_SAMPLING = Stage(
+    "rejection_sampling", "rejection-sampling",
+    "sample K answers per prompt, keep the best by the reward, then SFT on them",
+    "alignment.schemas.rejection_sampling:RejectionSamplingConfig",
+    "alignment.stages.rejection_sampling:run_rejection_sampling", "alignment.stages.sft:SFTModule",
+    "alignment.shared.plan_rl:plan_rejection_sampling", "configs/rejection_sampling/tiny.yaml",
+    ("data.max_prompt_tokens", "sampling.response_max_tokens"),
+    models=(
+        ModelRole("init.policy", "policy", start=True, upstream="sft"),
+        ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
+    ),
+    demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
+    training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
+)  # fmt: skip
+
+# in pipeline order
+STAGES: tuple[Stage, ...] = (PRETRAIN, SFT, RM, PPO, GRPO, DPO, REJECTION_SAMPLING)
 
 
 def stage_named(name: str) -> Stage:

@@ -21,7 +21,7 @@ from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.rewards import build_reward
 from alignment.shared.sampling import sample_and_score
-from alignment.stages.registry import stage_named
+from alignment.stages.registry import REJECTION_SAMPLING, Stage
 from alignment.stages.sft import fine_tune
 from data.records.prompts import PromptDataModule, record_to_prompt
 from data.tokenizer.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ def pass_at_k(best: Sequence[float], all_scores: Sequence[float], min_score: flo
 # ---- config ----
 
 
-def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> ModelConfig:
+def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer, stage: Stage) -> ModelConfig:
     """Everything checkable before loading weights; returns the policy's ModelConfig."""
     sampling, sft = config.sampling, config.sft
     if not config.init.policy:
@@ -90,7 +90,7 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer) -> Model
         model = load_model_config(config.init.policy)
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
-    stage_named("rejection_sampling").check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
+    stage.check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
     if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
         log.warning(
             "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
@@ -282,20 +282,19 @@ def run_sampling(
 # ---- the recipe ----
 
 
-def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
+def run_rejection_sampling(config: RejectionSamplingConfig, *, stage: Stage = REJECTION_SAMPLING) -> Path | None:
     """Check the config, sample (unless finished with the same hash), keep the best, then run SFT on them;
-    returns the run folder on rank 0, else None."""
-    stage = stage_named("rejection_sampling")
+    returns the run folder on rank 0, else None. ``stage``: its record (a variant's own)."""
     check_stage_config(config, stage.model_folders(config), config.sft.trainer)  # before anything is created
     plan = stage.preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    model = check_config(config, tokenizer)
+    model = check_config(config, tokenizer, stage)
     prompts = load_training_prompts(config)
     digest = sampling_digest(config, prompts, tokenizer)
     run_dir = run_directory(config.run.out_dir, config.run.name)
     sharded = dist.is_available() and dist.is_initialized()
     leader = dist.get_rank() == 0 if sharded else is_global_rank_zero()
-    claim_run_directory(run_dir, "rejection_sampling")  # before anything is written into it
+    claim_run_directory(run_dir, stage.name)  # before anything is written into it
     if leader:
         lock_run_directory(run_dir)  # held on through fine_tune (same process), released by its fit_stage
     try:
@@ -314,4 +313,4 @@ def run_rejection_sampling(config: RejectionSamplingConfig) -> Path | None:
     except BaseException:
         release_run_directory(run_dir)
         raise
-    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage="rejection_sampling", plan=plan)
+    return fine_tune(sft_config(config, run_dir / SAMPLES, model), stage=stage, plan=plan)

@@ -16,7 +16,7 @@ from torch import Tensor
 from alignment.schemas.reward import RMConfig
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.policy_pairs import measure_agreement, write_policy_pairs
-from alignment.stages.registry import stage_named
+from alignment.stages.registry import RM, Stage
 from data.preference.datamodule import PreferenceDataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.heads import ScalarModel
@@ -162,10 +162,10 @@ def preference_stage_callbacks(config: Any, run_dir: Path, tokenizer: Any, datam
     )
 
 
-def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) -> Path | None:
+def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: Stage = RM) -> Path | None:
     """Check everything that can be checked, then train the reward model; returns the run folder on rank 0."""
-    check_stage_config(config, stage_named("rm").model_folders(config))
-    plan = stage_named("rm").preflight(config)  # before any weights load
+    check_stage_config(config, stage.model_folders(config))
+    plan = stage.preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
     samples = config.policy_samples
     sampling = bool(samples.policy and samples.checker and samples.train != "none")
@@ -173,7 +173,7 @@ def run_rm(config: RMConfig, extra_callbacks: list[L.Callback] | None = None) ->
     datamodule = None if sampling else preference_data(config)
     model = load_initial_reward_model(config)
     check_initial_model(config, tokenizer, model.config)
-    stage_named("rm").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
+    stage.check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
     # peft.kind=lora: the backbone's adapters and the whole score head train
     adapter_bases = add_stage_adapters(config, model, base=model.backbone, trainable=("head.",))
     if sampling:

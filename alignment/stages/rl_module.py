@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
 from alignment.shared.responses import response_logprobs
-from alignment.shared.rewards import Checker, Reward
+from alignment.shared.rewards import Checker, Reward, build_reward
 from models.adapter_config import adapter_config
 from models.adapters import adapters_disabled
 from models.errors import CheckpointError
@@ -91,6 +92,28 @@ class RLModule(LanguageModelModule):
         # on another device), which is only known once Lightning has placed the module: see on_fit_start.
         self.sampler: torch.Generator | None = None
         self._pending_sampler_state: tuple[str, Tensor, int] | None = None  # from a checkpoint: _apply_sampler_state
+
+    # ---- what the RL recipe (run_rl) asks of an algorithm, before the module is made ----
+
+    @classmethod
+    def build_reward(cls, config: Any) -> Reward:
+        """The configured reward, loaded and checked: ``reward.terms``."""
+        return build_reward(config.reward.terms)
+
+    @classmethod
+    def extra_models(cls, config: Any, policy: Transformer, reward: Reward) -> dict[str, nn.Module]:
+        """The models beyond the policy and its reference (PPO's critic), by the keyword ``__init__`` takes."""
+        return {}
+
+    @classmethod
+    def extra_adapters(cls, config: Any, models: dict[str, nn.Module], reward: Reward) -> dict[str, dict[str, Any]]:
+        """With peft.kind=lora: the extra models' own adapters, added in place; their bases' records by attribute."""
+        return {}
+
+    @classmethod
+    def plots(cls, config: Any, run_dir: Path) -> list[L.Callback]:
+        """The stage's curves (``LossPlot``) in the run folder."""
+        return []
 
     # ---- setup ----
 

@@ -18,7 +18,7 @@ from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
-from alignment.stages.registry import stage_named
+from alignment.stages.registry import SFT, Stage
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError
@@ -210,17 +210,16 @@ def check_generation_budgets(config: SFTConfig, examples: list[dict], tokenizer:
     return cut
 
 
-def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft") -> Path | None:
+def run_sft(config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: Stage = SFT) -> Path | None:
     """Check everything that can be checked, then fine-tune; returns the run folder on rank 0, else None. ``stage``:
-    the record (an SFT variant's own) whose model roles are checked and which the run folder records."""
-    record = stage_named(stage)
-    check_stage_config(config, record.model_folders(config))  # before anything is created
-    plan = record.preflight(config)  # before any weights load
+    its record (an SFT variant's own), whose model roles are checked and whose name the run folder records."""
+    check_stage_config(config, stage.model_folders(config))  # before anything is created
+    plan = stage.preflight(config)  # before any weights load
     return fine_tune(config, extra_callbacks, stage=stage, plan=plan)
 
 
 def fine_tune(
-    config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: str = "sft",
+    config: SFTConfig, extra_callbacks: list[L.Callback] | None = None, *, stage: Stage = SFT,
     plan: PlannedRun | None = None,
 ) -> Path | None:  # fmt: skip
     """``run_sft`` after its stage check and pre-flight ``plan``, for a stage that made them on the config it derived
@@ -236,11 +235,11 @@ def fine_tune(
     datamodule.setup("fit")
     model = load_initial_model(config)
     check_initial_model(config, tokenizer, model.config)
-    stage_named("sft").check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")
+    SFT.check_row_tokens(config, model.config.max_seq_len, "the model's max_seq_len")  # an SFT config's rows
     adapter_bases = add_stage_adapters(config, model)  # peft.kind=lora: only the adapters train
     check_generation_budgets(config, datamodule.val_examples, tokenizer, model.config.max_seq_len)
 
-    run_dir = start_run_directory(config, stage, data_stats=datamodule.stats)
+    run_dir = start_run_directory(config, stage.name, data_stats=datamodule.stats)
     callbacks = [
         *stage_callbacks(
             config,

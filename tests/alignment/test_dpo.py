@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 
 from alignment.schemas.dpo import DPOConfig
 from alignment.shared.losses import preference_loss
-from alignment.stages.dpo import run_dpo
-from alignment.stages.dpo_module import DPOModule, response_logprob_sums
+from alignment.stages.dpo import DPOModule, response_logprob_sums, run_dpo
 from data.demo.tasks import write_demo_dataset
 from data.preference.dpo import DPODataModule, answered_masks
 from data.tokenizer.tokenizer import Tokenizer

@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignment.shared.responses import response_logprobs
-from alignment.stages.dpo import load_dpo_models, run_dpo
-from alignment.stages.dpo_module import DPOModule, response_logprob_sums
+from alignment.stages.dpo import DPOModule, load_dpo_models, response_logprob_sums, run_dpo
 from alignment.stages.grpo import GRPOModule, run_grpo
 from alignment.stages.ppo import run_ppo
 from models.adapters import base_fingerprint
@@ -205,7 +204,7 @@ def test_grpo_reference_logprobs_are_the_base_models(setup, tmp_path):
     policy's, and leaves the adapters on."""
     from alignment.shared.initial_model import add_stage_adapters
     from alignment.shared.rewards import build_reward
-    from alignment.stages.grpo import GRPO
+    from alignment.stages.registry import GRPO
     from alignment.stages.rl import load_policy
 
     config = grpo_config(setup, tmp_path, *LORA)

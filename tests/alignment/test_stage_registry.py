@@ -1,6 +1,7 @@
-"""A stage is one record (alignment/stages/registry.py): a minimal SFT variant, defined here as a record and added to
-the list, is a ``lantern`` command that trains, a pipeline stage and a plan, and says where it stopped when
-interrupted; every reader (CLI, pipeline, report, plan) lists exactly the registry's stages."""
+"""A stage is one record (alignment/stages/registry.py): a minimal SFT variant, defined here as a record (SFT's own
+recipe, which receives the variant's record) and added to the list, is a ``lantern`` command that trains, a pipeline
+stage and a plan, and says where it stopped when interrupted; every reader (CLI, pipeline, report, plan) lists
+exactly the registry's stages."""
 
 from __future__ import annotations
 
@@ -26,16 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_STAGES = {"tokenizer", "generate", "convert", "eval", "prepare", "pipeline", "plan", "demo-data", "export"}
 
 
-def run_sft_variant(config: SFTConfig) -> Path | None:
-    """The variant's run: SFT, its run folder recorded as the variant's."""
-    from alignment.stages.sft import run_sft
-
-    return run_sft(config, stage="sft_variant")
-
-
 VARIANT = Stage(
     "sft_variant", "sft-variant", "SFT once more, on the SFT model (a test's stage)",
-    "alignment.schemas.sft:SFTConfig", run_sft_variant, "alignment.stages.sft:SFTModule",
+    "alignment.schemas.sft:SFTConfig", "alignment.stages.sft:run_sft", "alignment.stages.sft:SFTModule",
     "alignment.shared.stage_plan:plan_sft", "configs/sft/tiny.yaml", ("data.seq_len",),
     models=(ModelRole("init.checkpoint", "policy", start=True, upstream="sft"),),
     demo_files={"data.train": "train", "data.val": "val"},
@@ -70,7 +64,7 @@ def test_the_variant_is_a_command_that_trains(variant, setup, tmp_path, capsys):
 def test_an_interrupted_variant_says_where_it_stopped(variant, monkeypatch, tmp_path, capsys):
     """The interrupt message reads the config again through the record's schema."""
 
-    def interrupted(config: SFTConfig) -> None:
+    def interrupted(config: SFTConfig, stage: Stage) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(registry, "STAGES", registry.with_stage(dataclasses.replace(variant, run_at=interrupted)))
@@ -164,13 +158,13 @@ def test_every_reader_lists_exactly_the_registrys_stages(added, monkeypatch):
 def test_a_record_reads_its_run_function_as_the_module_holds_it_now(monkeypatch):
     """The record names its run function; resolving it once must not pin it (a test's monkeypatch, a reload)."""
     stage = registry.stage_named("pretrain")
-    assert stage.run is pretrain_stage.run_pretrain
+    assert stage.recipe is pretrain_stage.run_pretrain
 
     def replaced(config):
         return None
 
     monkeypatch.setattr("alignment.stages.pretrain.run_pretrain", replaced)
-    assert stage.run is replaced
+    assert stage.recipe is replaced
 
 
 @pytest.mark.parametrize("stage", [s.name for s in registry.STAGES])
@@ -183,3 +177,23 @@ def test_every_stage_names_the_row_tokens_its_context_must_hold(stage):
         ConfigError, match=rf"{re.escape(record.row_tokens[0])} \(\d+\).* the model's max_seq_len \(8\)"
     ):
         record.check_row_tokens(config, 8, "the model's max_seq_len")
+
+
+def test_a_command_reaches_its_stage_and_loss_in_three_files():
+    """Issue 50's three hops from ``lantern STAGE`` to the code that uses a key: the CLI (commands/cli.py) calls the
+    record's ``run``; the record (registry.py) names one file that holds both the recipe, which receives the record,
+    and the module whose step computes the loss (an RL stage's ``MicroBatchLoss`` for the shared update loop).
+    Rejection sampling fine-tunes with SFT's module, in SFT's file."""
+    import inspect
+
+    cli_source = inspect.getsource(cli)
+    assert "stage.run(" in cli_source and "registry.STAGES" in cli_source
+    for stage in registry.STAGES:
+        assert isinstance(stage.run_at, str) and isinstance(stage.module_at, str), stage.name
+        recipe_file, module_file = (location.partition(":")[0] for location in (stage.run_at, stage.module_at))
+        home = registry.SFT.run_at.partition(":")[0] if stage is registry.REJECTION_SAMPLING else recipe_file
+        assert module_file == home, stage.name
+        assert inspect.signature(stage.recipe).parameters["stage"].default is stage, stage.name  # its own record
+        if stage.rollout:  # the algorithm's hooks are its module's, not a second record
+            source = inspect.getsource(stage.module)
+            assert "MicroBatchLoss(" in source and "def plots" in source, stage.name

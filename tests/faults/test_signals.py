@@ -204,7 +204,7 @@ def test_sigterm_outside_training_exits_143_with_the_line(tmp_path, monkeypatch,
     command where it is (before: a test's handler, or the default action, death without a word), exit 143; the line
     says no checkpoint exists yet."""
 
-    def terminated_while_loading(config):
+    def terminated_while_loading(config, stage):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)  # the handler raises inside the sleep
         raise AssertionError("SIGTERM did not stop the command")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import trainer.lm_module as lm_module
-from alignment.stages.dpo_module import DPOModule
+from alignment.stages.dpo import DPOModule
 from alignment.stages.grpo import GRPOModule, run_grpo
 from alignment.stages.ppo import PPOModule
 from alignment.stages.pretrain import PretrainModule, run_pretrain

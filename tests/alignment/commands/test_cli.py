@@ -220,7 +220,7 @@ def test_every_training_command_names_a_schema_that_imports():
         module, name = stage.schema_location
         schema = getattr(importlib.import_module(module), name)
         assert dataclasses.is_dataclass(schema) and schema is stage.schema, stage.command
-        assert callable(stage.run) and isinstance(stage.module, type), stage.name
+        assert callable(stage.recipe) and isinstance(stage.module, type), stage.name
         assert stage.command in commands, f"no command for {stage.name}"
 
 
@@ -239,3 +239,19 @@ def test_log_lines_go_to_the_stderr_of_each_call(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "Logging error" not in err and "Traceback" not in err
     assert err == "WARNING trainer.checks: after the first call\n"
+
+
+def test_a_run_builds_only_its_own_subcommand_and_help_lists_them_all(capsys):
+    """``main`` builds the arguments of the command it runs alone (a run does not read every command's module);
+    the full parser (``--help``, an unknown command) has exactly ``cli.COMMANDS`` and the stages' commands."""
+    every = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert every == {*cli.COMMANDS, *(stage.command for stage in registry.STAGES)}
+    for name in every:
+        assert set(cli.build_parser(name)._subparsers._group_actions[0].choices) == {name}
+    with pytest.raises(SystemExit):
+        cli.main(["-v", "sft"])  # the stage's own parser: its config is missing
+    assert "usage: lantern sft [-h] config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-command"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'no-such-command'" in err and "demo-data" in err and "grpo" in err

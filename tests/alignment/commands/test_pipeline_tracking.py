@@ -61,8 +61,8 @@ def stub_runner(monkeypatch, stage: str, run) -> None:
 def fake_runner(trained: list, *, stop: bool = False):
     """A stage runner that trains nothing: it notes the W&B group it was given and leaves a final/ (or stops)."""
 
-    def run(config):
-        section = registry.stage_named(config.run.name).training_section(config)
+    def run(config, stage):
+        section = stage.training_section(config)
         trained.append(section.logger.group)
         if stop:
             raise KeyboardInterrupt
