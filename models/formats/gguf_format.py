@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from models.errors import LanternError
 from models.families import FAMILIES, family_of
 from models.files.atomic import IfExists, check_destination, write_file_atomically
+from models.formats.gguf_reader import parsed_once
 from models.formats.gguf_tokenizer import (
     GENERATION_CONFIG,
     add_tokenizer_fields,
@@ -190,6 +191,7 @@ def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=8)
+@parsed_once
 def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
     path = Path(path)
     fields, _, rope_freqs = _read_metadata(path)
@@ -197,6 +199,7 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
     return _model_config(path, fields, rope_freqs, _transformers_config(path, fields).to_dict())
 
 
+@parsed_once
 def read_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Any]]:
@@ -241,6 +244,7 @@ def load_gguf(
     return _build_model(config, state, f"GGUF file {path}", device, dtype), info
 
 
+@parsed_once
 def convert_gguf(
     src_file: str | os.PathLike,
     dst: str | os.PathLike,

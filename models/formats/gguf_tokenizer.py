@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import LanternError
+from models.formats.gguf_reader import parsed_once
 from models.formats.tokenizer_files import read_json_if_present, special_token_string
 
 __all__ = ["LLAMA3_SPLIT", "gguf_tokenizer_fields", "write_gguf_tokenizer_files", "write_tokenizer_files"]
@@ -87,6 +88,7 @@ def write_tokenizer_files(
     return written
 
 
+@parsed_once
 def write_gguf_tokenizer_files(gguf_file: str | Path, folder: str | Path) -> list[Path]:
     """The tokenizer of a GGUF file as Hugging Face files in ``folder`` (created if missing), rebuilt by transformers'
     GGUF tokenizer loader; bos/eos ids as the GGUF states them go to generation_config.json."""

@@ -34,9 +34,16 @@ def models(gemma3):
     transformers = pytest.importorskip("transformers")
     from models.formats.checkpoint import load_checkpoint
 
+    from models.formats.gguf_reader import parsed_once
+
     folder, name = str(gemma3.gguf.parent), gemma3.gguf.name
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    @parsed_once  # transformers' two readings share one parse of the file's metadata (its 262k-token vocabulary)
+    def read_theirs():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        return model.eval(), transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    theirs, tokenizer = read_theirs()
     return load_checkpoint(gemma3.folder).eval(), theirs, tokenizer
 
 
