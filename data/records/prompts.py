@@ -75,7 +75,7 @@ def record_to_prompt(record: dict[str, Any], config: PromptDataConfig) -> tuple[
 def load_prompts(
     config: PromptDataConfig, sources: list[str], tokenizer: Tokenizer, tasks: Sequence[str] = ()
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Encoded prompts ``{"prompt_ids", "reference", "record", "where"}`` and counts of what was changed;
+    """Encoded prompts ``{"prompt_ids", "reference", "record", "where", "messages"}`` and counts of what was changed;
     with ``tasks``, only rows whose ``config.task_field`` is one of them (the others counted as not selected)."""
     fmt, files = resolve_sources(config, sources)
     prompts: list[dict[str, Any]] = []
@@ -110,7 +110,9 @@ def load_prompts(
                 # keep the start-of-text token and the end, where the question and the assistant header are
                 ids = ids[:1] + ids[len(ids) - config.max_prompt_tokens + 1 :]
                 stats["truncated"] += 1
-            prompts.append({"prompt_ids": ids, "reference": reference, "record": record, "where": where})
+            prompts.append(
+                {"prompt_ids": ids, "reference": reference, "record": record, "where": where, "messages": messages}
+            )
     if not prompts:
         selection = f"; {stats['not_selected']} not in data.train_tasks {list(tasks)}" if tasks else ""
         raise ValueError(

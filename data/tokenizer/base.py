@@ -67,13 +67,23 @@ class TokenizerBase:
     def is_special(self, id: int) -> bool:
         raise NotImplementedError
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
-        """(ids, mask): mask is True exactly on each assistant turn's content and its end-of-turn token."""
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[int], list[bool]]:
+        """(ids, mask): mask is True exactly on each assistant turn's content and its end-of-turn token; ``tools``:
+        the functions the model may call (OpenAI's format), as the chat template renders them."""
         raise NotImplementedError
 
-    def encode_chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """The conversation followed by what opens an assistant turn: the prompt to generate a reply from."""
         raise NotImplementedError
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether ``encode_chat(..., tools=...)`` writes the tools into the prompt (its chat template does)."""
+        return False
 
     # --- shared ------------------------------------------------------------------
 

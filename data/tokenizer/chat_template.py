@@ -104,13 +104,15 @@ class ChatTemplate:
         self.__dict__.update(state)
         self._template = _compile(self.source)
 
-    def _render_marked(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def _render_marked(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, tools: Sequence[Mapping] | None = None
+    ) -> str:
         # None-valued keys are dropped, as transformers does: templates test for a key, not for None.
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         try:
             return self._template.render(
                 messages=chat,
-                tools=None,
+                tools=list(tools) if tools else None,  # as transformers passes them: None when there are none
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -118,23 +120,46 @@ class ChatTemplate:
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"{self.where}: {error}") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, as ``apply_chat_template(..., tokenize=False)`` gives it."""
-        return self._render_marked(messages, add_generation_prompt).replace(_GEN_START, "").replace(_GEN_END, "")
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as text, as ``apply_chat_template(..., tokenize=False, tools=tools)`` gives it; ``tools``:
+        the functions the model may call, in OpenAI's format (``Tool.schema()``)."""
+        marked = self._render_marked(messages, add_generation_prompt, tools)
+        return marked.replace(_GEN_START, "").replace(_GEN_END, "")
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the tools it is given (Qwen's, Llama 3.1's do; SmolLM2-135M's ignores them,
+        so tools must then be described in the conversation itself)."""
+        probe = [{"role": "user", "content": "x"}]
+        tool = {"type": "function", "function": {"name": "probe_tool", "description": "d", "parameters": {}}}
+        try:
+            return self.render(probe, True, [tool]) != self.render(probe, True)
+        except ChatTemplateError:
+            return False
 
     def render_with_spans(
-        self, messages: Sequence[Mapping[str, Any]], end_of_turn: str
+        self, messages: Sequence[Mapping[str, Any]], end_of_turn: str, tools: Sequence[Mapping[str, Any]] | None = None
     ) -> tuple[str, list[tuple[int, int]]]:
         """(text, the [start, end) character spans of the assistant turns in it, each through its ``end_of_turn``
         string): the template's own ``{% generation %}`` markers, else each turn found by rendering around it."""
         if self.has_generation_tags:
-            return _strip_markers(self._render_marked(messages, False))
-        text = self.render(messages)
+            return _strip_markers(self._render_marked(messages, False, tools))
+        text = self.render(messages, tools=tools)
         turns = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
-        return text, [self._turn_span(messages, index, text, end_of_turn) for index in turns]
+        return text, [self._turn_span(messages, index, text, end_of_turn, tools) for index in turns]
 
     def _turn_span(
-        self, messages: Sequence[Mapping[str, Any]], index: int, text: str, end_of_turn: str
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        index: int,
+        text: str,
+        end_of_turn: str,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[int, int]:
         """Assistant turn ``index`` is where the conversation before it, with the generation prompt, ends, through
         where the conversation through it ends, when both are prefixes of the whole. A template that renders turns
@@ -142,11 +167,12 @@ class ChatTemplate:
         writes an empty think block only in the last turn) is measured in the whole: rendered again with the turn's
         content swapped for a marker, the two texts differ only inside the turn, which ends at the first
         ``end_of_turn`` after the difference."""
-        before = self.render(messages[:index], add_generation_prompt=True) if index else ""
-        through = self.render(messages[: index + 1])
+        before = self.render(messages[:index], add_generation_prompt=True, tools=tools) if index else ""
+        through = self.render(messages[: index + 1], tools=tools)
         if text.startswith(before) and through.startswith(before) and text.startswith(through):
             return len(before), len(through)
-        swapped = self.render([*messages[:index], {"role": "assistant", "content": _MARK}, *messages[index + 1 :]])
+        marked = [*messages[:index], {"role": "assistant", "content": _MARK}, *messages[index + 1 :]]
+        swapped = self.render(marked, tools=tools)
         common = min(len(text), len(swapped))
         prefix = next((i for i in range(common) if text[i] != swapped[i]), common)
         suffix = next((i for i in range(common - prefix) if text[-1 - i] != swapped[-1 - i]), common - prefix)

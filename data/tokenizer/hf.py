@@ -214,6 +214,10 @@ class HFTokenizer(TokenizerBase):
 
     # --- chat ----------------------------------------------------------------------
 
+    @property
+    def renders_tools(self) -> bool:
+        return self.template is not None and self.template.renders_tools
+
     def _require_template(self) -> ChatTemplate:
         if self.template is None:
             raise ValueError(
@@ -226,11 +230,14 @@ class HFTokenizer(TokenizerBase):
         for index, message in enumerate(messages):
             check_message(index, message, roles=None)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
-        """Ids as ``apply_chat_template(messages)`` gives them; mask True on each assistant turn's content and its
-        end-of-turn token."""
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[int], list[bool]]:
+        """Ids as ``apply_chat_template(messages, tools=tools)`` gives them; mask True on each assistant turn's content
+        and its end-of-turn token (tool and user turns are context)."""
         self._check_messages(messages)
-        text, spans = self._require_template().render_with_spans(messages, self._tk.id_to_token(self.eot_id))
+        end_of_turn = self._tk.id_to_token(self.eot_id)
+        text, spans = self._require_template().render_with_spans(messages, end_of_turn, tools)
         encoding = self._tk.encode(text, add_special_tokens=False)
         ids = encoding.ids
         starts = [start for start, _ in encoding.offsets]
@@ -245,8 +252,10 @@ class HFTokenizer(TokenizerBase):
                 mask[i] = True
         return ids, mask
 
-    def encode_chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Ids as ``apply_chat_template(messages, add_generation_prompt=True)`` gives them."""
+    def encode_chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Ids as ``apply_chat_template(messages, add_generation_prompt=True, tools=tools)`` gives them."""
         self._check_messages(messages)
-        text = self._require_template().render(messages, add_generation_prompt=True)
+        text = self._require_template().render(messages, add_generation_prompt=True, tools=tools)
         return self._tk.encode(text, add_special_tokens=False).ids

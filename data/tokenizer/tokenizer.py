@@ -307,9 +307,12 @@ class Tokenizer(TokenizerBase):
         # Meta encodes role and "\n\n" separately, so we do too (keeps ids identical to Llama 3).
         return [self.start_header_id, *self.encode(role), self.end_header_id, *self.encode("\n\n")]
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[bool]]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[int], list[bool]]:
         """Llama 3 chat encoding. Returns (ids, mask); mask is True exactly on each
-        assistant turn's content tokens and its <|eot_id|> (the tokens to train on)."""
+        assistant turn's content tokens and its <|eot_id|> (the tokens to train on). The built-in format has no
+        place for tool schemas: ``tools`` are not written (``renders_tools`` is False), describe them in a turn."""
         ids, mask = [self.bos_id], [False]
         for index, message in enumerate(messages):
             role, content = check_message(index, message)
@@ -320,7 +323,9 @@ class Tokenizer(TokenizerBase):
             mask += [False] * len(header) + [train] * len(body)
         return ids, mask
 
-    def encode_chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Chat ids followed by an open assistant header: the prompt for generation."""
+    def encode_chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Chat ids followed by an open assistant header: the prompt for generation (``tools``: see encode_chat)."""
         ids, _ = self.encode_chat(messages)
         return ids + self._encode_header("assistant")

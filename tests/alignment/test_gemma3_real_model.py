@@ -33,7 +33,6 @@ def models(gemma3):
     """(Lantern's conversion, transformers' own reading of the GGUF file, its tokenizer)."""
     transformers = pytest.importorskip("transformers")
     from models.formats.checkpoint import load_checkpoint
-
     from models.formats.gguf_reader import parsed_once
 
     folder, name = str(gemma3.gguf.parent), gemma3.gguf.name

@@ -433,3 +433,32 @@ def test_qwen3s_template_thinking_and_tool_calls_are_what_transformers_gives(tmp
         expected = theirs.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
         assert ours.encode_chat_prompt(prompt) == hf_ids(expected)
     assert dropped == 1  # the multi-turn chat: its first turn's thinking is gone from the text, and from the mask
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(tmp_path, bpe_json):
+    """``tools=`` (OpenAI's function format, ``Tool.schema()``) is rendered by the template that writes tools (Qwen3's:
+    the same ids as ``apply_chat_template(chat, tools=...)``, the mask still on the assistant turns alone, tool turns
+    context), and reported as not written by one that ignores them (SmolLM2-135M's)."""
+    import importlib.resources
+
+    from alignment.shared.tools import TOOLS
+
+    schemas = [tool.schema() for tool in TOOLS.values()]
+    template = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(bpe_json.read_bytes())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    assert ours.renders_tools
+    chat = qwen3_chats()[3]
+    ids, mask = ours.encode_chat(chat, tools=schemas)
+    assert ids == hf_ids(theirs.apply_chat_template(chat, tools=schemas, tokenize=True))
+    assert ids != ours.encode_chat(chat)[0] and '"name": "calculator"' in ours.decode(ids)
+    assert [i for i, m in zip(ids, mask) if m] == [i for i, m in zip(*ours.encode_chat(chat)) if m]  # same turns
+    prompt = chat[:3]
+    expected = theirs.apply_chat_template(prompt, tools=schemas, tokenize=True, add_generation_prompt=True)
+    assert ours.encode_chat_prompt(prompt, tools=schemas) == hf_ids(expected)
+    smol = load_tokenizer(folder_with(tmp_path, bpe_json, "chatml-smollm2"))
+    assert not smol.renders_tools and smol.encode_chat(chat, tools=schemas) == smol.encode_chat(chat)

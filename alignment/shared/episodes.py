@@ -1,0 +1,208 @@
+"""Multi-turn tool episodes: an ``Environment`` gives a task's first messages and its tools, and answers each policy
+turn with the tools' observations; ``run_episodes`` advances every episode of a rollout together, one batched
+sampling call per turn. An episode ends on a final answer (a turn without a tool call), the turn limit or the token
+limit. Only the tokens the policy sampled carry loss (``Episode.policy``): the first messages, the template's
+headers and every observation are context. docs/tools.md says how an environment is written and named.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from alignment.shared.tools import CALCULATOR, Tool, parse_tool_calls, run_tool_call
+from models.errors import ConfigError
+
+# what a tool-using policy reads when its chat template does not write the tools (SmolLM2-135M's): the format of
+# Qwen2.5's and Hermes' templates, whose <tool_call> JSON parse_tool_calls reads
+TOOL_INSTRUCTIONS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+class Environment:
+    """A task's first messages and tools, and the answer to each policy turn. Subclass it in one file and name the
+    class in the config (``module:Class``); the defaults: the prompt's own messages, the calculator, and a turn
+    without a tool call is the final answer. A subclass may keep its state in ``Episode.state`` (checkpointed as
+    JSON with the rollout) and draw from the ``rng`` it is given."""
+
+    tools: tuple[Tool, ...] = (CALCULATOR,)
+
+    def first_messages(self, prompt: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The conversation the episode starts from (a prompt of ``data.records.prompts``)."""
+        return [dict(message) for message in prompt["messages"]]
+
+    def respond(self, episode: Episode, text: str) -> list[dict[str, Any]] | None:
+        """The messages that answer the policy's turn ``text`` (one tool turn per call, a malformed call's error
+        included), or None: ``text`` is the final answer."""
+        calls = parse_tool_calls(text)
+        if not calls:
+            return None
+        tools = {tool.name: tool for tool in self.tools}
+        episode.tool_calls += len(calls)
+        episode.malformed_calls += sum(bool(call.error) for call in calls)
+        return [{"role": "tool", "name": call.name, "content": run_tool_call(call, tools)} for call in calls]
+
+
+@dataclass
+class Episode:
+    """One episode: its transcript, every token as the policy read and wrote them, and how it went."""
+
+    prompt: Mapping[str, Any]
+    messages: list[dict[str, Any]]
+    ids: list[int]
+    policy: list[bool]  # True on the tokens the policy sampled: the only ones that carry loss
+    prompt_len: int  # tokens before the first sampled one
+    turns: int = 0  # policy turns
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    ended: str = ""  # "answer" | "turns" (turn limit) | "tokens" (token limit, or a turn cut off)
+    answer: str = ""  # the final answer: what the reward terms judge ("" when the episode ended without one)
+    state: dict[str, Any] = field(default_factory=dict)  # the environment's own, JSON
+
+
+# (rows of token ids, max new tokens) -> each row's sampled tokens, its stop token last when it stopped
+Sampler = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def with_tool_instructions(messages: list[dict[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """``messages`` with the tools described in the system turn (added when there is none): for a chat template that
+    does not write the tools it is given."""
+    text = TOOL_INSTRUCTIONS.format(tools="\n".join(json.dumps(tool.schema()) for tool in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def start_episode(environment: Environment, tokenizer: Any, prompt: Mapping[str, Any]) -> Episode:
+    messages = environment.first_messages(prompt)
+    if environment.tools and not tokenizer.renders_tools:
+        messages = with_tool_instructions(messages, environment.tools)
+    ids = tokenizer.encode_chat_prompt(messages, tools=schemas(environment))
+    return Episode(prompt, messages, ids, [False] * len(ids), len(ids))
+
+
+def schemas(environment: Environment) -> list[dict[str, Any]] | None:
+    return [tool.schema() for tool in environment.tools] or None
+
+
+def observation_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], answer: list[dict[str, Any]], tools: Any
+) -> list[int]:
+    """The tokens after the policy's last end-of-turn token up to the next turn's generation prompt, as the chat
+    template renders ``messages`` (ending with the policy's turn) followed by the ``answer`` messages."""
+    through, mask = tokenizer.encode_chat(messages, tools=tools)
+    after = tokenizer.encode_chat_prompt([*messages, *answer], tools=tools)
+    if after[: len(through)] != through:
+        raise ValueError(
+            "the chat template renders a conversation's earlier turns differently once tool turns follow them: a "
+            "multi-turn episode's tokens would not be what the policy read"
+        )
+    last = max(index for index, masked in enumerate(mask) if masked)  # the policy's end-of-turn token
+    return after[last + 1 :]
+
+
+def run_episodes(
+    environment: Environment,
+    tokenizer: Any,
+    prompts: Sequence[Mapping[str, Any]],
+    sample: Sampler,
+    *,
+    max_turns: int,
+    turn_tokens: int,
+    episode_tokens: int,
+) -> list[Episode]:
+    """Every prompt's episode, advanced together: each turn samples all unfinished episodes in one ``sample`` call
+    (at most ``turn_tokens`` new tokens, and no episode past ``episode_tokens`` in all)."""
+    episodes = [start_episode(environment, tokenizer, prompt) for prompt in prompts]
+    tools = schemas(environment)
+    stops = set(tokenizer.stop_ids)
+    active = []
+    for episode in episodes:
+        if len(episode.ids) < episode_tokens:
+            active.append(episode)
+        else:  # the first messages alone fill the episode
+            episode.ended = "tokens"
+    while active:
+        budget = min(turn_tokens, max(episode_tokens - len(episode.ids) for episode in active))
+        sampled = sample([episode.ids for episode in active], budget)
+        still = []
+        for episode, tokens in zip(active, sampled):
+            tokens = tokens[: episode_tokens - len(episode.ids)]
+            episode.ids += tokens
+            episode.policy += [True] * len(tokens)
+            episode.turns += 1
+            text = tokenizer.decode([token for token in tokens if token not in stops])
+            if not tokens or tokens[-1] not in stops:  # cut off inside the turn
+                episode.ended, episode.answer = "tokens", text
+                continue
+            episode.messages.append({"role": "assistant", "content": text})
+            answer = environment.respond(episode, text)
+            if answer is None:
+                episode.ended, episode.answer = "answer", text
+            elif episode.turns >= max_turns:
+                episode.ended = "turns"
+            else:
+                context = observation_ids(tokenizer, episode.messages, answer, tools)
+                if len(episode.ids) + len(context) >= episode_tokens:
+                    episode.ended = "tokens"
+                    continue
+                episode.messages += answer
+                episode.ids += context
+                episode.policy += [False] * len(context)
+                still.append(episode)
+        active = still
+    return episodes
+
+
+def generate_sampler(model: Any, tokenizer: Any, generator: Any = None, **sampling: Any) -> Sampler:
+    """``run_episodes``' sampler through ``models.generation.generate`` (its shared-prefix prefill and compiled decode
+    included): ``sampling`` is generate's temperature, top_k, top_p, decode."""
+    from models.generation import generate
+
+    def sample(rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = generate(
+            model, rows, max_new_tokens=max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+            generator=generator, **sampling,
+        )  # fmt: skip
+        return [tokens[mask].tolist() for tokens, mask in zip(out.tokens, out.mask)]
+
+    return sample
+
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means per episode: turns, tool calls, malformed calls, tokens, and how episodes ended."""
+    count = max(len(episodes), 1)
+    stats = {
+        "turns": sum(e.turns for e in episodes) / count,
+        "tool_calls": sum(e.tool_calls for e in episodes) / count,
+        "malformed_calls": sum(e.malformed_calls for e in episodes) / count,
+        "episode_tokens": sum(len(e.ids) for e in episodes) / count,
+    }
+    for reason in ("answer", "turns", "tokens"):
+        stats[f"ended_{reason}"] = sum(e.ended == reason for e in episodes) / count
+    return stats
+
+
+def load_environment(path: str, key: str) -> Environment:
+    """The environment ``path`` ("package.module:Class", or an instance's name) names, made with no arguments;
+    nothing in the config runs. Errors name ``key``."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name or not all(part.isidentifier() for part in (*module_name.split("."), name)):
+        raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({error})") from error
+    found = getattr(module, name, None)
+    if isinstance(found, type) and issubclass(found, Environment):
+        return found()
+    if isinstance(found, Environment):
+        return found
+    raise ConfigError(f"{key}: {path} is not an Environment (a subclass of alignment.shared.episodes.Environment)")

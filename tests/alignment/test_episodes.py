@@ -1,0 +1,143 @@
+"""Multi-turn tool episodes (alignment/shared/episodes.py): an episode's tokens are, token for token, the chat
+template's rendering of its transcript, with loss on the policy's own tokens alone (tool turns, headers and the first
+messages are context); a malformed call is an observation and the episode goes on; episodes end on a final answer,
+the turn limit or the token limit; every unfinished episode is sampled in one call per turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignment.shared.episodes import (
+    TOOL_INSTRUCTIONS,
+    Environment,
+    episode_stats,
+    generate_sampler,
+    load_environment,
+    run_episodes,
+)
+from data.tokenizer.base import load_tokenizer
+from models.errors import ConfigError
+from tests.data.tokenizer.test_hf_tokenizer import bpe_json, folder_with  # noqa: F401 (the fixture)
+
+QUESTION = [{"role": "user", "content": "What is 12345 * 6789?"}]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12345 * 6789"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory, bpe_json):  # noqa: F811
+    """A tokenizer with SmolLM2-135M-Instruct's chat template (which writes no tools)."""
+    return load_tokenizer(folder_with(tmp_path_factory.mktemp("smol"), bpe_json, "chatml-smollm2"))
+
+
+def scripted(tokenizer, turns: list[str | list[str]], calls: list | None = None):
+    """A sampler that writes ``turns`` in order (per row: a list of rows' texts), each encoded as the tokenizer
+    encodes it and ended with its end-of-turn token unless it ends with "..." (cut off)."""
+    queue = list(turns)
+
+    def sample(rows, max_new_tokens):
+        if calls is not None:
+            calls.append(len(rows))
+        texts = queue.pop(0)
+        texts = texts if isinstance(texts, list) else [texts] * len(rows)
+        out = []
+        for text in texts:
+            ids = tokenizer.encode(text, bos=False)
+            out.append(ids if text.endswith("...") else ids + [tokenizer.eot_id])
+        return out
+
+    return sample
+
+
+def runs_of(ids, mask):
+    runs, current = [], []
+    for token, masked in zip(ids, mask):
+        if masked:
+            current.append(token)
+        elif current:
+            runs, current = [*runs, current], []
+    return runs + ([current] if current else [])
+
+
+def test_an_episodes_tokens_are_the_templates_rendering_and_only_the_policys_carry_loss(smol):
+    environment = Environment()
+    sample = scripted(smol, [CALL, "The product is 83810205."])
+    [episode] = run_episodes(
+        environment, smol, [{"messages": QUESTION}], sample, max_turns=4, turn_tokens=64, episode_tokens=1024
+    )
+    assert episode.ended == "answer" and episode.answer == "The product is 83810205."
+    assert [m["role"] for m in episode.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert episode.messages[3]["content"] == "83810205"  # the calculator's observation
+    assert TOOL_INSTRUCTIONS.split("\n")[0] in episode.messages[0]["content"]  # the template writes no tools
+    assert '"name": "calculator"' in episode.messages[0]["content"]
+    ids, mask = smol.encode_chat(episode.messages)
+    # the whole transcript as the template renders it, but for the newline it writes after the last turn
+    assert episode.ids == ids[: len(episode.ids)] and smol.decode(ids[len(episode.ids) :]) == "\n"
+    assert episode.policy == mask[: len(episode.ids)]  # token by token: the policy's turns, nothing else
+    assert [smol.decode(run) for run in runs_of(episode.ids, episode.policy)] == [
+        CALL + "<|im_end|>",
+        "The product is 83810205.<|im_end|>",
+    ]
+    assert episode.prompt_len == len(smol.encode_chat_prompt(episode.messages[:2]))
+    assert (episode.turns, episode.tool_calls, episode.malformed_calls) == (2, 1, 0)
+
+
+def test_a_malformed_call_is_an_observation_and_counted(smol):
+    sample = scripted(smol, ["<tool_call>{not json</tool_call>", CALL, "83810205"])
+    [episode] = run_episodes(
+        Environment(), smol, [{"messages": QUESTION}], sample, max_turns=4, turn_tokens=64, episode_tokens=1024
+    )
+    assert episode.messages[3]["content"].startswith("error: the tool call is not JSON")
+    assert (episode.ended, episode.answer, episode.tool_calls, episode.malformed_calls) == ("answer", "83810205", 2, 1)
+    assert episode.policy == smol.encode_chat(episode.messages)[1][: len(episode.ids)]
+
+
+def test_episodes_end_on_the_turn_limit_and_the_token_limit_and_advance_together(smol):
+    calls: list[int] = []
+    # row 0 answers at once, row 1 calls forever (turn limit 2), row 2 is cut off inside its turn
+    sample = scripted(smol, [["42", CALL, "I think..."], [CALL]], calls)
+    prompts = [{"messages": QUESTION}] * 3
+    episodes = run_episodes(Environment(), smol, prompts, sample, max_turns=2, turn_tokens=64, episode_tokens=1024)
+    assert [e.ended for e in episodes] == ["answer", "turns", "tokens"]
+    assert [e.answer for e in episodes] == ["42", "", "I think..."]
+    assert calls == [3, 1]  # one sampling call per turn, every unfinished episode in it
+    assert episode_stats(episodes)["ended_answer"] == pytest.approx(1 / 3)
+    # room for the first turn but not for the observation after it: the episode ends there, on the token limit
+    limit = episodes[0].prompt_len + len(smol.encode(CALL, bos=False)) + 1 + 2
+    [short] = run_episodes(
+        Environment(), smol, [{"messages": QUESTION}], scripted(smol, [CALL]), max_turns=4, turn_tokens=64,
+        episode_tokens=limit,
+    )  # fmt: skip
+    assert (short.ended, short.turns, short.answer, short.tool_calls) == ("tokens", 1, "", 1) and len(short.ids) < limit
+
+
+def test_the_default_sampler_batches_episodes_through_generate(smol):
+    """On a real (random) model: each episode's policy tokens are what generate sampled, ended by a stop token or
+    the turn's token limit."""
+    from models.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=smol.vocab_size, max_seq_len=2048))
+    sample = generate_sampler(model.eval(), smol, torch.Generator().manual_seed(0), temperature=1.0)
+    episodes = run_episodes(
+        Environment(), smol, [{"messages": QUESTION}] * 4, sample, max_turns=3, turn_tokens=8, episode_tokens=2048
+    )
+    for episode in episodes:
+        sampled = [t for t, p in zip(episode.ids, episode.policy) if p]
+        assert 1 <= len(sampled) <= 8 * episode.turns and episode.ended in ("answer", "tokens", "turns")
+        assert episode.ids[: episode.prompt_len] == smol.encode_chat_prompt(episode.messages[:2])
+
+
+class Echo(Environment):
+    tools = ()
+
+
+def test_an_environment_is_named_by_import_path_and_bad_paths_name_the_key():
+    assert isinstance(load_environment("tests.alignment.test_episodes:Echo", "env.name"), Echo)
+    for path, message in [
+        ("no_colon", "is not an import path"),
+        ("no_such_module:Env", "cannot import 'no_such_module'"),
+        ("json:dumps", "is not an Environment"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^env.name: .*{message}"):
+            load_environment(path, "env.name")
