@@ -152,6 +152,22 @@ class GRPOHyperparameters(RolloutHyperparameters):
 
 
 @dataclass
+class EpisodeConfig:
+    """Multi-turn tool episodes (alignment/shared/episodes.py, docs/tools.md): each rollout's responses are episodes
+    in which the policy calls the environment's tools; grpo.response_max_tokens is then one turn's limit."""
+
+    # "package.module:Class", an Environment; "alignment.shared.episodes:Environment": the calculator on the prompt's
+    # own messages; "": single-turn responses
+    environment: str = ""
+    max_turns: int = bounded(4, ge=1)  # policy turns per episode
+    max_tokens: int = bounded(512, ge=2)  # tokens of a whole episode: its first messages, every turn and observation
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment)
+
+
+@dataclass
 class GRPOConfig(StageConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(name="grpo"))
     init: GRPOInitConfig = field(default_factory=GRPOInitConfig)
@@ -161,6 +177,7 @@ class GRPOConfig(StageConfig):
         default_factory=lambda: RewardConfig(terms=[RewardTermConfig("checker", "data.demo.scoring:score_example")])
     )
     grpo: GRPOHyperparameters = field(default_factory=GRPOHyperparameters)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     optim: OptimConfig = field(default_factory=lambda: rl_optim(1e-5))
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=100, val_every_n_steps=10**9))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_n_steps=20))

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from alignment.shared.tools import CALCULATOR, Tool, parse_tool_calls, run_tool_call
 from models.errors import ConfigError
@@ -33,6 +37,9 @@ class Environment:
     JSON with the rollout) and draw from the ``rng`` it is given."""
 
     tools: tuple[Tool, ...] = (CALCULATOR,)
+
+    def __init__(self) -> None:  # a subclass's own __init__ takes no arguments and calls this one
+        self.rng = random.Random(0)  # seeded with run.seed by the run; its state is part of the run's checkpoints
 
     def first_messages(self, prompt: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The conversation the episode starts from (a prompt of ``data.records.prompts``)."""
@@ -176,6 +183,22 @@ def generate_sampler(model: Any, tokenizer: Any, generator: Any = None, **sampli
     return sample
 
 
+def episode_rows(episodes: Sequence[Episode], pad_id: int) -> tuple[Tensor, Tensor, int, Tensor]:
+    """(input_ids, real, P, mask) of episodes as an RL rollout's rows: each episode's tokens before its first sampled
+    one left-padded to P, the rest right-padded; ``mask`` (B, N) True on the policy's sampled tokens alone."""
+    width = max(e.prompt_len for e in episodes)
+    length = max(len(e.ids) - e.prompt_len for e in episodes)
+    input_ids = torch.full((len(episodes), width + length), pad_id, dtype=torch.long)
+    real = torch.zeros_like(input_ids, dtype=torch.bool)
+    mask = torch.zeros(len(episodes), length, dtype=torch.bool)
+    for row, e in enumerate(episodes):
+        start, end = width - e.prompt_len, width + len(e.ids) - e.prompt_len
+        input_ids[row, start:end] = torch.tensor(e.ids)
+        real[row, start:end] = True
+        mask[row, : len(e.ids) - e.prompt_len] = torch.tensor(e.policy[e.prompt_len :], dtype=torch.bool)
+    return input_ids, real, width, mask
+
+
 def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     """Means per episode: turns, tool calls, malformed calls, tokens, and how episodes ended."""
     count = max(len(episodes), 1)
@@ -190,9 +213,11 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     return stats
 
 
-def load_environment(path: str, key: str) -> Environment:
+def load_environment(path: str, key: str) -> Environment | None:
     """The environment ``path`` ("package.module:Class", or an instance's name) names, made with no arguments;
-    nothing in the config runs. Errors name ``key``."""
+    nothing in the config runs; None for "". Errors name ``key``."""
+    if not path:
+        return None
     module_name, _, name = path.partition(":")
     if not module_name or not name or not all(part.isidentifier() for part in (*module_name.split("."), name)):
         raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:Class'")

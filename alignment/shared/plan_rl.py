@@ -89,6 +89,9 @@ def rollout_shape(stage: Any, config: Any) -> tuple[Any, int, int]:
     """(the hyperparameter section, sequences one rollout samples per GPU, prompt + response width)."""
     hp = getattr(config, stage.rollout_section)
     sequences = math.prod(getattr(hp, key) for key in stage.rollout)
+    episodes = getattr(config, "episodes", None)  # GRPO's tool episodes: an episode is one row
+    if episodes is not None and episodes.enabled:
+        return hp, sequences, episodes.max_tokens
     return hp, sequences, config.data.max_prompt_tokens + hp.response_max_tokens
 
 

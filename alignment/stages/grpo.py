@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.rl import GRPOConfig
+from alignment.shared.episodes import Environment, episode_stats, load_environment
 from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
 from alignment.shared.rewards import Checker, Reward
 from alignment.stages.registry import GRPO, Stage
@@ -40,8 +41,13 @@ class GRPOModule(RLModule):
         tokenizer: Any,
         *,
         checker: Checker | None = None,
+        environment: Environment | None = None,  # responses are tool episodes (config.episodes)
     ) -> None:
-        super().__init__(config, config.grpo, policy, reference, reward, tokenizer, checker)
+        super().__init__(config, config.grpo, policy, reference, reward, tokenizer, checker, environment)
+
+    @classmethod
+    def build_environment(cls, config: GRPOConfig) -> Environment | None:
+        return load_environment(config.episodes.environment, "episodes.environment")
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.schedule_steps())
@@ -51,7 +57,7 @@ class GRPOModule(RLModule):
         grpo = self.config.grpo
         start = time.perf_counter()
         group = [p for p in prompts for _ in range(grpo.group_size)]  # each prompt's responses side by side
-        responses = self.sample([p["prompt_ids"] for p in group])
+        responses = self.sample(group)
         input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
         shared = responses.shared_prefix
         on_policy = self.one_update(len(group))
@@ -67,7 +73,7 @@ class GRPOModule(RLModule):
             advantages = group_advantages(grouped, baseline=grpo.baseline, scale=grpo.scale_advantages).flatten()
         rollout_time = time.perf_counter() - start
         train_stats = self.update(input_ids, real, (P, shared), mask, old_logp, ref_logp, advantages)
-        self.write_samples(group, responses.answers, raw_scores)
+        self.write_samples(group, responses, raw_scores)
         spread = grouped.std(-1)
         return {
             "score": self.global_mean(scores),
@@ -80,6 +86,7 @@ class GRPOModule(RLModule):
             "generation_time": responses.generation_time,
             "rollout_time": rollout_time,
             "train_time": time.perf_counter() - start - rollout_time,
+            **(episode_stats(self.episodes) if self.environment is not None else {}),  # turns, tool calls, ends
             **reward_stats,
             **train_stats,
         }

@@ -101,7 +101,7 @@ class PPOModule(RLModule):
     @torch.no_grad()
     def rollout(self, prompts: list[dict]) -> tuple[Rollout, dict[str, float]]:
         ppo = self.config.ppo
-        responses = self.sample([p["prompt_ids"] for p in prompts])
+        responses = self.sample(prompts)
         input_ids, real, P, mask = responses.input_ids, responses.real, responses.prompt_len, responses.mask
         shared = responses.shared_prefix
         # Old log-probs by the training pass itself, in the same micro-batches the first PPO epoch uses:
@@ -135,7 +135,7 @@ class PPOModule(RLModule):
             "rollout_tokens_per_second": float(mask.sum()) / responses.generation_time,
             **reward_stats,
         }
-        self.write_samples(prompts, responses.answers, raw_scores)
+        self.write_samples(prompts, responses, raw_scores)
         return Rollout(input_ids, real, P, shared, mask, old_logp, values, advantages, returns), stats
 
     def update(self, rollout: Rollout) -> dict[str, float]:

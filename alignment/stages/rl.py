@@ -25,6 +25,7 @@ from models.errors import ConfigError
 from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
+from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def run_rl(
     check_stage_config(config, stage.model_folders(config))  # before anything is created
     check_rl_config(config, stage)
     plan = stage.preflight(config)  # before any weights load
-    algorithm: type[RLModule] = stage.module  # its class methods: the reward, extra models, plots
     checker = load_checker(config.eval.checker, "eval.checker")
+    algorithm: type[RLModule] = stage.module  # its class methods: the reward, environment, extra models, plots
+    environment = algorithm.build_environment(config)  # multi-turn tool episodes (GRPO's episodes section), or None
     tokenizer = Tokenizer.load(config.data.tokenizer)
     if reward_fn is not None:
         reward = Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
@@ -87,6 +89,9 @@ def run_rl(
     datamodule.setup("fit")  # bad prompts in one line before any weights are read
     check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
     policy = load_policy(config, stage)
+    if environment is not None:  # an episode is one row
+        limit = {"episodes.max_tokens": config.episodes.max_tokens}
+        check_context_length(limit, policy.config.max_seq_len, "the policy's max_seq_len")
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones.
     # The extra models come first: a critic copied from the policy is a copy of the policy as loaded, no adapters.
     extra = algorithm.extra_models(config, policy, reward)
@@ -103,6 +108,7 @@ def run_rl(
         *algorithm.plots(config, run_dir),
         *(extra_callbacks or []),
     ]
-    module = algorithm(config, **models, reward=reward, tokenizer=tokenizer, checker=checker)
+    extra_arguments = {"environment": environment} if environment is not None else {}
+    module = algorithm(config, **models, reward=reward, tokenizer=tokenizer, checker=checker, **extra_arguments)
     module.adapter_bases = adapter_bases
     return fit_stage(config, module, datamodule, run_dir, callbacks, validate=False, plan=plan)

@@ -5,7 +5,6 @@ written beside the run."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -15,20 +14,18 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from alignment.shared.evaluation import heldout_summary, pass_at_k_summary, sample_answers
+from alignment.shared.episodes import Environment, Episode, episode_rows, generate_sampler, run_episodes
 from alignment.shared.responses import response_logprobs
 from alignment.shared.rewards import Checker, Reward, build_reward
+from alignment.stages.rl_evaluation import HeldOutEvaluation
 from models.adapter_config import adapter_config
 from models.adapters import adapters_disabled
 from models.errors import CheckpointError
-from models.files.atomic import write_atomically
 from models.generation import generate, left_pad
 from models.model import Transformer
 from models.prefill import shared_prefix_length
-from trainer.callbacks import write_curves
 from trainer.config import to_dict
 from trainer.lm_module import LanguageModelModule
 from trainer.parallel import unsharded_for_generation
@@ -61,7 +58,7 @@ class MicroBatchLoss:
     sums: dict[str, Tensor]  # detached statistics, summed over the rollout's micro-batches and then over the ranks
 
 
-class RLModule(LanguageModelModule):
+class RLModule(HeldOutEvaluation, LanguageModelModule):
     """Subclasses set ``self.hp`` (their hyperparameter section) and implement ``rl_step(prompts) -> metrics``."""
 
     stage = "rl"
@@ -75,6 +72,7 @@ class RLModule(LanguageModelModule):
         reward: Reward,
         tokenizer: Any,
         checker: Checker | None = None,
+        environment: Environment | None = None,
     ) -> None:
         super().__init__(config)
         self.save_hyperparameters({"config": to_dict(config), "model": policy.config.to_dict()})
@@ -86,6 +84,10 @@ class RLModule(LanguageModelModule):
         # None: the reference is the policy with its adapters off (reference_logprobs), no second copy of the weights
         self.frozen = {} if reference is None else {"reference": reference.eval().requires_grad_(False)}
         self.checker = checker  # the ground truth of held-out answers; None: not measured
+        self.environment = environment  # responses are multi-turn tool episodes (config.episodes); None: one turn
+        if environment is not None:
+            environment.rng.seed(config.run.seed)
+        self.episodes: list[Episode] = []  # the last rollout's, for its statistics and samples
         self.eval_history: dict[str, list[tuple[int, float]]] = {}
         self.heldout: dict[str, Any] = {}  # "before" / "after": summaries written to heldout.json
         # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
@@ -99,6 +101,11 @@ class RLModule(LanguageModelModule):
     def build_reward(cls, config: Any) -> Reward:
         """The configured reward, loaded and checked: ``reward.terms``."""
         return build_reward(config.reward.terms)
+
+    @classmethod
+    def build_environment(cls, config: Any) -> Environment | None:
+        """The environment of multi-turn tool episodes, loaded and checked; None: single-turn responses."""
+        return None
 
     @classmethod
     def extra_models(cls, config: Any, policy: Transformer, reward: Reward) -> dict[str, nn.Module]:
@@ -220,11 +227,15 @@ class RLModule(LanguageModelModule):
         raise NotImplementedError(f"{type(self).__name__} must implement rl_step")
 
     @torch.no_grad()
-    def sample(self, prompt_ids: list[list[int]]) -> Responses:
+    def sample(self, prompts: list[dict]) -> Responses:
         """One response per prompt (repeat a prompt to sample it several times), with the policy's weights
         gathered once under FSDP (which the compiled decode step needs: it runs the blocks under their compile,
-        checkpointing and FSDP2 wrappers, ``models.fast_decode.decode_blocks``)."""
+        checkpointing and FSDP2 wrappers, ``models.fast_decode.decode_blocks``); with an environment, one episode
+        per prompt."""
+        if self.environment is not None:
+            return self.sample_episodes(prompts)
         hp, tokenizer = self.hp, self.tokenizer
+        prompt_ids = [p["prompt_ids"] for p in prompts]
         start = time.perf_counter()
         with unsharded_for_generation(self.model):
             out = generate(
@@ -243,6 +254,30 @@ class RLModule(LanguageModelModule):
             torch.cat([prompts, tokens], dim=1), torch.cat([prompt_real, mask], dim=1), prompts.shape[1], mask,
             ended, answers, generation_time, shared_prefix_length(prompt_ids),
         )  # fmt: skip
+
+    def sample_episodes(
+        self, prompts: list[dict], temperature: float | None = None, generator: torch.Generator | None = None
+    ) -> Responses:
+        """One multi-turn episode per prompt, every episode sampled together turn by turn (``run_episodes``); the
+        rows' mask is on the policy's sampled tokens alone. Defaults: the rollout's temperature and sampler."""
+        hp, tokenizer, episodes = self.hp, self.tokenizer, self.config.episodes
+        start = time.perf_counter()
+        temperature = hp.temperature if temperature is None else temperature
+        generator = self.sampler if generator is None else generator
+        with unsharded_for_generation(self.model):
+            sample = generate_sampler(
+                self.model, tokenizer, generator, temperature=temperature, top_k=hp.top_k, top_p=hp.top_p
+            )
+            self.episodes = run_episodes(
+                self.environment, tokenizer, prompts, sample, max_turns=episodes.max_turns,
+                turn_tokens=hp.response_max_tokens, episode_tokens=episodes.max_tokens,
+            )  # fmt: skip
+        input_ids, real, width, mask = episode_rows(self.episodes, tokenizer.pad_id)
+        input_ids, real, mask = input_ids.to(self.device), real.to(self.device), mask.to(self.device)
+        ended = torch.tensor([e.ended == "answer" for e in self.episodes], device=self.device)
+        shared = shared_prefix_length([e.ids[: e.prompt_len] for e in self.episodes])
+        answers = [e.answer for e in self.episodes]
+        return Responses(input_ids, real, width, mask, ended, answers, time.perf_counter() - start, shared)
 
     def score(self, prompts: list[dict], responses: Responses) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(the reward the stage optimises, the reward before the end-of-turn penalty, statistics) per response:
@@ -271,112 +306,21 @@ class RLModule(LanguageModelModule):
         logp = self.policy_logprobs(reference, input_ids.to(device), real.to(device), P, shared)[0]
         return logp.to(device=self.device, dtype=torch.float32)
 
-    def write_samples(self, prompts: list[dict], answers: list[str], scores: Tensor) -> None:
-        """A W&B table of the rollout's first ``eval.table_rows`` responses and their scores."""
+    def write_samples(self, prompts: list[dict], responses: Responses, scores: Tensor) -> None:
+        """A W&B table of the rollout's first ``eval.table_rows`` responses and their scores (an episode: its whole
+        transcript after the prompt, tool turns included)."""
         if not self.trainer.is_global_zero or not hasattr(self.logger, "log_table"):
             return
+        shown = responses.answers
+        if self.environment is not None:
+            shown = [self.tokenizer.decode(e.ids[e.prompt_len :]) for e in self.episodes]
         rows = [
             [self.global_step, self.tokenizer.decode(p["prompt_ids"]), answer, float(score)]
-            for p, answer, score in list(zip(prompts, answers, scores.tolist()))[: self.config.eval.table_rows]
+            for p, answer, score in list(zip(prompts, shown, scores.tolist()))[: self.config.eval.table_rows]
         ]
         self.logger.log_table(
             key=f"{self.stage}/samples", columns=["rollout", "prompt", "response", "score"], data=rows
         )
-
-    # ---- evaluation: held-out prompts ----
-
-    def _gather(self, values: list[Any]) -> list[Any]:
-        """Every rank's list, concatenated in rank order (ranks hold prompts rank, rank + world, ...)."""
-        if self.trainer.world_size == 1 or not dist.is_initialized():
-            return values
-        gathered: list[list[Any]] = [[] for _ in range(self.trainer.world_size)]
-        dist.all_gather_object(gathered, values)
-        return [item for part in gathered for item in part]
-
-    def _judge(self, prompt: dict, answer: str) -> float | None:
-        return None if self.checker is None else self.checker(prompt["record"], answer)
-
-    @torch.no_grad()
-    def evaluate(self, pass_k: bool = False) -> None:
-        """Greedy answers to this rank's share of the held-out prompts: ground-truth accuracy (``eval.checker``)
-        with its SE, the reward of those answers, and (``pass_k``) pass@k of k samples per prompt."""
-        eval_config = self.config.eval
-        prompts = self.trainer.datamodule.val_prompts
-        prompts = prompts[: eval_config.generations] if eval_config.generations else prompts
-        mine = prompts[self.global_rank :: self.trainer.world_size]
-        answers = [
-            a[0]
-            for a in sample_answers(
-                self.model, self.tokenizer, [p["prompt_ids"] for p in mine],
-                max_new_tokens=self.hp.response_max_tokens, batch_size=eval_config.batch_size,
-            )
-        ]  # fmt: skip
-        rewards: list[float] = []
-        if mine:
-            ids = [p["prompt_ids"] + self.tokenizer.encode(a) + [self.tokenizer.eot_id] for p, a in zip(mine, answers)]
-            input_ids, real = left_pad(ids, self.tokenizer.pad_id, self.device)
-            rewards = self.reward.score(mine, answers, input_ids, real)[0].tolist()
-        scores = self._gather([(p["where"], self._judge(p, a)) for p, a in zip(mine, answers)])
-        order = {p["where"]: i for i, p in enumerate(prompts)}
-        scores.sort(key=lambda item: order[item[0]])
-        summary = heldout_summary(prompts, [s for _, s in scores])
-        metrics = {"eval/reward": self._mean_over_ranks(rewards)}
-        if summary["n"]:
-            metrics.update({"eval/gt_score": summary["accuracy"], "eval/gt_score_se": summary["se"]})
-            metrics.update({f"eval/gt_score/{task}": v["accuracy"] for task, v in summary["per_task"].items()})
-        if pass_k and eval_config.pass_k and self.checker is not None:
-            summary["pass_at_k"] = self._pass_at_k(prompts)
-            metrics[f"eval/pass_at_{eval_config.pass_k}"] = summary["pass_at_k"]["pass_at_k"]
-        metrics.update(self._harness_metrics())
-        self.heldout["before" if self.global_step == 0 else "after"] = {
-            **summary, "step": self.global_step, "scores": [s for _, s in scores], "where": [w for w, _ in scores],
-        }  # fmt: skip
-        for name, value in metrics.items():
-            self.eval_history.setdefault(name, []).append((self.global_step, value))
-            self.log(name, value, on_step=True, rank_zero_only=True)
-
-    def _harness_metrics(self) -> dict[str, float]:
-        """The lm-eval tasks of ``eval.harness_tasks`` (scored by the run's ``HarnessValidation``), by logged name."""
-        if not self.config.eval.harness_tasks:
-            return {}
-        from trainer.harness_validation import harness_of  # lm-eval: the eval extra
-
-        scorer = harness_of(self.trainer)
-        if scorer is None:  # a module fitted without the stage's callbacks
-            return {}
-        return {f"eval/harness/{k}": v for k, v in scorer.score(self.model, self.trainer, self.global_step).items()}
-
-    def _mean_over_ranks(self, values: list[float]) -> float:
-        # every rank joins the reduction, one with no held-out prompts too (skipping it would hang the others)
-        return self.global_mean(torch.tensor(values, device=self.device, dtype=torch.float32))
-
-    def _pass_at_k(self, prompts: list[dict]) -> dict[str, Any]:
-        k, limit = self.config.eval.pass_k, self.config.eval.pass_k_prompts
-        prompts = prompts[:limit] if limit else prompts
-        mine = prompts[self.global_rank :: self.trainer.world_size]
-        generator = torch.Generator(self.device).manual_seed(self.config.run.seed * 1000 + self.global_step)
-        samples = sample_answers(
-            self.model, self.tokenizer, [p["prompt_ids"] for p in mine], max_new_tokens=self.hp.response_max_tokens,
-            batch_size=self.config.eval.batch_size, samples=k, temperature=1.0, generator=generator,
-        )  # fmt: skip
-        scored = self._gather([(p["where"], [self._judge(p, a) for a in answers]) for p, answers in zip(mine, samples)])
-        order = {p["where"]: i for i, p in enumerate(prompts)}
-        scored.sort(key=lambda item: order[item[0]])
-        return pass_at_k_summary(prompts, [s for _, s in scored], k)
-
-    def on_train_end(self) -> None:
-        """eval.png and eval.csv (metric,step,value) and heldout.json beside the run: the before/after numbers."""
-        if not self.trainer.is_global_zero:
-            return
-        run_dir = Path(self.trainer.default_root_dir)
-        if self.eval_history:
-            curves = {k: v for k, v in self.eval_history.items() if k.count("/") == 1 and not k.endswith("_se")}
-            title, axes = f"{self.stage.upper()}: greedy answers to held-out prompts", {"xlabel": "rollout", "ylabel": "score"}  # fmt: skip
-            write_curves(curves, run_dir / "eval.csv", run_dir / "eval.png", title=title, **axes)
-        if self.heldout:
-            write_atomically(
-                run_dir / "heldout.json", json.dumps(self.heldout, indent=1) + "\n", what="held-out results"
-            )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
@@ -384,6 +328,8 @@ class RLModule(LanguageModelModule):
             "eval_history": self.eval_history, "heldout": self.heldout,
             "sampler": self.sampler.get_state(), "sampler_device": self.sampler.device.type,  # get_state is a CPU tensor
         }  # fmt: skip
+        if self.environment is not None:
+            checkpoint["rl"]["environment_rng"] = self.environment.rng.getstate()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -398,3 +344,6 @@ class RLModule(LanguageModelModule):
         self._apply_sampler_state()
         self.eval_history = {k: [tuple(p) for p in v] for k, v in state["eval_history"].items()}
         self.heldout = state.get("heldout", {})
+        if self.environment is not None and "environment_rng" in state:
+            rng = state["environment_rng"]
+            self.environment.rng.setstate((rng[0], tuple(rng[1]), rng[2]))

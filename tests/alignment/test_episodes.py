@@ -11,6 +11,7 @@ import torch
 from alignment.shared.episodes import (
     TOOL_INSTRUCTIONS,
     Environment,
+    episode_rows,
     episode_stats,
     generate_sampler,
     load_environment,
@@ -141,3 +142,19 @@ def test_an_environment_is_named_by_import_path_and_bad_paths_name_the_key():
     ]:
         with pytest.raises(ConfigError, match=f"^env.name: .*{message}"):
             load_environment(path, "env.name")
+
+
+def test_episodes_become_rl_rows_with_the_mask_on_the_policys_tokens(smol):
+    """``episode_rows``: the tokens before the first sampled one left-padded to P, the rest right-padded; the mask
+    (what the RL loss, KL and entropy count) is exactly ``Episode.policy`` after the prompt."""
+    sample = scripted(smol, [["42", CALL], ["83810205"]])
+    episodes = run_episodes(
+        Environment(), smol, [{"messages": QUESTION}] * 2, sample, max_turns=4, turn_tokens=64, episode_tokens=1024
+    )
+    input_ids, real, width, mask = episode_rows(episodes, smol.pad_id)
+    assert width == max(e.prompt_len for e in episodes) and mask.shape[1] == input_ids.shape[1] - width
+    for row, episode in enumerate(episodes):
+        assert input_ids[row][real[row]].tolist() == episode.ids
+        response = episode.policy[episode.prompt_len :]
+        assert mask[row, : len(response)].tolist() == response and not mask[row, len(response) :].any()
+    assert not all(episodes[1].policy[episodes[1].prompt_len :])  # the tool turn inside the row is context

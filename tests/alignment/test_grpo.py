@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignment.schemas.rl import GRPOConfig
+from alignment.shared.episodes import Environment
 from alignment.stages.grpo import run_grpo
 from models.errors import ConfigError, DataError
 from tests.alignment.compiled_decode import run_checked
@@ -248,3 +249,83 @@ def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path)
     assert len(rollouts) == 4
     assert all(r["tokens_equal"] and r["mask_equal"] for r in records), records
     assert max(r["max_logprob_difference"] for r in records) < 1e-4
+
+
+class AskAgain(Environment):
+    """No tools: answers the policy's first turn with a user turn drawn from its own ``rng`` (so a resume must restore
+    it), and takes the second as the final answer. Every episode that is not cut off has two policy turns, the second
+    after context the policy did not write."""
+
+    tools = ()
+
+    def respond(self, episode, text):
+        if episode.turns > 1:
+            return None
+        return [{"role": "user", "content": self.rng.choice(["Once more, briefly.", "Again, in other words."])}]
+
+
+EPISODES = (
+    "episodes.environment=tests.alignment.test_grpo:AskAgain",
+    "episodes.max_turns=2",
+    "episodes.max_tokens=256",
+)
+
+
+@pytest.fixture
+def turns_that_end(monkeypatch):
+    """The tiny policy seldom samples its end-of-turn token within a turn's limit, so each of its turns is ended
+    after half the limit (the token appended, as if sampled): episodes then reach their second turn."""
+    from alignment.stages import rl_module
+
+    real = rl_module.generate_sampler
+
+    def sampler(model, tokenizer, generator=None, **sampling):
+        inner = real(model, tokenizer, generator, **sampling)
+
+        def sample(rows, max_new_tokens):
+            ended = []
+            for tokens in inner(rows, max_new_tokens):
+                stop = next((i for i, t in enumerate(tokens) if t in tokenizer.stop_ids), None)
+                ended.append(tokens if stop is not None else [*tokens[: max_new_tokens // 2], tokenizer.eot_id])
+            return ended
+
+        return sample
+
+    monkeypatch.setattr(rl_module, "generate_sampler", sampler)
+
+
+def test_multi_turn_episodes_train_and_resume_exactly_with_the_environments_rng(setup, tmp_path, turns_that_end):
+    """GRPO over two-turn episodes: the turns and the ends are logged; a crash after 2 of 4 rollouts resumes (the
+    sampler and the environment's RNG) to the uninterrupted run's weights."""
+    common = [
+        *EPISODES, "trainer.max_steps=4", "checkpoint.every_n_steps=2", "eval.every_n_rollouts=100", "eval.pass_k=0",
+        "eval.generations=4", "logger.kind=csv",
+    ]  # fmt: skip
+    straight = run_grpo(grpo_config(setup, tmp_path / "straight", *common))
+    with open(straight / "csv/metrics.csv", newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("grpo/turns")]
+    assert len(rows) == 4 and all(float(row["grpo/turns"]) == 2 for row in rows), rows
+    assert all(float(row["grpo/ended_answer"]) == 1 for row in rows)  # every episode gave its second turn
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfterTwo(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                raise Crash
+
+    with pytest.raises(Crash):
+        run_grpo(grpo_config(setup, tmp_path / "resumed", *common), extra_callbacks=[CrashAfterTwo()])
+    checkpoint = torch.load(tmp_path / "resumed/grpo-tiny/checkpoints/step-00000002.ckpt", weights_only=True)
+    assert "environment_rng" in checkpoint["rl"]
+    resumed = run_grpo(grpo_config(setup, tmp_path / "resumed", *common))
+    a, b = load_file(straight / "final/model.safetensors"), load_file(resumed / "final/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_an_environment_that_is_not_one_is_refused_before_compute(setup, tmp_path):
+    with pytest.raises(ConfigError, match="^episodes.environment: json:dumps is not an Environment"):
+        run_grpo(grpo_config(setup, tmp_path, "episodes.environment=json:dumps"))
+    assert not (tmp_path / "grpo-tiny").exists()
