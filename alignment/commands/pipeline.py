@@ -30,6 +30,7 @@ from alignment.commands.pipeline_records import (
 from alignment.commands.pipeline_report import write_report
 from alignment.commands.pipeline_tracking import PipelineTracking, track_report, wandb_run_lines
 from alignment.shared.evaluation import check_disjoint
+from alignment.shared.tools import CALCULATOR
 from alignment.stages import registry
 from data.demo.arithmetic import OPERATIONS, write_arithmetic_dataset
 from data.demo.tasks import write_demo_dataset
@@ -72,6 +73,7 @@ class DemoDataSection:
     # shakespeare: the corpus tasks (data/demo/tasks.py); arithmetic: sums with an answer line (data/demo/arithmetic.py)
     kind: Literal["shakespeare", "arithmetic"] = "shakespeare"
     arithmetic_tasks: list[str] = field(default_factory=lambda: list(OPERATIONS))  # kind arithmetic: which ones
+    tool_calls: bool = False  # kind arithmetic: SFT's demonstrations call the calculator (docs/tools.md)
     n_train: int = bounded(4000, ge=1)
     n_val: int = bounded(400, ge=1)  # the held-out prompts every model is scored on
     n_pairs: int = bounded(2000, ge=1)
@@ -266,10 +268,13 @@ class Pipeline:
         where = {"refuse_other_settings": only_if_current, "key": "out_dir"}
         if demo.kind == "arithmetic":
             counts = {"n_train": demo.n_train, "n_val": demo.n_val, "n_pairs": demo.n_pairs, "seed": demo.seed}
-            paths = write_arithmetic_dataset(self.demo, tasks=demo.arithmetic_tasks, **counts, **where)
+            calculator = CALCULATOR.schema() if demo.tool_calls else None
+            paths = write_arithmetic_dataset(
+                self.demo, tasks=demo.arithmetic_tasks, **counts, **where, calculator=calculator
+            )
         else:
             shakespeare = {f.name: getattr(demo, f.name) for f in fields(DemoDataSection)}
-            del shakespeare["kind"], shakespeare["arithmetic_tasks"]
+            del shakespeare["kind"], shakespeare["arithmetic_tasks"], shakespeare["tool_calls"]
             paths = write_demo_dataset(self.demo, **where, **shakespeare)
         self.demo_hash = content_key(paths["manifest"].read_text())
         self.check_heldout_disjoint()

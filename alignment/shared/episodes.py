@@ -8,7 +8,6 @@ headers and every observation are context. docs/tools.md says how an environment
 from __future__ import annotations
 
 import importlib
-import json
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,15 +18,6 @@ from torch import Tensor
 
 from alignment.shared.tools import CALCULATOR, Tool, parse_tool_calls, run_tool_call
 from models.errors import ConfigError
-
-# what a tool-using policy reads when its chat template does not write the tools (SmolLM2-135M's): the format of
-# Qwen2.5's and Hermes' templates, whose <tool_call> JSON parse_tool_calls reads
-TOOL_INSTRUCTIONS = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
-)
 
 
 class Environment:
@@ -78,19 +68,8 @@ class Episode:
 Sampler = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def with_tool_instructions(messages: list[dict[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
-    """``messages`` with the tools described in the system turn (added when there is none): for a chat template that
-    does not write the tools it is given."""
-    text = TOOL_INSTRUCTIONS.format(tools="\n".join(json.dumps(tool.schema()) for tool in tools))
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
 def start_episode(environment: Environment, tokenizer: Any, prompt: Mapping[str, Any]) -> Episode:
     messages = environment.first_messages(prompt)
-    if environment.tools and not tokenizer.renders_tools:
-        messages = with_tool_instructions(messages, environment.tools)
     ids = tokenizer.encode_chat_prompt(messages, tools=schemas(environment))
     return Episode(prompt, messages, ids, [False] * len(ids), len(ids))
 

@@ -15,6 +15,7 @@ read them as they read the Shakespeare tasks (``demo.kind: arithmetic``).
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,18 +33,23 @@ OPERATIONS: dict[str, tuple[str, range, range, Callable[[int, int], int]]] = {
 }
 
 
-def example(task: str, a: int, b: int) -> dict[str, Any]:
-    """One question as a demo record: the user turn, the demonstration, the task and the number the checker wants."""
+def example(task: str, a: int, b: int, calculator: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One question as a demo record: the user turn, the demonstration, the task and the number the checker wants.
+    ``calculator`` (its schema): the demonstration calls it and answers with its result, and the row offers it."""
     symbol, _, _, operation = OPERATIONS[task]
     answer = str(operation(a, b))
     messages = [{"role": "user", "content": f"What is {a} {symbol} {b}? {INSTRUCTION}"}]
-    return {
-        "messages": [*messages, {"role": "assistant", "content": answer}],
-        "task": task,
-        "kind": "short",
-        "answer": answer,
-        "meta": {"answer": str(operation(a, b)), "a": a, "b": b},
-    }
+    record = {"task": task, "kind": "short", "answer": answer, "meta": {"answer": answer, "a": a, "b": b}}
+    if calculator is None:
+        return {"messages": [*messages, {"role": "assistant", "content": answer}], **record}
+    name = calculator["function"]["name"]
+    call = json.dumps({"name": name, "arguments": {"expression": f"{a} {symbol} {b}"}})
+    messages += [
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},  # as parse_tool_calls reads it
+        {"role": "tool", "name": name, "content": answer},
+        {"role": "assistant", "content": answer},
+    ]
+    return {"messages": messages, "tools": [calculator], **record}
 
 
 def split_operands(task: str, n_val: int, seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -57,10 +63,10 @@ def split_operands(task: str, n_val: int, seed: int) -> tuple[list[tuple[int, in
 
 
 def build_arithmetic(
-    tasks: Sequence[str], n_train: int, n_val: int, n_pairs: int, seed: int
+    tasks: Sequence[str], n_train: int, n_val: int, n_pairs: int, seed: int, calculator: dict[str, Any] | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """The demo files' records: ``n_train`` and ``n_val`` questions and ``n_pairs`` preference pairs (the right answer
-    against a near miss), spread evenly over ``tasks`` in turn."""
+    against a near miss), spread evenly over ``tasks`` in turn; with ``calculator``, SFT's demonstrations call it."""
     pools = {task: split_operands(task, -(-n_val // len(tasks)), seed) for task in tasks}
     rng = random.Random(f"arithmetic-pairs:{seed}")
 
@@ -70,6 +76,11 @@ def build_arithmetic(
         ]
 
     train, val = take(n_train, 0), take(n_val, 1)
+    if calculator is not None:  # the same questions, demonstrated with the tool; prompts and pairs are unchanged
+        with_tool = [example(r["task"], r["meta"]["a"], r["meta"]["b"], calculator) for r in (*train, *val)]
+        sft_train, sft_val = with_tool[: len(train)], with_tool[len(train) :]
+    else:
+        sft_train, sft_val = train, val
     pairs = []
     for record in take(n_pairs, 0):
         right = int(record["meta"]["answer"])
@@ -79,7 +90,7 @@ def build_arithmetic(
             "task": record["task"], "kind": "short", "meta": record["meta"],
         })  # fmt: skip
     return {
-        "train": train, "val": val, "prompts": prompt_records(val), "train_prompts": prompt_records(train),
+        "train": sft_train, "val": sft_val, "prompts": prompt_records(val), "train_prompts": prompt_records(train),
         "pairs": pairs,
     }  # fmt: skip
 
@@ -94,8 +105,10 @@ def write_arithmetic_dataset(
     seed: int = 0,
     refuse_other_settings: bool = False,
     key: str = "--out",
+    calculator: dict[str, Any] | None = None,
 ) -> dict:
-    """``write_demo_dataset``'s files for the arithmetic ``tasks`` (the same layout, manifest and no-op rerun)."""
+    """``write_demo_dataset``'s files for the arithmetic ``tasks`` (the same layout, manifest and no-op rerun);
+    ``calculator``: the schema of the tool SFT's demonstrations call (``alignment.shared.tools.CALCULATOR``)."""
     check_demo_arguments(out_dir, n_train=n_train, n_val=n_val, n_pairs=n_pairs)
     unknown = [task for task in tasks if task not in OPERATIONS]
     if unknown or not tasks:
@@ -106,7 +119,7 @@ def write_arithmetic_dataset(
             raise DataError(f"n_train / n_pairs ask {per_task} {task} questions; it has fewer outside the held-out")
     params = {
         "format": FORMAT_VERSION, "tasks": list(tasks), "n_train": n_train, "n_val": n_val, "n_pairs": n_pairs,
-        "seed": seed,
+        "seed": seed, **({"calculator": calculator} if calculator is not None else {}),
     }  # fmt: skip
-    build = lambda: build_arithmetic(list(tasks), n_train, n_val, n_pairs, seed)  # noqa: E731
+    build = lambda: build_arithmetic(list(tasks), n_train, n_val, n_pairs, seed, calculator)  # noqa: E731
     return write_task_files(out_dir, params, build, refuse_other_settings=refuse_other_settings, key=key)

@@ -57,6 +57,11 @@ class Conversation:
     record: dict[str, Any]  # the row as loaded
     where: str  # "<file>, line N" (JSON lines; "record N" in a JSON array, "row N" in Parquet / a hub dataset)
 
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The functions the row offers the model: its ``tools`` column (OpenAI's format, as TRL reads it), or None."""
+        return self.record.get("tools") or None
+
 
 def resolve_sources(config: Any, sources: Sequence[str]) -> tuple[str, list[str]]:
     """(format, files) for `sources`, or ("hub", [name]): the inputs' resolution, SFT formats only."""
@@ -181,6 +186,16 @@ def field_turns(value: Any, name: str, role: str) -> list[dict[str, str]]:
     raise BadRow("non_string_content", f"{name!r} must be a string or a list of messages, got {shown(value)}")
 
 
+def check_tools(tools: Any) -> None:
+    """A row's ``tools``: absent, or a list of functions in OpenAI's format; BadRow says what is wrong."""
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not all(
+        isinstance(tool, Mapping) and isinstance((tool.get("function") or {}).get("name"), str) for tool in tools
+    ):
+        raise BadRow("bad_tools", 'tools must be a list of {"type": "function", "function": {"name": ..., ...}}')
+
+
 def record_to_messages(record: Mapping[str, Any], schema: str, config: Any) -> list[dict[str, str]]:
     """The conversation a row holds under `schema`; BadRow says why there is none."""
     if schema in ("messages", "sharegpt"):
@@ -273,6 +288,7 @@ def load_conversations(
     """Every good row of `sources` as a Conversation, plus {rows_read, skipped: {reason: count}}."""
 
     def convert(record: Mapping[str, Any], schema: str, where: str) -> Conversation:
+        check_tools(record.get("tools"))
         return Conversation(record_to_messages(record, schema, config), record, where)
 
     return load_rows(config, sources, split, detect_schema, convert)

@@ -11,6 +11,7 @@ import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,19 +70,24 @@ def _init_worker(tokenizer: Tokenizer) -> None:
     _WORKER_TOKENIZER = tokenizer
 
 
-def _encode_chunk(chunk: list[list[dict[str, str]]]) -> list[tuple[list[int], list[bool]]]:
-    return [_WORKER_TOKENIZER.encode_chat(messages) for messages in chunk]
+def _encode_chunk(chunk: list[tuple[list[dict[str, str]], Any]]) -> list[tuple[list[int], list[bool]]]:
+    return [_WORKER_TOKENIZER.encode_chat(messages, tools) for messages, tools in chunk]
 
 
 def encode_chats(
-    tokenizer: Tokenizer, conversations: Sequence[list[dict[str, str]]], num_proc: int = 1
+    tokenizer: Tokenizer,
+    conversations: Sequence[list[dict[str, str]]],
+    num_proc: int = 1,
+    tools: Sequence[list[dict[str, Any]] | None] | None = None,
 ) -> list[tuple[list[int], list[bool]]]:
-    """tokenizer.encode_chat over many conversations, in num_proc processes when there are many."""
+    """tokenizer.encode_chat over many conversations (``tools``: each one's offered tools, or None), in num_proc
+    processes when there are many."""
+    jobs = list(zip(conversations, tools if tools is not None else [None] * len(conversations)))
     chars = sum(len(m["content"]) for messages in conversations for m in messages)
     if num_proc <= 1 or chars < _PARALLEL_MIN_CHARS:  # below that, starting processes costs more than it saves
-        return [tokenizer.encode_chat(messages) for messages in conversations]
-    size = math.ceil(len(conversations) / (4 * num_proc))
-    chunks = [list(conversations[i : i + size]) for i in range(0, len(conversations), size)]
+        return [tokenizer.encode_chat(messages, offered) for messages, offered in jobs]
+    size = math.ceil(len(jobs) / (4 * num_proc))
+    chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with (
         workers_die_with_this_process(),  # a kill -9 of this process ends them too
@@ -108,11 +114,12 @@ def encode_examples(
     conversations: Sequence[Conversation], tokenizer: Tokenizer, config: SFTDataConfig
 ) -> list[Example]:
     try:
-        pairs = encode_chats(tokenizer, [c.messages for c in conversations], config.num_proc)
+        messages, tools = [c.messages for c in conversations], [c.tools for c in conversations]
+        pairs = encode_chats(tokenizer, messages, config.num_proc, tools)
     except ChatTemplateError:
         for conversation in conversations:  # the error path only: which row the template fails on
             try:
-                tokenizer.encode_chat(conversation.messages)
+                tokenizer.encode_chat(conversation.messages, conversation.tools)
             except ChatTemplateError as error:
                 raise DataError(f"{conversation.where}: the chat template cannot render this row ({error})") from None
         raise

@@ -11,6 +11,27 @@ from typing import Any
 
 CHAT_ROLES = ("system", "user", "assistant", "ipython", "tool")
 
+# how a conversation offers tools to a model whose chat template does not write them (SmolLM2-135M's, the built-in
+# Llama 3 format): in the system turn, in the words and <tool_call> JSON format of Qwen2.5's and Hermes' templates
+TOOL_INSTRUCTIONS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def with_tool_instructions(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``messages`` with ``tools`` (OpenAI's function format) described in the system turn, added when there is none."""
+    import json
+
+    text = TOOL_INSTRUCTIONS.format(tools="\n".join(json.dumps(tool) for tool in tools))
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *map(dict, messages[1:])]
+    return [{"role": "system", "content": text}, *map(dict, messages)]
+
 
 class TokenizerBase:
     """Common contract. Subclasses set ``path``, ``fingerprint``, ``bos_id`` (or None), ``eos_id``, ``pad_id``,
@@ -82,8 +103,19 @@ class TokenizerBase:
 
     @property
     def renders_tools(self) -> bool:
-        """Whether ``encode_chat(..., tools=...)`` writes the tools into the prompt (its chat template does)."""
+        """Whether the chat template writes the tools it is given; when it does not, ``encode_chat(..., tools=...)``
+        describes them in the system turn (``with_tool_instructions``)."""
         return False
+
+    def offer_tools(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[Sequence[Mapping[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools for the template): the tools as the template writes them, else in the system turn."""
+        if not tools:
+            return messages, None
+        if self.renders_tools:
+            return messages, list(tools)
+        return with_tool_instructions(messages, tools), None
 
     # --- shared ------------------------------------------------------------------
 

@@ -236,6 +236,7 @@ class HFTokenizer(TokenizerBase):
         """Ids as ``apply_chat_template(messages, tools=tools)`` gives them; mask True on each assistant turn's content
         and its end-of-turn token (tool and user turns are context)."""
         self._check_messages(messages)
+        messages, tools = self.offer_tools(messages, tools)
         end_of_turn = self._tk.id_to_token(self.eot_id)
         text, spans = self._require_template().render_with_spans(messages, end_of_turn, tools)
         encoding = self._tk.encode(text, add_special_tokens=False)
@@ -257,5 +258,6 @@ class HFTokenizer(TokenizerBase):
     ) -> list[int]:
         """Ids as ``apply_chat_template(messages, add_generation_prompt=True, tools=tools)`` gives them."""
         self._check_messages(messages)
+        messages, tools = self.offer_tools(messages, tools)
         text = self._require_template().render(messages, add_generation_prompt=True, tools=tools)
         return self._tk.encode(text, add_special_tokens=False).ids

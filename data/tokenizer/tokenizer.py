@@ -312,7 +312,8 @@ class Tokenizer(TokenizerBase):
     ) -> tuple[list[int], list[bool]]:
         """Llama 3 chat encoding. Returns (ids, mask); mask is True exactly on each
         assistant turn's content tokens and its <|eot_id|> (the tokens to train on). The built-in format has no
-        place for tool schemas: ``tools`` are not written (``renders_tools`` is False), describe them in a turn."""
+        place for tool schemas: ``tools`` are described in the system turn (``offer_tools``)."""
+        messages, _ = self.offer_tools(messages, tools)
         ids, mask = [self.bos_id], [False]
         for index, message in enumerate(messages):
             role, content = check_message(index, message)
@@ -327,5 +328,5 @@ class Tokenizer(TokenizerBase):
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> list[int]:
         """Chat ids followed by an open assistant header: the prompt for generation (``tools``: see encode_chat)."""
-        ids, _ = self.encode_chat(messages)
+        ids, _ = self.encode_chat(messages, tools)
         return ids + self._encode_header("assistant")

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from alignment.shared.episodes import (
-    TOOL_INSTRUCTIONS,
     Environment,
     episode_rows,
     episode_stats,
@@ -17,11 +16,12 @@ from alignment.shared.episodes import (
     load_environment,
     run_episodes,
 )
-from data.tokenizer.base import load_tokenizer
+from data.tokenizer.base import TOOL_INSTRUCTIONS, load_tokenizer
 from models.errors import ConfigError
 from tests.data.tokenizer.test_hf_tokenizer import bpe_json, folder_with  # noqa: F401 (the fixture)
 
 QUESTION = [{"role": "user", "content": "What is 12345 * 6789?"}]
+TOOLS = [tool.schema() for tool in Environment.tools]  # the calculator
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12345 * 6789"}}\n</tool_call>'
 
 
@@ -67,11 +67,11 @@ def test_an_episodes_tokens_are_the_templates_rendering_and_only_the_policys_car
         environment, smol, [{"messages": QUESTION}], sample, max_turns=4, turn_tokens=64, episode_tokens=1024
     )
     assert episode.ended == "answer" and episode.answer == "The product is 83810205."
-    assert [m["role"] for m in episode.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert episode.messages[3]["content"] == "83810205"  # the calculator's observation
-    assert TOOL_INSTRUCTIONS.split("\n")[0] in episode.messages[0]["content"]  # the template writes no tools
-    assert '"name": "calculator"' in episode.messages[0]["content"]
-    ids, mask = smol.encode_chat(episode.messages)
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "tool", "assistant"]
+    assert episode.messages[2]["content"] == "83810205"  # the calculator's observation
+    prompt = smol.decode(episode.ids[: episode.prompt_len])  # the template writes no tools: the system turn has them
+    assert TOOL_INSTRUCTIONS.split("\n")[0] in prompt and '"name": "calculator"' in prompt
+    ids, mask = smol.encode_chat(episode.messages, tools=TOOLS)
     # the whole transcript as the template renders it, but for the newline it writes after the last turn
     assert episode.ids == ids[: len(episode.ids)] and smol.decode(ids[len(episode.ids) :]) == "\n"
     assert episode.policy == mask[: len(episode.ids)]  # token by token: the policy's turns, nothing else
@@ -79,7 +79,7 @@ def test_an_episodes_tokens_are_the_templates_rendering_and_only_the_policys_car
         CALL + "<|im_end|>",
         "The product is 83810205.<|im_end|>",
     ]
-    assert episode.prompt_len == len(smol.encode_chat_prompt(episode.messages[:2]))
+    assert episode.prompt_len == len(smol.encode_chat_prompt(episode.messages[:1], tools=TOOLS))
     assert (episode.turns, episode.tool_calls, episode.malformed_calls) == (2, 1, 0)
 
 
@@ -88,9 +88,9 @@ def test_a_malformed_call_is_an_observation_and_counted(smol):
     [episode] = run_episodes(
         Environment(), smol, [{"messages": QUESTION}], sample, max_turns=4, turn_tokens=64, episode_tokens=1024
     )
-    assert episode.messages[3]["content"].startswith("error: the tool call is not JSON")
+    assert episode.messages[2]["content"].startswith("error: the tool call is not JSON")
     assert (episode.ended, episode.answer, episode.tool_calls, episode.malformed_calls) == ("answer", "83810205", 2, 1)
-    assert episode.policy == smol.encode_chat(episode.messages)[1][: len(episode.ids)]
+    assert episode.policy == smol.encode_chat(episode.messages, tools=TOOLS)[1][: len(episode.ids)]
 
 
 def test_episodes_end_on_the_turn_limit_and_the_token_limit_and_advance_together(smol):
@@ -126,7 +126,7 @@ def test_the_default_sampler_batches_episodes_through_generate(smol):
     for episode in episodes:
         sampled = [t for t, p in zip(episode.ids, episode.policy) if p]
         assert 1 <= len(sampled) <= 8 * episode.turns and episode.ended in ("answer", "tokens", "turns")
-        assert episode.ids[: episode.prompt_len] == smol.encode_chat_prompt(episode.messages[:2])
+        assert episode.ids[: episode.prompt_len] == smol.encode_chat_prompt(episode.messages[:1], tools=TOOLS)
 
 
 class Echo(Environment):

@@ -76,3 +76,27 @@ def test_bad_settings_are_one_line_before_any_file(tmp_path, arguments, message)
     with pytest.raises(DataError, match="^" + message.replace("[", r"\[").replace("]", r"\]")):
         write_arithmetic_dataset(tmp_path / "out", **{"n_train": 10, "n_val": 10, "n_pairs": 10, **arguments})
     assert not (tmp_path / "out").exists()
+
+
+def test_tool_demonstrations_call_the_calculator_and_its_result_is_the_answer(tmp_path):
+    """With the calculator's schema, SFT's demonstrations are transcripts the episode runner would make: the call as
+    ``parse_tool_calls`` reads it, the calculator's own output, then the answer; the row offers the tool. The RL
+    prompts and the held-out questions are the plain run's."""
+    from alignment.shared.tools import CALCULATOR, TOOLS, parse_tool_calls, run_tool_call
+
+    schema = CALCULATOR.schema()
+    plain = write_arithmetic_dataset(str(tmp_path / "plain"), tasks=["multiply"], n_train=20, n_val=10, n_pairs=4)
+    tools = write_arithmetic_dataset(
+        str(tmp_path / "tools"), tasks=["multiply"], n_train=20, n_val=10, n_pairs=4, calculator=schema
+    )
+    for split in ("train", "val"):
+        for record in load_jsonl(tools[split]):
+            user, call, result, answer = record["messages"]
+            assert record["tools"] == [schema] and [user["role"], call["role"], result["role"]] == [
+                "user", "assistant", "tool"
+            ]  # fmt: skip
+            [parsed] = parse_tool_calls(call["content"])
+            assert run_tool_call(parsed, TOOLS) == result["content"] == answer["content"] == record["answer"]
+            assert score_example(record, answer["content"]) == 1.0
+    for split in ("prompts", "train_prompts"):
+        assert load_jsonl(tools[split]) == load_jsonl(plain[split])

@@ -18,6 +18,7 @@ from data.sft.datamodule import SFTDataModule, build_sft_data
 from data.sft.rows import pack_first_fit_decreasing
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import check_config
+from models.errors import DataError
 from tests.helpers import WORDS, words, write_jsonl
 
 IGNORE = -100
@@ -83,6 +84,37 @@ def test_loss_mask_is_exact_on_a_multi_turn_example(tmp_path, tok, train_on_prom
     assert got == (ids[1:] if train_on_prompt else answers[0] + answers[1])
     example = data.train_examples[0]
     assert example.answer_tokens == len(answers[1]) and example.kind == "long"
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "exact arithmetic",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}  # fmt: skip
+TOOL_TRANSCRIPT = [
+    {"role": "user", "content": "What is 23 * 7?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "23 * 7"}}\n</tool_call>'},
+    {"role": "tool", "name": "calculator", "content": "161"},
+    {"role": "assistant", "content": "161"},
+]  # fmt: skip
+
+
+def test_a_tool_transcript_trains_on_the_models_turns_only_and_offers_the_rows_tools(tmp_path, tok):
+    """SFT on a multi-turn tool transcript with a ``tools`` column: the row is the template's rendering with the
+    tools offered (the built-in format: in the system turn), and only the model's turns (the call and the answer)
+    are targets; the tool's output is context. A ``tools`` value that is not a list of functions is a bad row."""
+    from data.tokenizer.base import with_tool_instructions
+
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_TRANSCRIPT, "tools": [CALCULATOR]}])
+    data = build_sft_data(config([path], seq_len=512, packing=False), tok)
+    ids, supervised = expected_chat(tok, with_tool_instructions(TOOL_TRANSCRIPT, [CALCULATOR]))
+    row = data.train.row(0)
+    n = len(ids) - 1
+    assert row["input_ids"][:n].tolist() == ids[:-1]
+    for i in range(n):  # token by token: target i is ids[i + 1] exactly where the model wrote it
+        assert row["targets"][i] == (ids[i + 1] if supervised[i + 1] else IGNORE), f"position {i}"
+    targets = tok.decode(row["targets"][row["targets"] != IGNORE].tolist())
+    assert targets == TOOL_TRANSCRIPT[1]["content"] + "<|eot_id|>161<|eot_id|>"  # not the tool's own "161"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": TOOL_TRANSCRIPT, "tools": "calculator"}])
+    with pytest.raises(DataError, match="tools must be a list"):
+        build_sft_data(config([bad], seq_len=512, packing=False), tok)
 
 
 def test_padding_is_never_a_stop_token_and_every_eot_after_an_answer_is_a_target(tmp_path, tok):

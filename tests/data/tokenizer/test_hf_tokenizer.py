@@ -442,6 +442,7 @@ def test_tools_reach_the_template_as_transformers_passes_them(tmp_path, bpe_json
     import importlib.resources
 
     from alignment.shared.tools import TOOLS
+    from data.tokenizer.base import with_tool_instructions
 
     schemas = [tool.schema() for tool in TOOLS.values()]
     template = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8")
@@ -461,4 +462,23 @@ def test_tools_reach_the_template_as_transformers_passes_them(tmp_path, bpe_json
     expected = theirs.apply_chat_template(prompt, tools=schemas, tokenize=True, add_generation_prompt=True)
     assert ours.encode_chat_prompt(prompt, tools=schemas) == hf_ids(expected)
     smol = load_tokenizer(folder_with(tmp_path, bpe_json, "chatml-smollm2"))
-    assert not smol.renders_tools and smol.encode_chat(chat, tools=schemas) == smol.encode_chat(chat)
+    assert not smol.renders_tools  # then the tools are described in the system turn, added where there is none
+    assert smol.encode_chat(chat, tools=schemas) == smol.encode_chat(with_tool_instructions(chat, schemas))
+    assert '"name": "python"' in smol.decode(smol.encode_chat_prompt(chat[:1], tools=schemas))
+
+
+def test_the_builtin_llama3_format_offers_tools_in_its_system_turn():
+    """A tiktoken file's Llama 3 format has no place for tool schemas: they are described in the system turn, the
+    mask still on the assistant turns alone."""
+    from alignment.shared.tools import CALCULATOR
+    from data.tokenizer.base import with_tool_instructions
+
+    tokenizer = load_tokenizer("default")
+    chat = [{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": "6"}]
+    tools = [CALCULATOR.schema()]
+    assert tokenizer.encode_chat(chat, tools) == tokenizer.encode_chat(with_tool_instructions(chat, tools))
+    ids, mask = tokenizer.encode_chat(chat, tools)
+    assert (
+        '"name": "calculator"' in tokenizer.decode(ids)
+        and tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "6<|eot_id|>"
+    )
