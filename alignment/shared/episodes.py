@@ -23,8 +23,9 @@ from models.errors import ConfigError
 class Environment:
     """A task's first messages and tools, and the answer to each policy turn. Subclass it in one file and name the
     class in the config (``module:Class``); the defaults: the prompt's own messages, the calculator, and a turn
-    without a tool call is the final answer. A subclass may keep its state in ``Episode.state`` (checkpointed as
-    JSON with the rollout) and draw from the ``rng`` it is given."""
+    without a tool call is the final answer. A subclass keeps an episode's turn state in ``Episode.state`` (an
+    episode ends within its rollout's step, so it never spans a checkpoint) and draws from ``self.rng``, whose
+    state the run's checkpoints hold."""
 
     tools: tuple[Tool, ...] = (CALCULATOR,)
 
@@ -61,7 +62,7 @@ class Episode:
     malformed_calls: int = 0
     ended: str = ""  # "answer" | "turns" (turn limit) | "tokens" (token limit, or a turn cut off)
     answer: str = ""  # the final answer: what the reward terms judge ("" when the episode ended without one)
-    state: dict[str, Any] = field(default_factory=dict)  # the environment's own, JSON
+    state: dict[str, Any] = field(default_factory=dict)  # the environment's own turn state for this episode
 
 
 # (rows of token ids, max new tokens) -> each row's sampled tokens, its stop token last when it stopped
