@@ -95,8 +95,9 @@ def test_an_estimate_that_fails_never_stops_a_run(caplog, tmp_path, data_dir, mo
 
     record = dataclasses.replace(registry.stage_named("pretrain"), plan_at=broken)
     monkeypatch.setattr(registry, "STAGES", registry.with_stage(record))
-    with caplog.at_level(logging.WARNING):
-        assert pretrain_stage.run_pretrain(pretrain_config(data_dir, tmp_path, "trainer.max_steps=1")) is not None
+    with caplog.at_level(logging.WARNING):  # the recipe receives its record, as Stage.run gives it
+        config = pretrain_config(data_dir, tmp_path, "trainer.max_steps=1")
+        assert pretrain_stage.run_pretrain(config, stage=record) is not None
     assert "an estimator bug" in caplog.text and "training goes on" in caplog.text
 
 

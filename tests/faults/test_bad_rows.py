@@ -206,10 +206,10 @@ def test_a_chat_template_that_fails_on_one_row_names_the_row(tmp_path, tok, monk
 
     real = type(tok).encode_chat
 
-    def strict(self, messages):  # a template that raises on one row's content, as a user's may
+    def strict(self, messages, tools=None):  # a template that raises on one row's content, as a user's may
         if any("boom" in m["content"] for m in messages):
             raise ChatTemplateError("tokenizer.json chat_template: raise_exception('no boom here')")
-        return real(self, messages)
+        return real(self, messages, tools)
 
     monkeypatch.setattr(type(tok), "encode_chat", strict)
     rows = [("hi", "hello", "a.jsonl, line 1"), ("boom?", "no", "a.jsonl, line 2")]
