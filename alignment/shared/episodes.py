@@ -7,7 +7,6 @@ headers and every observation are context. docs/tools.md says how an environment
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from alignment.shared.rewards import import_named
 from alignment.shared.tools import CALCULATOR, Tool, parse_tool_calls, run_tool_call
 from models.errors import ConfigError
 
@@ -198,14 +198,9 @@ def load_environment(path: str, key: str) -> Environment | None:
     nothing in the config runs; None for "". Errors name ``key``."""
     if not path:
         return None
-    module_name, _, name = path.partition(":")
-    if not module_name or not name or not all(part.isidentifier() for part in (*module_name.split("."), name)):
+    if not path.partition(":")[2].isidentifier():
         raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"{key}: cannot import {module_name!r} ({error})") from error
-    found = getattr(module, name, None)
+    found = import_named(path, key, "Class")
     if isinstance(found, type) and issubclass(found, Environment):
         return found()
     if isinstance(found, Environment):

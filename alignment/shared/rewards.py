@@ -34,18 +34,26 @@ from models.heads import ScalarModel, gather_last, load_scalar_model
 Checker = Callable[[dict[str, Any], str], "float | None"]
 
 
+def import_named(path: str, key: str, form: str) -> Any:
+    """What ``path`` ("package.module:name") names, None if its module has no such name; a ConfigError naming
+    ``key`` for a path not of that form (``form``: the name's kind in the message) or a module that does not import.
+    Nothing of the config runs: the module is imported, the name looked up."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name or not all(part.isidentifier() for part in module_name.split(".")):
+        raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:{form}'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({error})") from error
+    return getattr(module, name, None)
+
+
 def load_checker(path: str, key: str) -> Checker | None:
     """The function ``path`` ("module:function") names, or None for an empty path. Errors name ``key``."""
     if not path:
         return None
     module_name, _, function_name = path.partition(":")
-    if not module_name or not function_name or not all(part.isidentifier() for part in module_name.split(".")):
-        raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"{key}: cannot import {module_name!r} ({error})") from error
-    checker = getattr(module, function_name, None)
+    checker = import_named(path, key, "function")
     if not callable(checker):
         raise ConfigError(f"{key}: {module_name!r} has no function {function_name!r}")
 
