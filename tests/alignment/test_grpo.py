@@ -129,18 +129,22 @@ def test_one_update_a_rollout_takes_the_sampling_log_probs_from_its_own_forward(
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+class Crash(Exception):
+    pass
+
+
+class CrashAfterTwo(L.Callback):
+    """Stops a run after its second rollout (its step-2 checkpoint written), as a crash would."""
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            raise Crash
+
+
 def test_resume_is_exact(setup, tmp_path):
     """4 rollouts straight vs 2, a crash, and a resume for the last 2: the same policy (sampler state resumed)."""
     common = ["trainer.max_steps=4", "checkpoint.every_n_steps=2", "eval.every_n_rollouts=100", "eval.pass_k=0"]
     straight = run_grpo(grpo_config(setup, tmp_path / "straight", *common))
-
-    class Crash(Exception):
-        pass
-
-    class CrashAfterTwo(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 2:
-                raise Crash
 
     with pytest.raises(Crash):
         run_grpo(grpo_config(setup, tmp_path / "resumed", *common), extra_callbacks=[CrashAfterTwo()])
@@ -306,14 +310,6 @@ def test_multi_turn_episodes_train_and_resume_exactly_with_the_environments_rng(
         rows = [row for row in csv.DictReader(handle) if row.get("grpo/turns")]
     assert len(rows) == 4 and all(float(row["grpo/turns"]) == 2 for row in rows), rows
     assert all(float(row["grpo/ended_answer"]) == 1 for row in rows)  # every episode gave its second turn
-
-    class Crash(Exception):
-        pass
-
-    class CrashAfterTwo(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 2:
-                raise Crash
 
     with pytest.raises(Crash):
         run_grpo(grpo_config(setup, tmp_path / "resumed", *common), extra_callbacks=[CrashAfterTwo()])
