@@ -18,7 +18,7 @@ from alignment.shared.episodes import (
 )
 from data.tokenizer.base import TOOL_INSTRUCTIONS, load_tokenizer
 from models.errors import ConfigError
-from tests.data.tokenizer.test_hf_tokenizer import bpe_json, folder_with  # noqa: F401 (the fixture)
+from tests.data.tokenizer.test_hf_tokenizer import bpe_json, folder_with, masked_runs  # noqa: F401 (the fixture)
 
 QUESTION = [{"role": "user", "content": "What is 12345 * 6789?"}]
 TOOLS = [tool.schema() for tool in Environment.tools]  # the calculator
@@ -50,16 +50,6 @@ def scripted(tokenizer, turns: list[str | list[str]], calls: list | None = None)
     return sample
 
 
-def runs_of(ids, mask):
-    runs, current = [], []
-    for token, masked in zip(ids, mask):
-        if masked:
-            current.append(token)
-        elif current:
-            runs, current = [*runs, current], []
-    return runs + ([current] if current else [])
-
-
 def test_an_episodes_tokens_are_the_templates_rendering_and_only_the_policys_carry_loss(smol):
     environment = Environment()
     sample = scripted(smol, [CALL, "The product is 83810205."])
@@ -75,7 +65,7 @@ def test_an_episodes_tokens_are_the_templates_rendering_and_only_the_policys_car
     # the whole transcript as the template renders it, but for the newline it writes after the last turn
     assert episode.ids == ids[: len(episode.ids)] and smol.decode(ids[len(episode.ids) :]) == "\n"
     assert episode.policy == mask[: len(episode.ids)]  # token by token: the policy's turns, nothing else
-    assert [smol.decode(run) for run in runs_of(episode.ids, episode.policy)] == [
+    assert [smol.decode(run) for run in masked_runs(episode.ids, episode.policy)] == [
         CALL + "<|im_end|>",
         "The product is 83810205.<|im_end|>",
     ]

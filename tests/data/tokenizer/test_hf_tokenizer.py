@@ -119,6 +119,17 @@ def folder_with(root: Path, bpe_json: Path, name: str) -> Path:
     return folder
 
 
+def masked_runs(ids: list[int], mask: list[bool]) -> list[list[int]]:
+    """The ids of each unbroken run of masked positions: one per trained turn."""
+    runs, current = [], []
+    for token, masked in zip(ids, mask):
+        if masked:
+            current.append(token)
+        elif current:
+            runs, current = [*runs, current], []
+    return runs + ([current] if current else [])
+
+
 def hf_ids(output) -> list[int]:
     return list(output["input_ids"] if hasattr(output, "keys") else output)
 
@@ -142,14 +153,7 @@ def test_chats_are_token_for_token_what_transformers_gives(tmp_path, bpe_json, n
         )
         assert prompt == hf_ids(expected)
         # the mask: every assistant turn's content and its end-of-turn token, nothing else
-        runs, current = [], []
-        for i, m in zip(ids, mask):
-            if m:
-                current.append(i)
-            elif current:
-                runs.append(current)
-                current = []
-        runs += [current] if current else []
+        runs = masked_runs(ids, mask)
         replies = [m["content"] for m in chat if m["role"] == "assistant"]
         strip = name == "llama3"  # its template trims each turn
         assert [ours.decode(run) for run in runs] == [
@@ -420,13 +424,7 @@ def test_qwen3s_template_thinking_and_tool_calls_are_what_transformers_gives(tmp
         assert ids == hf_ids(theirs.apply_chat_template(chat, tokenize=True)), chat
         text = theirs.apply_chat_template(chat, tokenize=False)
         turns = re.findall(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, flags=re.DOTALL)
-        runs, current = [], []
-        for token, masked in zip(ids, mask):
-            if masked:
-                current.append(token)
-            elif current:
-                runs, current = [*runs, current], []
-        runs += [current] if current else []
+        runs = masked_runs(ids, mask)
         assert [ours.decode(run) for run in runs] == turns, chat
         dropped += text.count("The user greets.") < sum(m["content"].count("The user greets.") for m in chat)
         prompt = chat[: max(i for i, m in enumerate(chat) if m["role"] != "assistant") + 1]
