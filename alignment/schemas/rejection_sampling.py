@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alignment.schemas.rl import RewardConfig, RewardTermConfig
+from alignment.schemas.rl import EpisodeConfig, RewardConfig, RewardTermConfig
 from alignment.schemas.sft import SFTConfig
 from data.records.prompts import PromptDataConfig
 from models.config_checks import bounded
@@ -49,4 +49,7 @@ class RejectionSamplingConfig:
         default_factory=lambda: RewardConfig(terms=[RewardTermConfig("checker", "data.demo.scoring:score_example")])
     )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # environment set: each sample is a tool episode (sampling.response_max_tokens a turn) and the kept transcripts
+    # are SFT rows with their tools, trained on the policy's turns alone (docs/tools.md)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     sft: SFTConfig = field(default_factory=rejection_sampling_sft)

@@ -105,6 +105,22 @@ class PPOHyperparameters(RolloutHyperparameters):
 
 
 @dataclass
+class EpisodeConfig:
+    """Multi-turn tool episodes (alignment/shared/episodes.py, docs/tools.md): each rollout's responses are episodes
+    in which the policy calls the environment's tools; the stage's response_max_tokens is then one turn's limit."""
+
+    # "package.module:Class", an Environment; "alignment.shared.episodes:Environment": the calculator on the prompt's
+    # own messages; "": single-turn responses
+    environment: str = ""
+    max_turns: int = bounded(4, ge=1)  # policy turns per episode
+    max_tokens: int = bounded(512, ge=2)  # tokens of a whole episode: its first messages, every turn and observation
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment)
+
+
+@dataclass
 class PPOConfig(StageConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(name="ppo"))
     init: PPOInitConfig = field(default_factory=PPOInitConfig)
@@ -112,6 +128,7 @@ class PPOConfig(StageConfig):
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOHyperparameters = field(default_factory=PPOHyperparameters)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
     optim: OptimConfig = field(default_factory=lambda: rl_optim(1e-5))
     critic_optim: OptimConfig = field(default_factory=lambda: rl_optim(1e-5))
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=100, val_every_n_steps=10**9))
@@ -149,22 +166,6 @@ class GRPOHyperparameters(RolloutHyperparameters):
     kl_coef: float = bounded(0.04, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"  # k3 = exp(r) - r - 1 >= 0, in the loss (not the reward)
     missing_eos_penalty: float | None = bounded(None, ge=0)
-
-
-@dataclass
-class EpisodeConfig:
-    """Multi-turn tool episodes (alignment/shared/episodes.py, docs/tools.md): each rollout's responses are episodes
-    in which the policy calls the environment's tools; grpo.response_max_tokens is then one turn's limit."""
-
-    # "package.module:Class", an Environment; "alignment.shared.episodes:Environment": the calculator on the prompt's
-    # own messages; "": single-turn responses
-    environment: str = ""
-    max_turns: int = bounded(4, ge=1)  # policy turns per episode
-    max_tokens: int = bounded(512, ge=2)  # tokens of a whole episode: its first messages, every turn and observation
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.environment)
 
 
 @dataclass

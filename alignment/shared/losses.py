@@ -109,19 +109,23 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over each response; returns (advantages, returns = A + V).
+    """Generalised advantage estimation over the masked (policy) tokens of each response; returns (advantages,
+    returns = A + V), zero off the mask.
 
-    Positions after a response ended are masked: they neither bootstrap nor get an advantage.
+    Masked-out positions are skipped, not ends: after a response they neither bootstrap nor get an advantage, and
+    inside a tool episode the policy token before an observation bootstraps from the policy's next token, as if the
+    observation were not in the row (the environment's tokens are not the policy's actions).
     """
-    rewards, values, mask = rewards.float(), values.float() * mask, mask.float()
+    rewards, values, on = rewards.float(), values.float(), mask.bool()
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(running)  # the value of the next policy token (0 after the last)
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * mask[:, t]
-        advantages[:, t] = running
-    return advantages, (advantages + values) * mask
+        running = torch.where(on[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(on[:, t], values[:, t], next_value)
+        advantages[:, t] = running * on[:, t]
+    return advantages, (advantages + values * on) * on
 
 
 def ppo_policy_loss(

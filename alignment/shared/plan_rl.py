@@ -75,22 +75,29 @@ def template_prefix(stage: Any, config: Any) -> int:
     return shared if shared >= SHARED_PREFIX_MIN else 0
 
 
-def decode_steps(target: Target, hp: Any) -> tuple[int, float, str]:
+def decode_steps(target: Target, hp: Any, turns: int = 1) -> tuple[int, float, str]:
     """(decode steps of a rollout, the mean steps a row takes, the note saying which): the longest row runs to
-    ``response_max_tokens``; a row leaves the batch when it stops, at ``--mean-response-tokens`` on average."""
-    limit = hp.response_max_tokens
+    ``response_max_tokens`` (times ``turns``, a tool episode's policy turns); a row leaves the batch when it stops,
+    at ``--mean-response-tokens`` on average (the policy's tokens of a whole episode)."""
+    limit = hp.response_max_tokens * turns
+    of = f"{turns} turns of {hp.response_max_tokens}" if turns > 1 else f"{limit}"
     if target.mean_response_tokens is None:
-        return limit, limit, f"every row decodes {limit} tokens (an upper bound: give --mean-response-tokens)"
+        return limit, limit, f"every row decodes {of} tokens (an upper bound: give --mean-response-tokens)"
     mean = min(target.mean_response_tokens, limit)
-    return limit, mean, f"rows leave the batch at {mean:g} tokens on average (--mean-response-tokens), of {limit}"
+    return limit, mean, f"rows leave the batch at {mean:g} tokens on average (--mean-response-tokens), of {of}"
+
+
+def episode_turns(stage: Any, config: Any) -> int:
+    """The policy turns a row may take: the episodes section's ``max_turns`` when the stage plays tool episodes."""
+    episodes = stage.episodes(config)
+    return episodes.max_turns if episodes is not None else 1
 
 
 def rollout_shape(stage: Any, config: Any) -> tuple[Any, int, int]:
     """(the hyperparameter section, sequences one rollout samples per GPU, prompt + response width)."""
     hp = getattr(config, stage.rollout_section)
     sequences = math.prod(getattr(hp, key) for key in stage.rollout)
-    episodes = getattr(config, "episodes", None)  # GRPO's tool episodes: an episode is one row
-    if episodes is not None and episodes.enabled:
+    if (episodes := stage.episodes(config)) is not None:  # an episode is one row
         return hp, sequences, episodes.max_tokens
     return hp, sequences, config.data.max_prompt_tokens + hp.response_max_tokens
 
@@ -144,9 +151,15 @@ def plan_rl_stage(stage: Any, config: Any, models: Models, target: Target) -> St
     prefill = inference_bytes(
         policy, sequences, config.data.max_prompt_tokens, numerics=numerics, attention=attention, head="last"
     )
+    # tool episodes: each turn's prompts' keys and values are kept for the next turn's prefill (models.prefix_cache)
+    turn_prompts = (
+        [Item("last turn's prompts (kept)", rollout_cache, "tool episodes: for the next turn's prefill")]
+        if episode_turns(stage, config) > 1
+        else []
+    )
     generation = Phase("rollout: generation", [
         *no_grads, *frozen, *gathered,
-        Item("KV cache", rollout_cache, f"{sequences} rows x {caches[0][1]} positions"),
+        Item("KV cache", rollout_cache, f"{sequences} rows x {caches[0][1]} positions"), *turn_prompts,
         Item("prefill working set", prefill, "no grad"),
     ], "prefill")  # fmt: skip
     micro = hp.micro_batch_size
@@ -228,7 +241,8 @@ def rl_timing(
     if critic_params is not None:
         critic_fpt = lm_flops_per_token(models.critic, width, critic_params, head=False)
     training = hp.epochs * (policy_fpt + critic_fpt) * unshared
-    steps, row_steps, rows_note = decode_steps(target, hp)
+    turns = episode_turns(stage, config)
+    steps, row_steps, rows_note = decode_steps(target, hp, turns)
     notes = [
         f"decoding at {DECODE_EFFICIENCY:.0%} of the memory bandwidth (assumed, not measured by Lantern)",
         rows_note,
@@ -248,7 +262,9 @@ def rl_timing(
     matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
     decode = decode_seconds(target, setup, weights_dtype * params.total, cache, sequences, steps, matmuls, row_steps)
     choice = mfu_for(target.gpu, setup.compiled, target.mfu)
-    prompt_tokens = shared + sequences * (config.data.max_prompt_tokens - shared)
+    # a tool episode prefills what it did not decode: its prompt, then each turn's observations
+    prefilled = config.data.max_prompt_tokens if turns == 1 else max(width - steps, config.data.max_prompt_tokens)
+    prompt_tokens = shared + sequences * (prefilled - shared)
     prefill = 2 * matmuls * prompt_tokens / (peak_flops(target.gpu, setup.precision) * choice.mfu)
     timing.compute_s += decode + prefill
     timing.step_s = max(timing.compute_s, timing.communication_s)
@@ -265,6 +281,8 @@ def plan_sampling(stage: Any, config: Any, models: Models, target: Target) -> tu
     params = meta_parameters(policy)
     rows = sampling.batch_size * sampling.samples_per_prompt
     width = config.data.max_prompt_tokens + sampling.response_max_tokens
+    if (episodes := stage.episodes(config)) is not None:  # an episode is one row
+        width = episodes.max_tokens
     weights = 2 if setup.numerics == "bf16" else 4
     state = model_state(params, setup.precision, trains=False)
     cache = kv_cache_bytes(policy, rows, cache_length(width, setup, policy.max_seq_len), weights)
@@ -285,7 +303,7 @@ def plan_sampling(stage: Any, config: Any, models: Models, target: Target) -> tu
     seconds = None
     if target.gpu is not None:
         matmuls = params.total - policy.vocab_size * policy.dim * (0 if policy.tie_embeddings else 1)
-        steps, row_steps, _ = decode_steps(target, sampling)
+        steps, row_steps, _ = decode_steps(target, sampling, episode_turns(stage, config))
         seconds = decode_seconds(target, setup, weights * params.total, cache, rows, steps, matmuls, row_steps)
     return phase, seconds
 
@@ -299,6 +317,6 @@ def plan_rejection_sampling(stage: Any, config: Any, models: Models, target: Tar
     if seconds is not None:
         per_batch = f"~{seconds:.3g} s per batch of {config.sampling.batch_size} prompts"
         total = f"; {prompts} prompts ~{seconds * -(-prompts // config.sampling.batch_size):.3g} s" if prompts else ""
-        rows = decode_steps(target, config.sampling)[2]
+        rows = decode_steps(target, config.sampling, episode_turns(stage, config))[2]
         plan.notes.append(f"sampling before SFT: {per_batch}{total} (decoding at the bandwidth assumption; {rows})")
     return plan

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.rl import GRPOConfig
-from alignment.shared.episodes import Environment, episode_stats, load_environment
+from alignment.shared.episodes import Environment, episode_stats
 from alignment.shared.losses import group_advantages, kl_penalty, ppo_policy_loss
 from alignment.shared.rewards import Checker, Reward
 from alignment.stages.registry import GRPO, Stage
@@ -44,10 +44,6 @@ class GRPOModule(RLModule):
         environment: Environment | None = None,  # responses are tool episodes (config.episodes)
     ) -> None:
         super().__init__(config, config.grpo, policy, reference, reward, tokenizer, checker, environment)
-
-    @classmethod
-    def build_environment(cls, config: GRPOConfig) -> Environment | None:
-        return load_environment(config.episodes.environment, "episodes.environment")
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = optimizer_from_config(self.model, self.config.optim, self.config.schedule_steps())
@@ -86,7 +82,7 @@ class GRPOModule(RLModule):
             "generation_time": responses.generation_time,
             "rollout_time": rollout_time,
             "train_time": time.perf_counter() - start - rollout_time,
-            **(episode_stats(self.episodes) if self.environment is not None else {}),  # turns, tool calls, ends
+            **(episode_stats(responses.episodes) if responses.episodes is not None else {}),  # turns, calls, ends
             **reward_stats,
             **train_stats,
         }

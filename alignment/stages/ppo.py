@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from alignment.schemas.rl import PPOConfig
+from alignment.shared.episodes import Environment, episode_stats
 from alignment.shared.initial_model import add_model_adapters
 from alignment.shared.losses import (
     KLController,
@@ -59,8 +60,9 @@ class PPOModule(RLModule):
         tokenizer: Any,
         *,
         checker: Checker | None = None,
+        environment: Environment | None = None,  # responses are tool episodes (config.episodes)
     ) -> None:
-        super().__init__(config, config.ppo, policy, reference, reward, tokenizer, checker)
+        super().__init__(config, config.ppo, policy, reference, reward, tokenizer, checker, environment)
         self.critic = critic
         ppo = config.ppo
         self.kl_controller = KLController(
@@ -133,6 +135,7 @@ class PPOModule(RLModule):
             "ended_with_eos": self.global_mean(responses.ended),
             "generation_time": responses.generation_time,
             "rollout_tokens_per_second": float(mask.sum()) / responses.generation_time,
+            **(episode_stats(responses.episodes) if responses.episodes is not None else {}),  # turns, calls, ends
             **reward_stats,
         }
         self.write_samples(prompts, responses, raw_scores)

@@ -85,6 +85,9 @@ class Stage:
     # The algorithm's other hooks (its reward, extra models, plots) are class methods of its module (RLModule)
     rollout: tuple[str, ...] = ()
     language_model: bool = True  # whether final/ is a language model the report scores (the reward model's is not)
+    # the config section of the stage's multi-turn tool episodes (an ``EpisodeConfig``, docs/tools.md), if it has one:
+    # with an environment set there, a row is an episode of up to its ``max_tokens``
+    episodes_section: str | None = None
     # the report's line for the stage: (metric, note, "first_last" | "final") over its run's CSVs; {stage} is its name,
     # and a metric with a * (val/*/loss) is each series it matches
     headline: tuple[tuple[str, str, str], ...] = (("val/loss", "", "first_last"),)
@@ -167,8 +170,16 @@ class Stage:
         ``max_seq_len``; a one-line ConfigError naming the keys and ``limit`` otherwise."""
         from trainer.checks import check_context_length
 
-        lengths = {key: functools.reduce(getattr, key.split("."), config) for key in self.row_tokens}
+        if (episodes := self.episodes(config)) is not None:  # an episode is one row
+            lengths = {f"{self.episodes_section}.max_tokens": episodes.max_tokens}
+        else:
+            lengths = {key: functools.reduce(getattr, key.split("."), config) for key in self.row_tokens}
         check_context_length(lengths, max_seq_len, limit)
+
+    def episodes(self, config: Any) -> Any | None:
+        """The stage's episodes section when an environment is set there, else None (single-turn responses)."""
+        section = getattr(config, self.episodes_section) if self.episodes_section else None
+        return section if section is not None and section.enabled else None
 
     def plan(self, config: Any, models: Any, target: Any) -> Any:
         """The stage's ``StagePlan`` with the knob that makes it fit; refused like the run when a row does not fit
@@ -257,7 +268,7 @@ PPO = Stage(
         ModelRole("init.policy", "critic"),
     ),
     demo_files={"data.train": "train_prompts", "data.val": "prompts"}, rollout=("rollout_batch_size",),
-    headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
+    episodes_section="episodes", headline=_RL_HEADLINE, panel=_rl_panel("PPO"),
 )  # fmt: skip
 
 GRPO = Stage(
@@ -270,7 +281,7 @@ GRPO = Stage(
         ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
     ),
     demo_files={"data.train": "train_prompts", "data.val": "prompts"},
-    rollout=("prompts_per_rollout", "group_size"),
+    rollout=("prompts_per_rollout", "group_size"), episodes_section="episodes",
     headline=_RL_HEADLINE, panel=_rl_panel("GRPO"),
 )  # fmt: skip
 
@@ -299,7 +310,8 @@ REJECTION_SAMPLING = Stage(
         ModelRole("reward.terms[].path", "reward model", only=(("kind", "reward_model"),)),
     ),
     demo_files={"data.train": "train_prompts", "sft.data.val": "val"},
-    training_prefix="sft.", headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
+    training_prefix="sft.", episodes_section="episodes",
+    headline=(("val/loss", "(SFT on the kept samples)", "first_last"),),
 )  # fmt: skip
 
 # in pipeline order

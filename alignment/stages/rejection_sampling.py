@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
+from alignment.shared.episodes import Environment, load_environment, schemas
 from alignment.shared.rewards import build_reward
-from alignment.shared.sampling import sample_and_score
+from alignment.shared.sampling import sample_and_score, sample_and_score_episodes
 from alignment.stages.registry import REJECTION_SAMPLING, Stage
 from alignment.stages.sft import fine_tune
 from data.records.prompts import PromptDataModule, record_to_prompt
@@ -91,13 +92,14 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer, stage: S
     except (OSError, ValueError) as error:
         raise ConfigError(f"init.policy: {error}") from error
     stage.check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
-    if config.data.max_prompt_tokens + sampling.response_max_tokens > sft.data.seq_len:
+    longest = config.data.max_prompt_tokens + sampling.response_max_tokens
+    if stage.episodes(config) is not None:
+        longest = config.episodes.max_tokens
+    if longest > sft.data.seq_len:
         log.warning(
-            "a prompt + response may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
-            config.data.max_prompt_tokens + sampling.response_max_tokens,
-            sft.data.seq_len,
-            "dropped" if sft.data.too_long == "drop" else "truncated",
-        )
+            "a sample may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
+            longest, sft.data.seq_len, "dropped" if sft.data.too_long == "drop" else "truncated",
+        )  # fmt: skip
     return model
 
 
@@ -137,7 +139,7 @@ def load_training_prompts(config: RejectionSamplingConfig) -> list[dict[str, Any
 def sampling_digest(config: RejectionSamplingConfig, prompts: list[dict[str, Any]], tokenizer: Tokenizer) -> str:
     """The hash of what decides the samples: the data, reward and sampling sections, run.seed, the prompts as
     encoded, the tokenizer, and the names, sizes and mtimes of the models' files (not the ``sft.`` keys)."""
-    settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling")}
+    settings = {key: to_dict(getattr(config, key)) for key in ("data", "reward", "sampling", "episodes")}
     models = [config.init.policy] + [t.path for t in config.reward.terms if t.kind == "reward_model" and t.path]
     return content_key(
         [FORMAT, settings, config.run.seed, tokenizer.fingerprint],
@@ -170,9 +172,14 @@ def wait_for_rank_zero(run_dir: Path, digest: str) -> None:
 
 @torch.no_grad()
 def keep_best(
-    config: RejectionSamplingConfig, prompts: list[dict[str, Any]], samples: list[dict[str, Any]]
+    config: RejectionSamplingConfig,
+    prompts: list[dict[str, Any]],
+    samples: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """SFT chat records of the kept samples (prompt order, best first) and the statistics of the sampling."""
+    """SFT chat records of the kept samples (prompt order, best first) and the statistics of the sampling. A tool
+    episode's record is its transcript with ``tools`` (the environment's schemas): SFT trains on the policy's turns
+    alone."""
     sampling, k = config.sampling, config.sampling.samples_per_prompt
     records, best, prompts_kept = [], [], 0
     for index, prompt in enumerate(prompts):
@@ -188,9 +195,12 @@ def keep_best(
         messages = record_to_prompt(prompt["record"], config.data)[0]
         for place, sample_index in enumerate(chosen):
             sample = group[sample_index]
+            # an episode's whole transcript, or the prompt's messages and the answer
+            conversation = sample.get("messages") or [*messages, {"role": "assistant", "content": sample["answer"]}]
             records.append(
                 {
-                    "messages": [*messages, {"role": "assistant", "content": sample["answer"]}],
+                    "messages": conversation,
+                    **({"tools": tools} if tools else {}),
                     "score": sample["score"],
                     "scores": sample["scores"],
                     "place": place,  # 0: the best of the prompt's samples
@@ -214,14 +224,23 @@ def keep_best(
         "mean_response_tokens": sum(s["tokens"] for s in samples) / len(samples),
         "term_means": {name: sum(s["scores"][name] for s in samples) / len(samples) for name in samples[0]["scores"]},
     }
+    if "messages" in samples[0]:  # tool episodes: means per episode
+        for key in ("turns", "tool_calls", "malformed_calls"):
+            stats[f"mean_{key}"] = sum(s[key] for s in samples) / len(samples)
     return records, stats
 
 
 def run_sampling(
-    config: RejectionSamplingConfig, tokenizer: Tokenizer, prompts: list[dict], run_dir: Path, digest: str
+    config: RejectionSamplingConfig,
+    tokenizer: Tokenizer,
+    prompts: list[dict],
+    run_dir: Path,
+    digest: str,
+    environment: Environment | None = None,
 ) -> dict[str, Any]:
-    """Load the policy and the reward, sample and score (sharded when torch.distributed is initialised), keep the
-    best and, on rank 0, write samples.jsonl then sampling.json. Returns the statistics."""
+    """Load the policy and the reward, sample and score (tool episodes with ``environment``; sharded when
+    torch.distributed is initialised), keep the best and, on rank 0, write samples.jsonl then sampling.json. Returns
+    the statistics."""
     started = time.perf_counter()
     reward = build_reward(config.reward.terms)
     on_gpu = torch.cuda.is_available() and config.sft.trainer.accelerator != "cpu"
@@ -232,13 +251,22 @@ def run_sampling(
     sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     mine = list(range(rank, len(prompts), world))
-    sampling = config.sampling
-    samples = sample_and_score(
-        policy, tokenizer, reward, [prompts[i] for i in mine], samples_per_prompt=sampling.samples_per_prompt,
-        response_max_tokens=sampling.response_max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, batch_size=sampling.batch_size, seed=config.run.seed,
-        compile=config.sft.trainer.compile, rank=rank,
-    )  # fmt: skip
+    sampling, episodes = config.sampling, config.episodes
+    common = {
+        "samples_per_prompt": sampling.samples_per_prompt, "temperature": sampling.temperature,
+        "top_k": sampling.top_k, "top_p": sampling.top_p, "batch_size": sampling.batch_size, "seed": config.run.seed,
+        "rank": rank,
+    }  # fmt: skip
+    if environment is not None:
+        samples = sample_and_score_episodes(
+            policy, tokenizer, reward, environment, [prompts[i] for i in mine], turn_tokens=sampling.response_max_tokens,
+            max_turns=episodes.max_turns, episode_tokens=episodes.max_tokens, **common,
+        )  # fmt: skip
+    else:
+        samples = sample_and_score(
+            policy, tokenizer, reward, [prompts[i] for i in mine], response_max_tokens=sampling.response_max_tokens,
+            compile=config.sft.trainer.compile, **common,
+        )  # fmt: skip
     unjudged = reward.unjudged  # samples a checker could not judge (scored 0)
     del policy, reward
     if on_gpu:
@@ -252,7 +280,7 @@ def run_sampling(
             for position, index in enumerate(indices):
                 ordered[index * k : (index + 1) * k] = part[position * k : (position + 1) * k]
         samples = ordered
-    records, stats = keep_best(config, prompts, samples)
+    records, stats = keep_best(config, prompts, samples, schemas(environment) if environment is not None else None)
     if not records:
         raise DataError(
             f"no sample of the {len(prompts)} prompts can be kept (min_score {config.sampling.min_score}, "
@@ -288,6 +316,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig, *, stage: Stage = RE
     check_stage_config(config, stage.model_folders(config), config.sft.trainer)  # before anything is created
     plan = stage.preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
+    environment = load_environment(config.episodes.environment, "episodes.environment")
     model = check_config(config, tokenizer, stage)
     prompts = load_training_prompts(config)
     digest = sampling_digest(config, prompts, tokenizer)
@@ -307,7 +336,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig, *, stage: Stage = RE
                     "other inputs: set run.name to a new folder, or sft.checkpoint.resume=none to sample again and "
                     "fine-tune from the start"
                 )
-            run_sampling(config, tokenizer, prompts, run_dir, digest)
+            run_sampling(config, tokenizer, prompts, run_dir, digest, environment)
         else:
             wait_for_rank_zero(run_dir, digest)
     except BaseException:

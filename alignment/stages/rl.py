@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from alignment.shared.episodes import load_environment
 from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
 from alignment.shared.responses import RewardFunction
@@ -25,7 +26,6 @@ from models.errors import ConfigError
 from models.formats.checkpoint import load_checkpoint
 from models.model import Transformer
 from trainer.build import check_stage_config, fit_stage, stage_callbacks, start_run_directory
-from trainer.checks import check_context_length
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def run_rl(
     plan = stage.preflight(config)  # before any weights load
     checker = load_checker(config.eval.checker, "eval.checker")
     algorithm: type[RLModule] = stage.module  # its class methods: the reward, environment, extra models, plots
-    environment = algorithm.build_environment(config)  # multi-turn tool episodes (GRPO's episodes section), or None
+    episodes = stage.episodes(config)  # multi-turn tool episodes (the record's episodes section), or None
+    environment = load_environment(episodes.environment, f"{stage.episodes_section}.environment") if episodes else None
     tokenizer = Tokenizer.load(config.data.tokenizer)
     if reward_fn is not None:
         reward = Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
@@ -89,9 +90,6 @@ def run_rl(
     datamodule.setup("fit")  # bad prompts in one line before any weights are read
     check_disjoint(datamodule.train_prompts, datamodule.val_prompts, "data.val")
     policy = load_policy(config, stage)
-    if environment is not None:  # an episode is one row
-        limit = {"episodes.max_tokens": config.episodes.max_tokens}
-        check_context_length(limit, policy.config.max_seq_len, "the policy's max_seq_len")
     # each model is read once; the trained copies are deep copies, so they share no tensor with the frozen ones.
     # The extra models come first: a critic copied from the policy is a copy of the policy as loaded, no adapters.
     extra = algorithm.extra_models(config, policy, reward)

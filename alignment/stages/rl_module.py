@@ -45,6 +45,7 @@ class Responses:
     answers: list[str]  # decoded responses, end-of-turn removed
     generation_time: float
     shared_prefix: int  # tokens every prompt starts with (a chat template's system turn): scored once for all rows
+    episodes: list[Episode] | None = None  # the rows' tool episodes (their transcripts, turns and calls), if any
 
 
 @dataclass
@@ -87,7 +88,6 @@ class RLModule(HeldOutEvaluation, LanguageModelModule):
         self.environment = environment  # responses are multi-turn tool episodes (config.episodes); None: one turn
         if environment is not None:
             environment.rng.seed(config.run.seed)
-        self.episodes: list[Episode] = []  # the last rollout's, for its statistics and samples
         self.eval_history: dict[str, list[tuple[int, float]]] = {}
         self.heldout: dict[str, Any] = {}  # "before" / "after": summaries written to heldout.json
         # Random state must live on the device that samples (torch.multinomial and randperm refuse a generator
@@ -101,11 +101,6 @@ class RLModule(HeldOutEvaluation, LanguageModelModule):
     def build_reward(cls, config: Any) -> Reward:
         """The configured reward, loaded and checked: ``reward.terms``."""
         return build_reward(config.reward.terms)
-
-    @classmethod
-    def build_environment(cls, config: Any) -> Environment | None:
-        """The environment of multi-turn tool episodes, loaded and checked; None: single-turn responses."""
-        return None
 
     @classmethod
     def extra_models(cls, config: Any, policy: Transformer, reward: Reward) -> dict[str, nn.Module]:
@@ -260,7 +255,7 @@ class RLModule(HeldOutEvaluation, LanguageModelModule):
     ) -> Responses:
         """One multi-turn episode per prompt, every episode sampled together turn by turn (``run_episodes``); the
         rows' mask is on the policy's sampled tokens alone. Defaults: the rollout's temperature and sampler."""
-        hp, tokenizer, episodes = self.hp, self.tokenizer, self.config.episodes
+        hp, tokenizer, limits = self.hp, self.tokenizer, self.config.episodes
         start = time.perf_counter()
         temperature = hp.temperature if temperature is None else temperature
         generator = self.sampler if generator is None else generator
@@ -268,16 +263,16 @@ class RLModule(HeldOutEvaluation, LanguageModelModule):
             sample = generate_sampler(
                 self.model, tokenizer, generator, temperature=temperature, top_k=hp.top_k, top_p=hp.top_p
             )
-            self.episodes = run_episodes(
-                self.environment, tokenizer, prompts, sample, max_turns=episodes.max_turns,
-                turn_tokens=hp.response_max_tokens, episode_tokens=episodes.max_tokens,
+            episodes = run_episodes(
+                self.environment, tokenizer, prompts, sample, max_turns=limits.max_turns,
+                turn_tokens=hp.response_max_tokens, episode_tokens=limits.max_tokens,
             )  # fmt: skip
-        input_ids, real, width, mask = episode_rows(self.episodes, tokenizer.pad_id)
+        input_ids, real, width, mask = episode_rows(episodes, tokenizer.pad_id)
         input_ids, real, mask = input_ids.to(self.device), real.to(self.device), mask.to(self.device)
-        ended = torch.tensor([e.ended == "answer" for e in self.episodes], device=self.device)
-        shared = shared_prefix_length([e.ids[: e.prompt_len] for e in self.episodes])
-        answers = [e.answer for e in self.episodes]
-        return Responses(input_ids, real, width, mask, ended, answers, time.perf_counter() - start, shared)
+        ended = torch.tensor([e.ended == "answer" for e in episodes], device=self.device)
+        shared = shared_prefix_length([e.ids[: e.prompt_len] for e in episodes])
+        answers = [e.answer for e in episodes]
+        return Responses(input_ids, real, width, mask, ended, answers, time.perf_counter() - start, shared, episodes)
 
     def score(self, prompts: list[dict], responses: Responses) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(the reward the stage optimises, the reward before the end-of-turn penalty, statistics) per response:
@@ -312,8 +307,8 @@ class RLModule(HeldOutEvaluation, LanguageModelModule):
         if not self.trainer.is_global_zero or not hasattr(self.logger, "log_table"):
             return
         shown = responses.answers
-        if self.environment is not None:
-            shown = [self.tokenizer.decode(e.ids[e.prompt_len :]) for e in self.episodes]
+        if responses.episodes is not None:
+            shown = [self.tokenizer.decode(e.ids[e.prompt_len :]) for e in responses.episodes]
         rows = [
             [self.global_step, self.tokenizer.decode(p["prompt_ids"]), answer, float(score)]
             for p, answer, score in list(zip(prompts, shown, scores.tolist()))[: self.config.eval.table_rows]

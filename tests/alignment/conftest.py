@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from alignment.shared.episodes import Environment
 from data.demo.tasks import write_demo_dataset
 from data.tokenizer.tokenizer import Tokenizer
 from models.formats.checkpoint import save_checkpoint
@@ -42,3 +43,42 @@ def setup(tmp_path_factory) -> dict[str, Path]:
         "train_prompts": demo["train_prompts"],
         "tokenizer": tokenizer,
     }
+
+
+# ---- multi-turn episodes on the tiny policy ----
+
+
+class AskAgain(Environment):
+    """No tools: answers the policy's first turn with a user turn drawn from its own ``rng`` (so a resume must restore
+    it), and takes the second as the final answer. Every episode that is not cut off has two policy turns, the second
+    after context the policy did not write."""
+
+    tools = ()
+
+    def respond(self, episode, text):
+        if episode.turns > 1:
+            return None
+        return [{"role": "user", "content": self.rng.choice(["Once more, briefly.", "Again, in other words."])}]
+
+
+@pytest.fixture
+def turns_that_end(monkeypatch):
+    """The tiny policy seldom samples its end-of-turn token within a turn's limit, so each of its turns is ended
+    after half the limit (the token appended, as if sampled): episodes then reach their second turn."""
+    from alignment.stages import rl_module
+
+    real = rl_module.generate_sampler
+
+    def sampler(model, tokenizer, generator=None, **sampling):
+        inner = real(model, tokenizer, generator, **sampling)
+
+        def sample(rows, max_new_tokens):
+            ended = []
+            for tokens in inner(rows, max_new_tokens):
+                stop = next((i for i, t in enumerate(tokens) if t in tokenizer.stop_ids), None)
+                ended.append(tokens if stop is not None else [*tokens[: max_new_tokens // 2], tokenizer.eot_id])
+            return ended
+
+        return sample
+
+    monkeypatch.setattr(rl_module, "generate_sampler", sampler)

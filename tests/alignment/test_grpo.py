@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from alignment.schemas.rl import GRPOConfig
-from alignment.shared.episodes import Environment
 from alignment.stages.grpo import run_grpo
 from models.errors import ConfigError, DataError
 from tests.alignment.compiled_decode import run_checked
@@ -183,12 +182,14 @@ def test_held_out_prompts_that_overlap_training_prompts_are_refused(setup, tmp_p
 
 @pytest.mark.slow
 def test_fsdp_grpo_on_two_processes(setup, tmp_path):
-    """2-process FSDP2 GRPO on CPU: whole groups per rank, losses reduced over ranks; with greedy sampling its first
-    rollout's score equals a single process's over the same prompts, and both evaluate the same held-out prompts."""
+    """2-process FSDP2 GRPO on CPU over tool episodes: whole groups per rank, losses reduced over ranks; with greedy
+    sampling its first rollout's score equals a single process's over the same prompts, and both evaluate the same
+    held-out prompts, and the first rollout's episodes have as many turns. (Single-turn GRPO under FSDP2: the compiled
+    test below. In a child process no test sampler ends the tiny policy's turns: most end at a turn's token limit.)"""
     common = [
         f"init.policy={setup['policy']}", f"data.train=[{setup['train_prompts']}]", f"data.val=[{setup['prompts']}]",
         "logger.kind=csv", "trainer.max_steps=2", "eval.every_n_rollouts=2", "trainer.accelerator=cpu",
-        "run.name=run", "grpo.temperature=0", "eval.pass_k=2", "eval.pass_k_prompts=4",
+        "run.name=run", "grpo.temperature=0", "eval.pass_k=2", "eval.pass_k_prompts=4", *EPISODES,
     ]  # fmt: skip
     runs = {
         "single": ["grpo.prompts_per_rollout=4", "grpo.minibatch_size=8"],
@@ -198,8 +199,12 @@ def test_fsdp_grpo_on_two_processes(setup, tmp_path):
     for name, extra in runs.items():
         run_cli("grpo", str(ROOT / "configs/grpo/tiny.yaml"), f"run.out_dir={tmp_path / name}", *common, *extra)
         run_dir = tmp_path / name / "run"
-        results[name] = series(run_dir)["grpo/score"][0], series(run_dir, "eval.csv")["eval/gt_score"][0]
         assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "heldout.json").is_file()
+        with open(run_dir / "csv/metrics.csv", newline="") as handle:
+            turns = [float(row["grpo/turns"]) for row in csv.DictReader(handle) if row.get("grpo/turns")]
+        assert len(turns) == 2 and min(turns) >= 1  # rollouts of episodes
+        score, held_out = series(run_dir)["grpo/score"][0], series(run_dir, "eval.csv")["eval/gt_score"][0]
+        results[name] = score, held_out, turns[0]
     assert results["fsdp"] == pytest.approx(results["single"], abs=1e-5)
 
 
@@ -255,47 +260,11 @@ def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path)
     assert max(r["max_logprob_difference"] for r in records) < 1e-4
 
 
-class AskAgain(Environment):
-    """No tools: answers the policy's first turn with a user turn drawn from its own ``rng`` (so a resume must restore
-    it), and takes the second as the final answer. Every episode that is not cut off has two policy turns, the second
-    after context the policy did not write."""
-
-    tools = ()
-
-    def respond(self, episode, text):
-        if episode.turns > 1:
-            return None
-        return [{"role": "user", "content": self.rng.choice(["Once more, briefly.", "Again, in other words."])}]
-
-
 EPISODES = (
-    "episodes.environment=tests.alignment.test_grpo:AskAgain",
+    "episodes.environment=tests.alignment.conftest:AskAgain",
     "episodes.max_turns=2",
     "episodes.max_tokens=256",
 )
-
-
-@pytest.fixture
-def turns_that_end(monkeypatch):
-    """The tiny policy seldom samples its end-of-turn token within a turn's limit, so each of its turns is ended
-    after half the limit (the token appended, as if sampled): episodes then reach their second turn."""
-    from alignment.stages import rl_module
-
-    real = rl_module.generate_sampler
-
-    def sampler(model, tokenizer, generator=None, **sampling):
-        inner = real(model, tokenizer, generator, **sampling)
-
-        def sample(rows, max_new_tokens):
-            ended = []
-            for tokens in inner(rows, max_new_tokens):
-                stop = next((i for i, t in enumerate(tokens) if t in tokenizer.stop_ids), None)
-                ended.append(tokens if stop is not None else [*tokens[: max_new_tokens // 2], tokenizer.eot_id])
-            return ended
-
-        return sample
-
-    monkeypatch.setattr(rl_module, "generate_sampler", sampler)
 
 
 def test_multi_turn_episodes_train_and_resume_exactly_with_the_environments_rng(setup, tmp_path, turns_that_end):
@@ -321,7 +290,10 @@ def test_multi_turn_episodes_train_and_resume_exactly_with_the_environments_rng(
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_an_environment_that_is_not_one_is_refused_before_compute(setup, tmp_path):
+def test_an_environment_that_is_not_one_or_episodes_longer_than_the_context_are_refused_before_compute(setup, tmp_path):
     with pytest.raises(ConfigError, match="^episodes.environment: json:dumps is not an Environment"):
         run_grpo(grpo_config(setup, tmp_path, "episodes.environment=json:dumps"))
+    too_long = [*EPISODES, "episodes.max_tokens=512"]  # an episode is one row: it must fit the policy's 256
+    with pytest.raises(ConfigError, match=r"^episodes.max_tokens \(512\) exceeds the policy's max_seq_len \(256\)$"):
+        run_grpo(grpo_config(setup, tmp_path, *too_long))
     assert not (tmp_path / "grpo-tiny").exists()

@@ -56,6 +56,23 @@ def test_gae_against_hand_computed_values():
     torch.testing.assert_close(returns, (expected + values) * mask)
 
 
+def test_gae_skips_an_episodes_observation_tokens_as_if_they_were_not_in_the_row():
+    """A tool episode's mask has gaps (the environment's tokens): GAE over the row is GAE over the policy's tokens
+    alone, side by side; the positions in a gap get no advantage or return, and their values are never read."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    rewards, values = torch.randn(2, 7) * mask, torch.randn(2, 7)
+    advantages, returns = gae(rewards, values, mask, 0.9, 0.8)
+    for row in range(2):
+        on = mask[row]
+        alone = gae(rewards[row, on][None], values[row, on][None], torch.ones(1, int(on.sum()), dtype=torch.bool), 0.9, 0.8)  # fmt: skip
+        torch.testing.assert_close(advantages[row, on], alone[0][0])
+        torch.testing.assert_close(returns[row, on], alone[1][0])
+        assert not advantages[row, ~on].any() and not returns[row, ~on].any()
+    elsewhere = torch.where(mask, values, torch.full_like(values, 1e6))
+    assert torch.equal(gae(rewards, elsewhere, mask, 0.9, 0.8)[0], advantages)
+
+
 def test_policy_loss_on_fixed_tensors():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))  # ratios 1.5, 0.5, 1.0 (old logp 0)
     old = torch.zeros(1, 3)
@@ -553,3 +570,44 @@ def test_fsdp_compiled_blocks_rollouts_decode_compiled_as_eager(setup, tmp_path)
     assert len(rollouts) == 4 and all(r["compiled_steps"] > 0 for r in records)
     assert all(r["tokens_equal"] and r["mask_equal"] for r in records), records
     assert max(r["max_logprob_difference"] for r in records) < 1e-4
+
+
+def test_ppo_over_tool_episodes_trains_on_the_policys_turns_and_bootstraps_across_observations(
+    setup, tmp_path, monkeypatch, turns_that_end
+):
+    """``episodes.environment`` with LoRA: each rollout row is a two-turn episode with the environment's turn
+    inside; the mask, the rewards' KL and the advantages are on the policy's tokens alone, the turns are logged, the
+    W&B samples table shows each episode's transcript after its prompt, and the run ends with a final model."""
+    from trainer.loggers import HistoryCSVLogger
+
+    rollouts, tables = [], []
+    real_update = PPOModule.update
+
+    def update(self, rollout):
+        rollouts.append(rollout)
+        return real_update(self, rollout)
+
+    monkeypatch.setattr(PPOModule, "update", update)
+    monkeypatch.setattr(HistoryCSVLogger, "log_table", lambda self, **table: tables.append(table), raising=False)
+    episodes = [
+        "episodes.environment=tests.alignment.conftest:AskAgain", "episodes.max_turns=2", "episodes.max_tokens=256",
+    ]  # fmt: skip
+    config = ppo_config(
+        setup, tmp_path, *episodes, "trainer.max_steps=2", "ppo.rollout_batch_size=4", "ppo.minibatch_size=4",
+        "ppo.micro_batch_size=2", "logger.kind=csv", "checkpoint.every_n_steps=100", "eval.every_n_rollouts=100",
+        "eval.pass_k=0", "eval.generations=2", "peft.kind=lora", "peft.rank=4",
+    )  # fmt: skip
+    run_dir = run_ppo(config)
+    for rollout in rollouts:
+        for row in rollout.mask:  # policy tokens, then the user's turn (context), then policy tokens again
+            on = row.nonzero().flatten()
+            assert (on.diff() > 1).sum() == 1, row
+        assert not (rollout.advantages * ~rollout.mask).any() and not (rollout.returns * ~rollout.mask).any()
+    with open(run_dir / "csv" / "metrics.csv", newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("ppo/turns")]
+    assert len(rows) == 2 and all(float(row["ppo/turns"]) == 2 for row in rows)
+    assert [table["key"] for table in tables] == ["ppo/samples", "ppo/samples"]
+    assert tables[0]["columns"] == ["rollout", "prompt", "response", "score"]
+    for _, _, response, _ in tables[0]["data"]:  # the environment's user turn inside the response, as context
+        assert "Once more, briefly." in response or "Again, in other words." in response
+    assert (run_dir / "final" / "model.safetensors").is_file()

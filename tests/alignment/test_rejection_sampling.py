@@ -168,6 +168,11 @@ def test_lora_fine_tunes_adapters_only_on_the_policy_it_sampled_from(setup, tmp_
         ("reward.terms=[{kind: checker, path: 'nowhere.module:score'}]", r"reward.terms\[0\].path: cannot import"),
         ("sft.data.train=[x.jsonl]", "set by the stage"),
         ("sampling.samples_per_prompt=0", "sampling.samples_per_prompt must be >= 1"),
+        (
+            "episodes.environment=alignment.shared.episodes:Environment",
+            r"^episodes.max_tokens \(512\) exceeds the policy's max_seq_len \(256\)$",
+        ),
+        ("episodes.environment=json:dumps", "^episodes.environment: json:dumps is not an Environment"),
     ],
 )
 def test_bad_config_is_one_line_before_compute(setup, tmp_path, monkeypatch, override, message):
@@ -176,6 +181,66 @@ def test_bad_config_is_one_line_before_compute(setup, tmp_path, monkeypatch, ove
         run_rejection_sampling(rs_config(setup, tmp_path, override))
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "rejection-sampling-tiny" / SAMPLES).exists()
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "(6 * 7)"}}</tool_call>'
+
+
+def test_tool_episodes_are_kept_as_transcripts_with_their_tools_and_sft_trains_on_the_policys_turns_alone(
+    tmp_path, monkeypatch
+):
+    """``episodes.environment``: each sample is a tool episode (a scripted policy calls the calculator, then
+    answers); the kept record is its transcript with the calculator's schema, and SFT's targets on it are the
+    policy's two turns, token for token as the template renders them, never the tool's output."""
+    from alignment.shared.tools import CALCULATOR
+    from data.tokenizer.base import with_tool_instructions
+
+    tokenizer = Tokenizer.load("default")
+    policy = save_checkpoint(
+        Transformer(ModelConfig(**{**TINY, "max_seq_len": 1024})), tmp_path / "sft", tokenizer_path=tokenizer.path
+    )
+    demo = write_demo_dataset(tmp_path / "demo", n_train=20, n_val=40, n_pairs=10, seed=0)
+
+    def scripted(model, tokenizer, generator=None, **sampling_settings):
+        def sample(rows, max_new_tokens):
+            said = ["(6 * 7)" in tokenizer.decode(row) for row in rows]
+            return [tokenizer.encode("The product is 42." if s else CALL) + [tokenizer.eot_id] for s in said]
+
+        return sample
+
+    monkeypatch.setattr(sampling, "generate_sampler", scripted)
+    config = load_config(
+        RejectionSamplingConfig, CONFIG,
+        [
+            *inputs({**setup_paths(demo), "policy": policy}, tmp_path), *FAST, "sft.data.seq_len=1024",
+            "episodes.environment=alignment.shared.episodes:Environment", "episodes.max_tokens=1024",
+            "sampling.response_max_tokens=40",
+        ],
+    )  # fmt: skip
+    run_dir = run_rejection_sampling(config)
+    stats = json.loads((run_dir / STATS).read_text())
+    assert stats["mean_turns"] == 2 and stats["mean_tool_calls"] == 1 and stats["mean_malformed_calls"] == 0
+    records = [json.loads(line) for line in (run_dir / SAMPLES).read_text().splitlines()]
+    assert len(records) == 6 and all(r["tools"] == [CALCULATOR.schema()] for r in records)
+    turns = records[0]["messages"][-3:]
+    assert [(m["role"], m["content"]) for m in turns] == [
+        ("assistant", CALL), ("tool", "42"), ("assistant", "The product is 42.")
+    ]  # fmt: skip
+
+    data = build_sft_data(
+        SFTDataConfig(train=[str(run_dir / SAMPLES)], val=[demo["val"]], seq_len=1024, packing=False), tokenizer
+    )
+    ids, mask = tokenizer.encode_chat(with_tool_instructions(records[0]["messages"], records[0]["tools"]))
+    row = data.train.row(0)
+    targets = row["targets"].tolist()
+    for i in range(len(ids) - 1):  # target i is ids[i + 1] exactly where the policy wrote it
+        assert targets[i] == (ids[i + 1] if mask[i + 1] else -100), f"position {i}"
+    assert tokenizer.decode([t for t in targets if t != -100]) == f"{CALL}<|eot_id|>The product is 42.<|eot_id|>"
+    assert load_checkpoint(run_dir / "final").config.max_seq_len == 1024
+
+
+def setup_paths(demo: dict) -> dict:
+    return {"prompts": demo["prompts"], "val": demo["val"]}
 
 
 def test_every_numeric_key_has_a_range_rule_and_the_preset_loads():

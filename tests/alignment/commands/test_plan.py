@@ -260,3 +260,29 @@ def test_rl_time_counts_the_shared_preamble_and_rows_leaving_the_batch(capsys, t
     half = plan_json(capsys, *args, "data.tokenizer=default", "--mean-response-tokens", "16")["time"]
     assert generation(half) < generation(plain) and any("16 tokens on average" in n for n in half["notes"])
     assert "--mean-response-tokens must be > 0" in error(capsys, *args, "--mean-response-tokens", "0")
+
+
+def test_an_episode_is_one_row_of_the_stages_episodes_max_tokens(capsys):
+    """PPO and GRPO over tool episodes (the episodes section their records declare): a rollout's rows are
+    ``episodes.max_tokens`` wide, not a prompt plus one turn (the KV cache follows), an episode longer than the
+    model's context is refused as the run refuses it, and a rollout decodes every turn."""
+    tool = "episodes.environment=alignment.shared.episodes:Environment"
+
+    def kv_cache(*args: str) -> int:
+        result = plan_json(capsys, *args)
+        return next(i["bytes"] for phase in result["phases"] for i in phase["items"] if i["name"] == "KV cache")
+
+    for preset in ("configs/ppo/tiny.yaml", "configs/grpo/tiny.yaml"):
+        single = kv_cache(preset, "--model", "tiny")  # data.max_prompt_tokens 192 + response_max_tokens 16: 208
+        assert kv_cache(preset, "--model", "tiny", tool, "episodes.max_tokens=104") * 2 == single
+        assert kv_cache(preset, "--model", "tiny", "episodes.max_tokens=104") == single  # no environment: unused
+        message = error(capsys, preset, "--model", "tiny", tool, "episodes.max_tokens=1000")
+        assert message.endswith("episodes.max_tokens (1000) exceeds the model's max_seq_len (256)")
+    # three turns: three turns' decoding, and each turn's prompts kept for the next one's prefill
+    wide = [tool, "episodes.max_tokens=200"]
+    three = plan_json(capsys, preset, "--model", "tiny", "--gpu", "h100", *wide, "episodes.max_turns=3")
+    assert (
+        "every row decodes 3 turns of 16 tokens (an upper bound: give --mean-response-tokens)" in three["time"]["notes"]
+    )
+    kept = [i for phase in three["phases"] for i in phase["items"] if i["name"] == "last turn's prompts (kept)"]
+    assert len(kept) == 1 and kept[0]["bytes"] == kv_cache(preset, "--model", "tiny", "--gpu", "h100", *wide)
