@@ -3,6 +3,7 @@ log-probs a training pass recomputes. Why it pads, decodes and scores as it does
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import warnings
@@ -13,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models import fast_decode
-from models.attention import use_flex_attention
+from models.attention import KVCache, use_flex_attention
 from models.model import ModelConfig, Transformer
 from models.prefill import last_logits, prefill
+from models.prefix_cache import PrefixCache, prefill_from_kept
 from models.sampling import GenerationOutput, pick_next, sampling_draws, scaled_logprobs
 
 PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
@@ -192,6 +194,7 @@ def generate(
     compile: bool = False,
     decode: str = "auto",
     stop_when: Callable[[Tensor], Tensor] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -216,6 +219,8 @@ def generate(
     get logit -inf at that step, so log-probs of the first token are those of the constrained distribution.
     stop_when: called after each eager step with the tokens so far (B, steps); rows where it returns True stop as
     after a stop id (e.g. a stop string in the text: the harness's ``until``). Static and compiled decoding ignore it.
+    prefix_cache: keeps the prompts' keys and values for the next call with this cache, whose prompts that extend
+    one of these prefill only their new tokens (a multi-turn episode's turns: ``models.prefix_cache``).
     Runs under ``torch.inference_mode()`` with the model in eval mode; its previous train/eval mode is restored.
     """
     prompts = _as_prompt_list(prompts)
@@ -234,7 +239,7 @@ def generate(
         with torch.inference_mode():
             out = _generate(
                 model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id, generator, mode,
-                first_token_mask, warn=explicit != "auto", stop_when=stop_when,
+                first_token_mask, warn=explicit != "auto", stop_when=stop_when, prefix_cache=prefix_cache,
             )  # fmt: skip
     finally:
         model.train(was_training)
@@ -308,6 +313,7 @@ def _generate(
     first_token_mask: Tensor | None = None,
     warn: bool = False,
     stop_when: Callable[[Tensor], Tensor] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationOutput:
     """``mode``: recompute, eager, static or compiled (``resolve_decode``)."""
     device = model.tok_embeddings.weight.device
@@ -329,17 +335,32 @@ def _generate(
                 stacklevel=3,
             )
         mode = "eager"
-    # The last generated token is never fed back, hence the -1.
-    cache_len = prompt_width + max_new_tokens - 1
     mark_static = mode == "compiled" and device.type == "cuda"  # CUDA graphs then need no copies of the cache
-    if mode in ("static", "compiled"):
-        kv_cache = fast_decode.static_cache(model, batch, cache_len, mark_static=mark_static)
+
+    def new_cache(length: int) -> KVCache | None:
+        if mode in ("static", "compiled"):
+            return fast_decode.static_cache(model, batch, length, mark_static=mark_static)
+        return model.new_kv_cache(batch, length) if mode == "eager" else None
+
+    reuse = prefix_cache is not None and mode != "recompute" and PrefixCache.applies(model)
+    kept = prefix_cache.lookup(prompts) if reuse else []
+    from_kept = None
+    if any(hit is not None for hit in kept):  # prompts that extend the last call's: only their new tokens run
+        forward = functools.partial(last_logits, blocks=blocks)
+        from_kept = prefill_from_kept(model, prompts, kept, new_cache, max_new_tokens, forward)
+    if from_kept is not None:
+        logits, kv_cache, prompt_width = from_kept
+        prefix_cache.count(prompts, kept)
     else:
-        kv_cache = model.new_kv_cache(batch, cache_len) if mode == "eager" else None
-    if kv_cache is not None:
-        logits = prefill(model, prompts, input_ids, position_ids, document_ids, kv_cache, blocks)
-    else:
-        logits = last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
+        kv_cache = new_cache(prompt_width + max_new_tokens - 1)  # the last generated token is never fed back
+        if kv_cache is not None:
+            logits = prefill(model, prompts, input_ids, position_ids, document_ids, kv_cache, blocks)
+        else:
+            logits = last_logits(model, input_ids, position_ids=position_ids, document_ids=document_ids)
+        if reuse:
+            prefix_cache.count(prompts, [None] * len(prompts))
+    if reuse:
+        prefix_cache.keep(prompts, kv_cache, prompt_width)
     if first_token_mask is not None:
         logits = logits.float().masked_fill(~first_token_mask.to(device), float("-inf"))
     if mode in ("static", "compiled"):

@@ -150,16 +150,22 @@ def run_episodes(
 
 def generate_sampler(model: Any, tokenizer: Any, generator: Any = None, **sampling: Any) -> Sampler:
     """``run_episodes``' sampler through ``models.generation.generate`` (its shared-prefix prefill and compiled decode
-    included): ``sampling`` is generate's temperature, top_k, top_p, decode."""
+    included): ``sampling`` is generate's temperature, top_k, top_p, decode. Each turn's prompts keep their keys and
+    values for the next turn, which prefills only the policy's turn and the observations after them
+    (``models.prefix_cache``; the sampler's ``prefix_cache``)."""
     from models.generation import generate
+    from models.prefix_cache import PrefixCache
+
+    cache = PrefixCache()
 
     def sample(rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out = generate(
             model, rows, max_new_tokens=max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-            generator=generator, **sampling,
+            generator=generator, prefix_cache=cache, **sampling,
         )  # fmt: skip
         return [tokens[mask].tolist() for tokens, mask in zip(out.tokens, out.mask)]
 
+    sample.prefix_cache = cache  # type: ignore[attr-defined]  (how much of each turn's prompts was reused)
     return sample
 
 

@@ -123,6 +123,50 @@ class Echo(Environment):
     tools = ()
 
 
+class FollowUp(Environment):
+    """No tools: every turn but the third is answered with a user turn."""
+
+    tools = ()
+
+    def respond(self, episode, text):
+        return None if episode.turns >= 3 else [{"role": "user", "content": f"And then? ({episode.turns})"}]
+
+
+def ended_early(sample, eot: int):
+    """``sample`` with each turn ended (its end-of-turn token appended) after at most 4 tokens: turns that end."""
+
+    def wrapped(rows, max_new_tokens):
+        return [tokens if eot in tokens else [*tokens[:4], eot] for tokens in sample(rows, max_new_tokens)]
+
+    return wrapped
+
+
+def test_each_turn_prefills_only_its_new_tokens_and_the_episodes_are_those_of_whole_prefills(smol):
+    """The default sampler keeps each turn's prompts (``models.prefix_cache``): the next turn prefills only the
+    policy's turn and the observation after it, and the greedy episodes are token for token those of a sampler
+    that prefills every turn whole."""
+    from models.generation import generate
+    from models.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=smol.vocab_size, max_seq_len=2048))
+    prompts = [{"messages": [{"role": "user", "content": f"Count to {n}."}]} for n in (3, 12, 123)]
+    limits = {"max_turns": 3, "turn_tokens": 8, "episode_tokens": 2048}
+    kept = generate_sampler(model.eval(), smol, temperature=0.0)
+    episodes = run_episodes(FollowUp(), smol, prompts, ended_early(kept, smol.eot_id), **limits)
+
+    def whole(rows, max_new_tokens):
+        out = generate(model, rows, max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=smol.stop_ids)
+        return [tokens[mask].tolist() for tokens, mask in zip(out.tokens, out.mask)]
+
+    again = run_episodes(FollowUp(), smol, prompts, ended_early(whole, smol.eot_id), **limits)
+    assert [e.ids for e in episodes] == [e.ids for e in again] and all(e.turns == 3 for e in episodes)
+    # each turn's prompt ends where the policy's tokens of that turn start; turn t + 1 reuses turn t's prompt whole
+    starts = [[i for i, p in enumerate(e.policy) if p and not e.policy[i - 1]] for e in episodes]
+    assert kept.prefix_cache.reused_tokens == sum(s[0] + s[1] for s in starts)
+    assert kept.prefix_cache.prefilled_tokens == sum(s[2] for s in starts)  # each token of the prompts once
+
+
 def test_an_environment_is_named_by_import_path_and_bad_paths_name_the_key():
     assert isinstance(load_environment("tests.alignment.test_episodes:Echo", "env.name"), Echo)
     for path, message in [
