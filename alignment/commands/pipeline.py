@@ -29,6 +29,8 @@ from alignment.commands.pipeline_records import (
 )
 from alignment.commands.pipeline_report import write_report
 from alignment.commands.pipeline_tracking import PipelineTracking, track_report, wandb_run_lines
+from alignment.schemas.rl import EpisodeConfig
+from alignment.shared.episodes import load_environment
 from alignment.shared.evaluation import check_disjoint
 from alignment.shared.tools import CALCULATOR
 from alignment.stages import registry
@@ -109,6 +111,9 @@ class ReportSection(HarnessEvalConfig):  # harness_tasks: lm-eval tasks every mo
         0, ge=0
     )  # held-out prompts the samples (sampled accuracy, pass@k) are drawn on; 0: all
     seed: int = bounded(0, ge=0)  # of the samples behind pass@k and the KL estimates
+    # environment set: every model answers in tool episodes (docs/tools.md), max_new_tokens a turn; the report then
+    # shows tool calls and malformed calls per episode, and report/transcripts-STAGE.jsonl holds every episode
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
 
 
 def pipeline_schema(stages: tuple[registry.Stage, ...]) -> type:
@@ -161,6 +166,7 @@ class Pipeline:
             raise ConfigError("align_from=start: the stages after SFT start from start_checkpoint; give one")
         if config.start_checkpoint and not Path(config.start_checkpoint).is_dir():
             raise ConfigError(f"start_checkpoint: no checkpoint folder at {config.start_checkpoint}")
+        load_environment(config.report.episodes.environment, "report.episodes.environment")  # refused before compute
         self.config = config
         self.root = Path(config.out_dir or f"runs/pipeline-{config.name}")
         self.corpus, self.demo = self.root / "data" / "corpus", self.root / "data" / "demo"

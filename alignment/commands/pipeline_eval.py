@@ -12,8 +12,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from alignment.commands.pipeline_records import read_json
+from alignment.shared.episodes import (
+    Environment,
+    Episode,
+    episode_stats,
+    generate_sampler,
+    load_environment,
+    run_episodes,
+)
 from alignment.shared.evaluation import (
     SampledKL,
     heldout_summary,
@@ -62,32 +71,49 @@ def evaluate_stage(
     from, estimated on the pass@k samples), for one stage's final model; ``sampled`` (default: all but the
     pretrained base) adds the samples."""
     checker = load_checker(report.checker, "report.checker")
+    environment = load_environment(report.episodes.environment, "report.episodes.environment")
     model = load_checkpoint(path).eval()
     budget = max(1, min(report.max_new_tokens, model.config.max_seq_len - max(len(p["prompt_ids"]) for p in prompts)))
     ids = [p["prompt_ids"] for p in prompts]
-    answers = [
-        a[0]
-        for a in sample_answers(
-            model, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size,
-            progress=f"report: {stage} greedy answers",
-        )
-    ]  # fmt: skip
+    result: dict[str, Any] = {}
+    if environment is not None:
+        episodes = play_episodes(report, environment, model, tokenizer, prompts, f"report: {stage} greedy episodes")
+        answers = [episode.answer for episode in episodes]
+        result.update(episodes=episode_stats(episodes), transcripts=[transcript(e) for e in episodes])
+    else:
+        answers = [
+            a[0]
+            for a in sample_answers(
+                model, tokenizer, ids, max_new_tokens=budget, batch_size=report.batch_size,
+                progress=f"report: {stage} greedy answers",
+            )
+        ]  # fmt: skip
     scores = [checker(p["record"], a) if checker else None for p, a in zip(prompts, answers)]
-    result: dict[str, Any] = {"heldout": heldout_summary(prompts, scores), "answers": answers, "scores": scores}
+    result.update(heldout=heldout_summary(prompts, scores), answers=answers, scores=scores)
     generator = torch.Generator().manual_seed(report.seed)
-    # what a stage after SFT cost: its KL to the model it started from, on the samples drawn below
+    # what a stage after SFT cost: its KL to the model it started from, on the samples drawn below (single-turn
+    # samples only: over episodes the log-ratio would need the observations masked out, which is not built)
     kl = (
         SampledKL(load_checkpoint(reference).eval(), tokenizer)
-        if reference and stage not in ("pretrain", "sft")
+        if reference and stage not in ("pretrain", "sft") and environment is None
         else None
     )
     if report.pass_k and checker is not None and (stage != "pretrain" if sampled is None else sampled):
         subset = prompts[: report.pass_k_prompts] if report.pass_k_prompts else prompts
-        samples = sample_answers(
-            model, tokenizer, [p["prompt_ids"] for p in subset], max_new_tokens=budget, batch_size=report.batch_size,
-            samples=report.pass_k, temperature=1.0, generator=generator, on_batch=kl,
-            progress=f"report: {stage} sampled answers",
-        )  # fmt: skip
+        if environment is not None:  # k sampled episodes a prompt
+            repeated = [p for p in subset for _ in range(report.pass_k)]
+            played = play_episodes(
+                report, environment, model, tokenizer, repeated, f"report: {stage} sampled episodes", generator
+            )
+            samples = [
+                [e.answer for e in played[i * report.pass_k : (i + 1) * report.pass_k]] for i in range(len(subset))
+            ]
+        else:
+            samples = sample_answers(
+                model, tokenizer, [p["prompt_ids"] for p in subset], max_new_tokens=budget,
+                batch_size=report.batch_size, samples=report.pass_k, temperature=1.0, generator=generator, on_batch=kl,
+                progress=f"report: {stage} sampled answers",
+            )  # fmt: skip
         sample_scores = [[checker(p["record"], a) for a in group] for p, group in zip(subset, samples)]
         result["pass_at_k"] = pass_at_k_summary(subset, sample_scores, report.pass_k)
         # the mean score of a prompt's k samples: pass@1 of the sampling policy (what RL optimises), per prompt so
@@ -108,6 +134,43 @@ def evaluate_stage(
         result["harness"] = flat_metrics(HarnessScorer(report, tokenizer, key="report.").results(model))
     result["kl"] = kl.value if kl is not None else None
     return result
+
+
+def play_episodes(
+    report: ReportSection,
+    environment: Environment,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompts: list[dict[str, Any]],
+    progress: str,
+    generator: torch.Generator | None = None,
+) -> list[Episode]:
+    """Each prompt's tool episode (``report.episodes``; ``report.max_new_tokens`` a turn), in batches of
+    ``report.batch_size``: greedy, or sampled at temperature 1 from ``generator``. The environment's rng starts from
+    ``report.seed`` each time, so a model's episodes do not depend on what was scored before it."""
+    environment.rng.seed(report.seed)
+    sample = generate_sampler(model, tokenizer, generator, temperature=0.0 if generator is None else 1.0)
+    limits = {
+        "max_turns": report.episodes.max_turns,
+        "turn_tokens": report.max_new_tokens,
+        "episode_tokens": min(report.episodes.max_tokens, model.config.max_seq_len),
+    }
+    episodes: list[Episode] = []
+    with torch.no_grad(), tqdm(total=len(prompts), desc=progress, unit="episode") as bar:
+        for start in range(0, len(prompts), report.batch_size):
+            episodes += run_episodes(
+                environment, tokenizer, prompts[start : start + report.batch_size], sample, **limits
+            )
+            bar.update(min(report.batch_size, len(prompts) - start))
+    return episodes
+
+
+def transcript(episode: Episode) -> dict[str, Any]:
+    """What the report keeps of an episode: its messages (the first ones included), how it ended, and its calls."""
+    return {
+        "messages": episode.messages, "ended": episode.ended, "turns": episode.turns,
+        "tool_calls": episode.tool_calls, "malformed_calls": episode.malformed_calls,
+    }  # fmt: skip
 
 
 def scoring_inputs(pipeline: Pipeline) -> tuple[Path, Tokenizer, list[dict[str, Any]]]:
@@ -174,7 +237,7 @@ def evaluate_models(pipeline: Pipeline) -> tuple[list[dict[str, Any]], dict[str,
     return prompts, results
 
 
-PER_PROMPT = ("answers", "scores", "sampled_scores")  # lists over the prompts, kept out of summaries
+PER_PROMPT = ("answers", "scores", "sampled_scores", "transcripts")  # lists over the prompts, kept out of summaries
 
 
 def without_per_prompt(result: dict[str, Any]) -> dict[str, Any]:

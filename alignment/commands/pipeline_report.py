@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from alignment.commands.pipeline_eval import evaluate_models
+from alignment.commands.pipeline_plan_lines import plan_lines
 from alignment.commands.pipeline_records import RECORD, read_json
 from alignment.shared.evaluation import json_safe
 from alignment.stages import registry
 from data.pretrain.mixture import MIXTURE_RECORD
 from models.files.atomic import write_atomically
-from models.memory import GiB
 from trainer.plan_check import RECORD as PLAN_RECORD
 from trainer.plots import read_metrics_csv
 
@@ -151,6 +151,8 @@ def label(stage: str) -> str:
 
 def _task_table(title: str, results: dict[str, dict[str, Any]], key: str) -> list[str]:
     tasks = sorted({task for result in results.values() if result.get(key) for task in result[key]["per_task"]})
+    if not tasks:  # nothing measured under this key (no samples)
+        return []
     lines = ["", title, "", "| model | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for stage, result in results.items():
         if result.get(key):
@@ -184,26 +186,25 @@ def comparison_lines(
     results: dict[str, dict[str, Any]], seconds: dict[str, float | None], k: int, start: str = "SFT"
 ) -> list[str]:
     """The table that compares stages: every number with its standard error, a verdict only beyond 2 SE. ``start``:
-    what the stages after SFT started from (their KL is to it)."""
-    lines = [
-        f"| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | sampled accuracy ± SE (n) | vs SFT, paired ± SE "
-        f"| pass@{k} ± SE | KL to {start} (nats) | training s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    what the stages after SFT started from (their KL is to it). ``k`` 0: no samples, no sampled columns."""
+    header = ["model", "greedy accuracy ± SE (n)", "vs SFT, paired ± SE"]
+    header += ["sampled accuracy ± SE (n)", "vs SFT, paired ± SE", f"pass@{k} ± SE"] if k else []
+    header += [f"KL to {start} (nats)", "training s"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for stage, result in results.items():
         pass_k = result.get("pass_at_k")
-        lines.append(
-            f"| {label(stage)} | {_summary(result['heldout'])} | "
-            f"{_versus(result.get('vs_sft'))} | {_summary(result.get('sampled'))} | "
-            f"{_versus(result.get('vs_sft_sampled'))} | "
-            f"{_pm(pass_k['pass_at_k'], pass_k['se']) if pass_k else '—'} | {_pm(result.get('kl'))} | "
-            f"{seconds.get(stage) if seconds.get(stage) is not None else '—'} |"
-        )
+        cells = [label(stage), _summary(result["heldout"]), _versus(result.get("vs_sft"))]
+        if k:
+            cells += [_summary(result.get("sampled")), _versus(result.get("vs_sft_sampled"))]
+            cells.append(_pm(pass_k["pass_at_k"], pass_k["se"]) if pass_k else "—")
+        cells += [_pm(result.get("kl")), str(seconds.get(stage)) if seconds.get(stage) is not None else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
     if any("vs_base" in result for result in results.values()):
         lines += ["", f"Against {start}, paired over the same prompts (± SE):", ""]
-        lines += ["| model | greedy | sampled |", "|---|---|---|"]
+        lines += ["| model | greedy | sampled |", "|---|---|---|"] if k else ["| model | greedy |", "|---|---|"]
         lines += [
-            f"| {stage} | {_versus(result.get('vs_base'))} | {_versus(result.get('vs_base_sampled'))} |"
+            f"| {stage} | {_versus(result.get('vs_base'))} |"
+            + (f" {_versus(result.get('vs_base_sampled'))} |" if k else "")
             for stage, result in results.items()
             if "vs_base" in result
         ]
@@ -231,51 +232,16 @@ def report_json(pipeline: Pipeline, results: dict[str, dict[str, Any]], seconds:
                         "vs_base",
                         "vs_base_sampled",
                         "harness",
+                        "episodes",
                     )
                     if key in result
                 }
             )
+            if "transcripts" in result:
+                entry["transcripts"] = str(transcripts_path(pipeline, stage))
         stages[stage] = entry
     report = pipeline.config.report
     return {"stages": stages, "checker": report.checker, "heldout_prompts": str(pipeline.demo / "prompts.jsonl")}
-
-
-def plan_lines(stages: dict[str, Any]) -> list[str]:
-    """Each stage held against its plan (``report_json``'s ``plan``, its ``plan_vs_measured.json``): peak memory and
-    step time, planned and measured."""
-    rows = []
-    for stage, entry in stages.items():
-        record = entry["plan"]
-        if record is None:
-            continue
-        planned, measured = (_seconds(record[key]) for key in ("step_s", "measured_step_s"))
-        rows.append(
-            f"| {stage} | {record['peak_bytes'] / GiB:.2f} | {_gib(record['measured_peak_bytes'])} | "
-            f"{_ratio(record['peak_ratio'])} | {planned} | {measured} | {_ratio(record['step_ratio'])} | "
-            f"{record['memory_measured_as']} |"
-        )
-    if not rows:
-        return []
-    return [
-        "", "## Each stage against its plan", "",
-        "`lantern plan`'s figures for the device each stage ran on, beside what the run measured "
-        "(`plan_vs_measured.json` in its folder; a CPU plan has no step time).", "",
-        "| stage | planned peak GiB | measured GiB | measured / planned | planned step s | measured step s | "
-        "measured / planned | memory measured as |",
-        "|---|---:|---:|---:|---:|---:|---:|---|", *rows,
-    ]  # fmt: skip
-
-
-def _ratio(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
-def _gib(value: float | None) -> str:
-    return "—" if value is None else f"{value / GiB:.2f}"
-
-
-def _seconds(value: float | None) -> str:
-    return "—" if value is None else f"{value:.3g}"
 
 
 def write_report(pipeline: Pipeline) -> Path:
@@ -309,6 +275,9 @@ def write_report(pipeline: Pipeline) -> Path:
             shutil.copy2(png, report_dir / f"{stage}-{png.name}")
             plots.append(f"![{stage} {png.stem}](report/{stage}-{png.name})")
     prompts, results = evaluate_models(pipeline)
+    for stage, result in results.items():
+        if "transcripts" in result:
+            write_transcripts(transcripts_path(pipeline, stage), prompts, result)
     overview_png(metrics, results, report_dir / "overview.png")
     report = report_json(pipeline, results, seconds)
     write_atomically(root / "report.json", json.dumps(json_safe(report), indent=2) + "\n", what="report")
@@ -319,18 +288,24 @@ def write_report(pipeline: Pipeline) -> Path:
         lines += [
             "", f"## Every model on the same {len(prompts)} held-out prompts", "",
             f"Answers scored by `{pipeline.config.report.checker}` (0 to 1). Greedy: one answer per prompt at "
-            f"temperature 0. Sampled: the mean score of {k} samples per prompt at temperature 1 (pass@1 of the "
-            "sampling policy, which RL optimises), and pass@k from the same samples, on the first "
-            f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts. The difference from SFT is paired over "
-            "the same prompts; it is called a gain or a loss only beyond 2 standard errors. KL: the policy's own "
-            f"samples, log-ratio to {reference} summed over the response. Also in `report.json`.", "",
+            "temperature 0." + (
+                f" Sampled: the mean score of {k} samples per prompt at temperature 1 (pass@1 of the sampling policy, "
+                f"which RL optimises), and pass@k from the same samples, on the first "
+                f"{pipeline.config.report.pass_k_prompts or len(prompts)} prompts." if k else ""
+            ) + " The difference from SFT is paired over the same prompts; it is called a gain or a loss only beyond "
+            "2 standard errors. " + (
+                f"KL: the policy's own samples, log-ratio to {reference} summed over the response."
+                if not pipeline.config.report.episodes.enabled else "KL: not estimated over tool episodes."
+            ) + " Also in `report.json`.", "",
             *comparison_lines(results, seconds, k, start),
             *harness_lines(results),
+            *tool_lines(pipeline, results),
         ]  # fmt: skip
     lines += plan_lines(report["stages"])
     lines += ["", "## Plots", "", "![overview](report/overview.png)", "", *plots]
     if results:
         lines += answer_lines(prompts, results, pipeline.config.report.prompts)
+        lines += transcript_lines(prompts, results, min(3, pipeline.config.report.prompts))
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -352,4 +327,58 @@ def answer_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str, Any
         lines.append(
             f"| {i + 1} | {record.get('task', '')} | {_cell(question)} | {_cell(reference, 80)} | {' | '.join(cells)} |"
         )
+    return lines
+
+
+def transcripts_path(pipeline: Pipeline, stage: str) -> Path:
+    return pipeline.root / "report" / f"transcripts-{stage}.jsonl"
+
+
+def write_transcripts(path: Path, prompts: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    """One JSON line per held-out prompt: its task, the episode's messages, how it ended, its calls and its score."""
+    rows = (
+        {"index": i, "task": prompt["record"].get("task", ""), **episode, "answer": answer, "score": score}
+        for i, (prompt, episode, answer, score) in enumerate(
+            zip(prompts, result["transcripts"], result["answers"], result["scores"])
+        )
+    )
+    text = "".join(json.dumps(json_safe(row)) + "\n" for row in rows)
+    write_atomically(path, text, what="episode transcripts")
+
+
+def tool_lines(pipeline: Pipeline, results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each model's tool use over its held-out episodes (``report.episodes``): means per episode."""
+    rows = [(stage, result["episodes"]) for stage, result in results.items() if "episodes" in result]
+    if not rows:
+        return []
+    lines = [
+        "", "## Tool use", "",
+        f"Every model answered in episodes with the tools of `{pipeline.config.report.episodes.environment}` (at most "
+        f"{pipeline.config.report.episodes.max_turns} turns). Means per episode; a malformed call is one the model "
+        "wrote but the parser could not read, answered with an error. Every episode is in `report/transcripts-STAGE.jsonl`.",
+        "", "| model | turns | tool calls | malformed calls | tokens | ended by answer | by turn limit | by token limit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for stage, stats in rows:
+        lines.append(
+            f"| {label(stage)} | {stats['turns']:.2f} | {stats['tool_calls']:.2f} | {stats['malformed_calls']:.2f} | "
+            f"{stats['episode_tokens']:.0f} | {stats['ended_answer']:.2f} | {stats['ended_turns']:.2f} | "
+            f"{stats['ended_tokens']:.2f} |"
+        )
+    return lines
+
+
+def transcript_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str, Any]], count: int) -> list[str]:
+    """The first ``count`` held-out prompts' episodes, each model's turns after the first messages."""
+    stages = [stage for stage, result in results.items() if "transcripts" in result]
+    if not stages or not count:
+        return []
+    lines = ["", f"## Episodes on {min(count, len(prompts))} of the held-out prompts", ""]
+    for i, prompt in enumerate(prompts[:count]):
+        lines += [f"Prompt {i + 1}: {_cell(prompt['messages'][-1]['content'])}", ""]
+        for stage in stages:
+            episode, score = results[stage]["transcripts"][i], results[stage]["scores"][i]
+            turns = episode["messages"][len(prompt["messages"]) :]
+            lines += [f"{label(stage)} (ended by {episode['ended']}, score {_pm(score)}):", "", "```"]
+            lines += [f"{m['role']}: {m['content'].strip()}" for m in turns] + ["```", ""]
     return lines

@@ -369,3 +369,62 @@ def test_report_headline_lists_each_mixture_source():
     )
     assert headline("pretrain", {"val/loss": [(5, 4.0)]}) == "val/loss 4.000 → 4.000"  # one corpus: as before
     assert expand(["train/loss", "val/*/loss"], series) == ["train/loss", "val/code/loss", "val/web/loss"]
+
+
+def test_the_report_plays_tool_episodes_and_shows_calls_malformed_calls_and_transcripts(tmp_path, in_repo, monkeypatch):
+    """``report.episodes.environment``: every model answers in tool episodes. A scripted policy writes a malformed
+    call, then a calculator call, then its answer; the report counts both calls per episode, keeps every transcript
+    (the tool's error and result as the tool turns) and scores the final answer. A bad environment is refused first."""
+    from alignment.commands import pipeline_eval
+
+    # room for the system turn that describes the tools and three turns
+    start = save_checkpoint(Transformer(ModelConfig.from_preset("tiny", max_seq_len=1024)), tmp_path / "start")
+    common = [
+        f"start_checkpoint={start}", "stages=[sft]", "report.episodes.max_tokens=1024", "demo.kind=arithmetic", "demo.n_train=40", "demo.n_val=6",
+        "demo.n_pairs=4", "report.max_new_tokens=40",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="^report.episodes.environment: json:dumps is not an Environment"):
+        run_pipeline(TINY, [f"out_dir={tmp_path / 'bad'}", *common, "report.episodes.environment=json:dumps"])
+    assert not (tmp_path / "bad").exists()
+
+    turns = ['<tool_call>{"name": "calculator", oops</tool_call>', CALL, "The answer is 42."]
+
+    def scripted(model, tokenizer, generator=None, **sampling):
+        def sample(rows, max_new_tokens):
+            texts = [tokenizer.decode(row) for row in rows]
+            done = [text.count("oops") + text.count("(6 * 7)") for text in texts]  # the turns written so far
+            return [tokenizer.encode(turns[min(n, 2)]) + [tokenizer.eot_id] for n in done]
+
+        return sample
+
+    monkeypatch.setattr(pipeline_eval, "generate_sampler", scripted)
+    environment = "report.episodes.environment=alignment.shared.episodes:Environment"
+    out = run_pipeline(TINY, [f"out_dir={tmp_path / 'tools'}", *common, environment])
+    stats = json.loads((out / "report.json").read_text())["stages"]["sft"]["episodes"]
+    assert stats["turns"] == 3 and stats["tool_calls"] == 2 and stats["malformed_calls"] == 1
+    assert stats["ended_answer"] == 1
+    rows = [json.loads(line) for line in (out / "report" / "transcripts-sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(row["answer"] == "The answer is 42." and row["score"] is not None for row in rows)
+    tail = rows[0]["messages"][-5:]
+    assert [m["role"] for m in tail] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert tail[1]["content"].startswith("error:") and tail[3]["content"] == "42"
+    report = (out / "report.md").read_text()
+    assert re.search(r"\| sft \| 3\.00 \| 2\.00 \| 1\.00 \|", report) and re.search(r"\| base \| 3\.00 \|", report)
+    assert "## Episodes on 3 of the held-out prompts" in report and "tool: 42" in report
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "(6 * 7)"}}</tool_call>'
+
+
+def test_a_report_without_samples_has_no_sampled_columns():
+    """``report.pass_k=0`` (greedy only, as the tool preset scores): no sampled or pass@k columns, no empty table."""
+    from alignment.commands.pipeline_report import comparison_lines
+
+    summary = {"accuracy": 0.5, "se": 0.1, "n": 10, "per_task": {"add": {"accuracy": 0.5, "se": 0.1, "n": 10}}}
+    lines = comparison_lines({"sft": {"heldout": summary, "kl": None}}, {"sft": 3.0}, 0)
+    assert lines[:3] == [
+        "| model | greedy accuracy ± SE (n) | vs SFT, paired ± SE | KL to SFT (nats) | training s |",
+        "|---|---|---|---|---|",
+        "| sft | 0.500 ± 0.100 (10) | — | n/a | 3.0 |",
+    ]
+    assert not any("sampled" in line or "pass@" in line for line in lines)
