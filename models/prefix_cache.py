@@ -6,7 +6,8 @@ docs/generation.md ("Prompts that extend the last call's").
 Layout of a prefill from kept prefixes, per row: ``[hole | kept prefix (L) | hole | new tokens (s)]``, where the kept
 prefixes end together at index C and the new tokens at C + S (left-padded within their block, as every row's next
 token must go to one cache index). Holes carry the padding document id, so the document-causal mask hides them in
-the prefill and in every decode step (eager, static and compiled alike); positions are each row's own.
+the prefill and in every decode step (eager, static and compiled alike), as it hides a reused static cache's stale
+(finite) values past the prompt; positions are each row's own.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ PAD_DOCUMENT, REAL_DOCUMENT = 0, 1
 
 
 class PrefixCache:
-    """Each row's prompt keys and values after the last prefill (``keep``), found again by the prompts of the next
-    call that start with that row's prompt (``lookup``). Only the last call's rows are kept: a turn's rows extend
-    the turn before's."""
+    """Each row's prompt keys and values after a prefill (``keep``), found again by the prompts of a later call that
+    start with that row's prompt (``lookup``). A kept prompt that a call extended is dropped when that call keeps its
+    own: an episode holds one entry, its last turn's prompt."""
 
     def __init__(self) -> None:
         self.kept: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor]]] = {}
         self.lengths: list[int] = []  # the kept prompts' lengths, longest first
+        self.extended: set[tuple[int, ...]] = set()  # the kept prompts the last lookup found
         self.reused_tokens = 0  # prompt tokens taken from the cache rather than prefilled, over every call
         self.prefilled_tokens = 0
 
@@ -46,7 +48,8 @@ class PrefixCache:
         for prompt in prompts:
             hit = None
             for length in self.lengths:
-                if length < len(prompt) and (hit := self.kept.get(tuple(prompt[:length]))) is not None:
+                if length < len(prompt) and (hit := self.kept.get(key := tuple(prompt[:length]))) is not None:
+                    self.extended.add(key)
                     break
             found.append(hit)
         return found
@@ -59,15 +62,17 @@ class PrefixCache:
 
     def keep(self, prompts: Sequence[Sequence[int]], cache: KVCache, ends: int) -> None:
         """Keep each row's prompt from ``cache``, whose real prompt tokens end at index ``ends`` in every row, in
-        their cache indices (holes skipped); replaces what was kept."""
+        their cache indices (holes skipped), in place of the kept prompts the last lookup found."""
         real = cache.document_ids[:, :ends] == REAL_DOCUMENT
-        self.kept = {}
+        for key in self.extended:
+            self.kept.pop(key, None)
+        self.extended = set()
         for row, prompt in enumerate(prompts):
             index = real[row].nonzero().squeeze(1)
             keys = [layer[row].index_select(1, index) for layer in cache.keys]
             values = [layer[row].index_select(1, index) for layer in cache.values]
             self.kept[tuple(prompt)] = (keys, values)
-        self.lengths = sorted({len(p) for p in prompts}, reverse=True)
+        self.lengths = sorted({len(key) for key in self.kept}, reverse=True)
 
 
 def prefill_from_kept(
@@ -90,8 +95,6 @@ def prefill_from_kept(
     if start + width + max_new_tokens - 1 > model.config.max_seq_len:
         return None
     cache = new_cache(start + width + max_new_tokens - 1)
-    for layer in (*cache.keys, *cache.values):  # a reused static cache's stale values must not sit in the holes
-        layer[:, :, :start].zero_()
     cache.document_ids[:, : start + width] = PAD_DOCUMENT
     for row, hit in enumerate(kept):
         if hit is None:

@@ -166,9 +166,10 @@ def play_episodes(
 
 
 def transcript(episode: Episode) -> dict[str, Any]:
-    """What the report keeps of an episode: its messages (the first ones included), how it ended, and its calls."""
+    """What the report keeps of an episode: its messages (the first ``opening`` of them the environment's), how it
+    ended, and its calls."""
     return {
-        "messages": episode.messages, "ended": episode.ended, "turns": episode.turns,
+        "messages": episode.messages, "opening": episode.opening, "ended": episode.ended, "turns": episode.turns,
         "tool_calls": episode.tool_calls, "malformed_calls": episode.malformed_calls,
     }  # fmt: skip
 

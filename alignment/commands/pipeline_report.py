@@ -378,7 +378,7 @@ def transcript_lines(prompts: list[dict[str, Any]], results: dict[str, dict[str,
         lines += [f"Prompt {i + 1}: {_cell(prompt['messages'][-1]['content'])}", ""]
         for stage in stages:
             episode, score = results[stage]["transcripts"][i], results[stage]["scores"][i]
-            turns = episode["messages"][len(prompt["messages"]) :]
+            turns = episode["messages"][episode["opening"] :]
             lines += [f"{label(stage)} (ended by {episode['ended']}, score {_pm(score)}):", "", "```"]
             lines += [f"{m['role']}: {m['content'].strip()}" for m in turns] + ["```", ""]
     return lines

@@ -63,6 +63,7 @@ class Episode:
     ended: str = ""  # "answer" | "turns" (turn limit) | "tokens" (token limit, or a turn cut off)
     answer: str = ""  # the final answer: what the reward terms judge ("" when the episode ended without one)
     state: dict[str, Any] = field(default_factory=dict)  # the environment's own turn state for this episode
+    opening: int = 0  # how many of ``messages`` are the environment's first messages
 
 
 # (rows of token ids, max new tokens) -> each row's sampled tokens, its stop token last when it stopped
@@ -72,7 +73,7 @@ Sampler = Callable[[list[list[int]], int], list[list[int]]]
 def start_episode(environment: Environment, tokenizer: Any, prompt: Mapping[str, Any]) -> Episode:
     messages = environment.first_messages(prompt)
     ids = tokenizer.encode_chat_prompt(messages, tools=schemas(environment))
-    return Episode(prompt, messages, ids, [False] * len(ids), len(ids))
+    return Episode(prompt, messages, ids, [False] * len(ids), len(ids), opening=len(messages))
 
 
 def schemas(environment: Environment) -> list[dict[str, Any]] | None:
@@ -105,31 +106,40 @@ def run_episodes(
     turn_tokens: int,
     episode_tokens: int,
 ) -> list[Episode]:
-    """Every prompt's episode, advanced together: each turn samples all unfinished episodes in one ``sample`` call
-    (at most ``turn_tokens`` new tokens, and no episode past ``episode_tokens`` in all)."""
+    """Every prompt's episode, advanced together: each turn samples the unfinished episodes in one ``sample`` call
+    (at most ``turn_tokens`` new tokens each). As rows of one RL batch the episodes are left-padded to the longest
+    first prompt (``episode_rows``), so an episode holds at most ``episode_tokens`` less its padding there: every
+    row fits ``episode_tokens``. Rows within a turn of their limit are sampled in calls of their own, by what they
+    may still take, so that no call's longest row plus its budget passes ``episode_tokens`` either."""
     episodes = [start_episode(environment, tokenizer, prompt) for prompt in prompts]
     tools = schemas(environment)
     stops = set(tokenizer.stop_ids)
+    widest = max((episode.prompt_len for episode in episodes), default=0)
+    limit = {id(episode): episode_tokens - (widest - episode.prompt_len) for episode in episodes}
     active = []
     for episode in episodes:
-        if len(episode.ids) < episode_tokens:
+        if len(episode.ids) < limit[id(episode)]:
             active.append(episode)
         else:  # the first messages alone fill the episode
             episode.ended = "tokens"
     while active:
-        budget = min(turn_tokens, max(episode_tokens - len(episode.ids) for episode in active))
-        sampled = sample([episode.ids for episode in active], budget)
+        by_budget: dict[int, list[Episode]] = {}
+        for episode in active:
+            by_budget.setdefault(min(turn_tokens, limit[id(episode)] - len(episode.ids)), []).append(episode)
+        sampled: dict[int, list[int]] = {}
+        for budget, rows in sorted(by_budget.items(), reverse=True):  # most rows first: those with a whole turn
+            sampled.update(zip(map(id, rows), sample([episode.ids for episode in rows], budget)))
         still = []
-        for episode, tokens in zip(active, sampled):
-            tokens = tokens[: episode_tokens - len(episode.ids)]
+        for episode in active:
+            tokens = sampled[id(episode)][: limit[id(episode)] - len(episode.ids)]
             episode.ids += tokens
             episode.policy += [True] * len(tokens)
             episode.turns += 1
             text = tokenizer.decode([token for token in tokens if token not in stops])
+            episode.messages.append({"role": "assistant", "content": text})  # a turn cut off too: it was judged
             if not tokens or tokens[-1] not in stops:  # cut off inside the turn
                 episode.ended, episode.answer = "tokens", text
                 continue
-            episode.messages.append({"role": "assistant", "content": text})
             answer = environment.respond(episode, text)
             if answer is None:
                 episode.ended, episode.answer = "answer", text
@@ -137,7 +147,7 @@ def run_episodes(
                 episode.ended = "turns"
             else:
                 context = observation_ids(tokenizer, episode.messages, answer, tools)
-                if len(episode.ids) + len(context) >= episode_tokens:
+                if len(episode.ids) + len(context) >= limit[id(episode)]:
                     episode.ended = "tokens"
                     continue
                 episode.messages += answer

@@ -91,6 +91,7 @@ def test_episodes_end_on_the_turn_limit_and_the_token_limit_and_advance_together
     episodes = run_episodes(Environment(), smol, prompts, sample, max_turns=2, turn_tokens=64, episode_tokens=1024)
     assert [e.ended for e in episodes] == ["answer", "turns", "tokens"]
     assert [e.answer for e in episodes] == ["42", "", "I think..."]
+    assert episodes[2].messages[-1] == {"role": "assistant", "content": "I think..."}  # the cut turn, as judged
     assert calls == [3, 1]  # one sampling call per turn, every unfinished episode in it
     assert episode_stats(episodes)["ended_answer"] == pytest.approx(1 / 3)
     # room for the first turn but not for the observation after it: the episode ends there, on the token limit
@@ -192,3 +193,39 @@ def test_episodes_become_rl_rows_with_the_mask_on_the_policys_tokens(smol):
         response = episode.policy[episode.prompt_len :]
         assert mask[row, : len(response)].tolist() == response and not mask[row, len(response) :].any()
     assert not all(episodes[1].policy[episodes[1].prompt_len :])  # the tool turn inside the row is context
+
+
+class Chatty(Environment):
+    """No tools and no final answer: every turn is followed up, so episodes end on their token limit."""
+
+    tools = ()
+
+    def respond(self, episode, text):
+        return [{"role": "user", "content": "Go on."}]
+
+
+def test_episodes_of_different_lengths_fill_their_rows_to_the_context_and_never_past_it(smol):
+    """``episode_tokens`` equal to the model's context, first prompts of different lengths, turns of up to 64 tokens
+    ended early: every turn's sampling calls fit the context (rows within a turn of their limit get calls of their
+    own, by what they may still take), and every episode fits one row of ``episode_tokens`` once left-padded to the
+    longest first prompt, as ``episode_rows`` pads them."""
+    from models.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=smol.vocab_size, max_seq_len=160))
+    sample = generate_sampler(model.eval(), smol, temperature=0.0)
+    budgets: list[int] = []
+
+    def ended_after_11(rows, max_new_tokens):
+        budgets.append(max_new_tokens)
+        return [tokens if smol.eot_id in tokens else [*tokens[:11], smol.eot_id] for tokens in sample(rows, max_new_tokens)]  # fmt: skip
+
+    questions = ["Hi.", "Tell me, at some length, how many lines a sonnet has and why that is so."]
+    prompts = [{"messages": [{"role": "user", "content": q}]} for q in questions]
+    episodes = run_episodes(Chatty(), smol, prompts, ended_after_11, max_turns=50, turn_tokens=64, episode_tokens=160)
+    widest = max(e.prompt_len for e in episodes)
+    assert all(e.ended == "tokens" for e in episodes) and min(e.turns for e in episodes) > 2
+    assert all(len(e.ids) + widest - e.prompt_len <= 160 for e in episodes)
+    assert any(len(e.ids) + widest - e.prompt_len > 160 - 12 for e in episodes)  # filled to within a turn
+    input_ids, _, _, _ = episode_rows(episodes, smol.pad_id)
+    assert input_ids.shape[1] <= 160 and min(budgets) < 64  # the last turns asked for less than a whole turn

@@ -46,6 +46,23 @@ def test_a_turn_that_extends_the_last_prefills_only_its_new_tokens_and_decodes_a
     assert cache.reused_tokens - before == len(second[0]) + len(second[1])
 
 
+def test_rows_that_stop_leave_the_batch_as_after_a_whole_prefill():
+    """Static decoding past its stop check (8 tokens), rows stopping at different steps and leaving the batch (their
+    holes copied with them): the tokens and log-probs are those of a whole prefill."""
+    model = tiny_model()
+    settings = {"max_new_tokens": 12, "temperature": 1.0, "decode": "static", "stop_ids": list(range(0, 128, 9))}
+    cache = PrefixCache()
+    prompts = [*PROMPTS, [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
+    first = generate(model, prompts, **settings, generator=torch.Generator().manual_seed(0), prefix_cache=cache)
+    assert 0 < int(first.mask.sum(1).min()) < 12  # a row stopped early
+    second = next_turn(prompts, first, [[9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 19]])
+    kept = generate(model, second, **settings, generator=torch.Generator().manual_seed(1), prefix_cache=cache)
+    assert cache.reused_tokens == sum(len(p) for p in prompts)
+    whole = generate(model, second, **settings, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(kept.tokens, whole.tokens) and torch.equal(kept.mask, whole.mask)
+    torch.testing.assert_close(kept.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+
+
 def test_a_sliding_window_model_prefills_whole():
     """A sliding-window layer measures distance in cache indices, which the kept layout's holes would stretch: such a
     model keeps nothing and prefills every turn whole, with the same tokens."""

@@ -278,11 +278,10 @@ def test_an_episode_is_one_row_of_the_stages_episodes_max_tokens(capsys):
         assert kv_cache(preset, "--model", "tiny", "episodes.max_tokens=104") == single  # no environment: unused
         message = error(capsys, preset, "--model", "tiny", tool, "episodes.max_tokens=1000")
         assert message.endswith("episodes.max_tokens (1000) exceeds the model's max_seq_len (256)")
-    # three turns: three turns' decoding, and each turn's prompts kept for the next one's prefill
-    wide = [tool, "episodes.max_tokens=200"]
-    three = plan_json(capsys, preset, "--model", "tiny", "--gpu", "h100", *wide, "episodes.max_turns=3")
-    assert (
-        "every row decodes 3 turns of 16 tokens (an upper bound: give --mean-response-tokens)" in three["time"]["notes"]
-    )
-    kept = [i for phase in three["phases"] for i in phase["items"] if i["name"] == "last turn's prompts (kept)"]
-    assert len(kept) == 1 and kept[0]["bytes"] == kv_cache(preset, "--model", "tiny", "--gpu", "h100", *wide)
+        # three turns: three turns' decoding, and each turn's prompts kept for the next one's prefill
+        wide = [tool, "episodes.max_tokens=200"]
+        three = plan_json(capsys, preset, "--model", "tiny", "--gpu", "h100", *wide, "episodes.max_turns=3")
+        notes = three["time"]["notes"]
+        assert "every row decodes 3 turns of 16 tokens (an upper bound: give --mean-response-tokens)" in notes
+        kept = [i for phase in three["phases"] for i in phase["items"] if i["name"] == "last turn's prompts (kept)"]
+        assert len(kept) == 1 and kept[0]["bytes"] == kv_cache(preset, "--model", "tiny", "--gpu", "h100", *wide)
