@@ -18,6 +18,20 @@ from data.tokenizer.tokenizer import Tokenizer
 from models.generation import generate, left_pad
 
 
+def scored_sample(
+    answer: str, total: torch.Tensor, parts: dict[str, torch.Tensor], row: int, tokens: int, ended: bool
+) -> dict[str, Any]:
+    """One sample as both samplers give it: its answer, the reward's total and per-term scores at ``row``, its
+    length in the policy's tokens and whether it ended as it should."""
+    return {
+        "answer": answer,
+        "score": float(total[row]),
+        "scores": {name: float(values[row]) for name, values in parts.items()},
+        "tokens": tokens,
+        "ended": ended,
+    }
+
+
 def sample_and_score(
     policy: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -62,13 +76,8 @@ def sample_and_score(
             answers = [tokenizer.decode([t for t in row if t not in tokenizer.stop_ids]) for row in tokens]
             total, parts = reward.score([prompts[i] for i in rows], answers, input_ids, real)
             for row, (index, answer) in enumerate(zip(rows, answers)):
-                samples[index * k + row % k] = {
-                    "answer": answer,
-                    "score": float(total[row]),
-                    "scores": {name: float(values[row]) for name, values in parts.items()},
-                    "tokens": len(tokens[row]),
-                    "ended": bool(tokens[row]) and tokens[row][-1] in tokenizer.stop_ids,
-                }
+                ended = bool(tokens[row]) and tokens[row][-1] in tokenizer.stop_ids
+                samples[index * k + row % k] = scored_sample(answer, total, parts, row, len(tokens[row]), ended)
             progress.update(len(chunk))
     return samples
 
@@ -113,11 +122,9 @@ def sample_and_score_episodes(
             for row, episode in enumerate(played):
                 samples.append(
                     {
-                        "answer": episode.answer,
-                        "score": float(total[row]),
-                        "scores": {name: float(values[row]) for name, values in parts.items()},
-                        "tokens": sum(episode.policy),
-                        "ended": episode.ended == "answer",
+                        **scored_sample(
+                            episode.answer, total, parts, row, sum(episode.policy), episode.ended == "answer"
+                        ),
                         "messages": episode.messages,
                         "turns": episode.turns,
                         "tool_calls": episode.tool_calls,

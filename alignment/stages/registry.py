@@ -181,6 +181,14 @@ class Stage:
         section = getattr(config, self.episodes_section) if self.episodes_section else None
         return section if section is not None and section.enabled else None
 
+    def environment(self, config: Any) -> Any | None:
+        """The environment the stage's episodes section names, loaded and checked before compute (errors name the
+        key); None: single-turn responses."""
+        from alignment.shared.episodes import load_environment
+
+        episodes = self.episodes(config)
+        return load_environment(episodes.environment, f"{self.episodes_section}.environment") if episodes else None
+
     def plan(self, config: Any, models: Any, target: Any) -> Any:
         """The stage's ``StagePlan`` with the knob that makes it fit; refused like the run when a row does not fit
         the model's context."""

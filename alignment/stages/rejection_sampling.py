@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from alignment.schemas.rejection_sampling import RejectionSamplingConfig
 from alignment.schemas.sft import SFTConfig
-from alignment.shared.episodes import Environment, load_environment, schemas
+from alignment.shared.episodes import Environment, schemas
 from alignment.shared.rewards import build_reward
 from alignment.shared.sampling import sample_and_score, sample_and_score_episodes
 from alignment.stages.registry import REJECTION_SAMPLING, Stage
@@ -93,8 +93,8 @@ def check_config(config: RejectionSamplingConfig, tokenizer: Tokenizer, stage: S
         raise ConfigError(f"init.policy: {error}") from error
     stage.check_row_tokens(config, model.max_seq_len, "the policy's max_seq_len")
     longest = config.data.max_prompt_tokens + sampling.response_max_tokens
-    if stage.episodes(config) is not None:
-        longest = config.episodes.max_tokens
+    if (episodes := stage.episodes(config)) is not None:  # an episode is one sample
+        longest = episodes.max_tokens
     if longest > sft.data.seq_len:
         log.warning(
             "a sample may reach %d tokens, more than sft.data.seq_len (%d): long samples are %s",
@@ -316,7 +316,7 @@ def run_rejection_sampling(config: RejectionSamplingConfig, *, stage: Stage = RE
     check_stage_config(config, stage.model_folders(config), config.sft.trainer)  # before anything is created
     plan = stage.preflight(config)  # before any weights load
     tokenizer = Tokenizer.load(config.data.tokenizer)
-    environment = load_environment(config.episodes.environment, "episodes.environment")
+    environment = stage.environment(config)  # multi-turn tool episodes, or None
     model = check_config(config, tokenizer, stage)
     prompts = load_training_prompts(config)
     digest = sampling_digest(config, prompts, tokenizer)

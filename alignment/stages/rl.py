@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from alignment.shared.episodes import load_environment
 from alignment.shared.evaluation import check_disjoint
 from alignment.shared.initial_model import add_stage_adapters
 from alignment.shared.responses import RewardFunction
@@ -78,8 +77,7 @@ def run_rl(
     plan = stage.preflight(config)  # before any weights load
     checker = load_checker(config.eval.checker, "eval.checker")
     algorithm: type[RLModule] = stage.module  # its class methods: the reward, environment, extra models, plots
-    episodes = stage.episodes(config)  # multi-turn tool episodes (the record's episodes section), or None
-    environment = load_environment(episodes.environment, f"{stage.episodes_section}.environment") if episodes else None
+    environment = stage.environment(config)  # multi-turn tool episodes (the record's episodes section), or None
     tokenizer = Tokenizer.load(config.data.tokenizer)
     if reward_fn is not None:
         reward = Reward([RewardTerm("reward_fn", 1.0, tokens=reward_fn)])
