@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import multiprocessing
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+from tests.warm_cli import WarmCLI
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -86,12 +89,25 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+_warm_cli: WarmCLI | None = None
+
+
+def run_lantern(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, module: str = "alignment.commands.cli"
+) -> subprocess.CompletedProcess:
+    """``python -m MODULE *args`` from the repository root (``subprocess_env()`` unless ``env``) in a session of its
+    own, its output captured, as ``subprocess.run`` gives it: forked from this worker's warm CLI server
+    (tests/warm_cli.py), which paid the imports once. ``module``: the CLI, or a test's wrapper of it."""
+    global _warm_cli
+    if _warm_cli is None:
+        _warm_cli = WarmCLI(subprocess_env())
+        atexit.register(_warm_cli.close)
+    return _warm_cli.run(list(args), env or subprocess_env(), timeout, module)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m alignment.commands.cli *args`` in a new process from the repository root (``subprocess_env``); it
-    must succeed (the assertion shows the end of its stderr)."""
-    env = subprocess_env()
-    command = [sys.executable, "-m", "alignment.commands.cli", *args]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """``run_lantern(*args)``, which must succeed (the assertion shows the end of its stderr)."""
+    result = run_lantern(*args)
     assert result.returncode == 0, result.stderr[-5000:]
     return result
 
@@ -109,9 +125,11 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _rank_main(rank: int, target: Callable[..., None], args: tuple, log: str) -> None:
-    """One spawned rank: its stdout and stderr into ``log`` (with Python's stacks on a fatal signal), then
-    ``target(rank, *args)``; exits 0 once it returned, 1 with the traceback in ``log`` if it raised."""
+def _rank_main(rank: int, target: Callable[..., None], args: tuple, log: str, env: dict[str, str]) -> None:
+    """One rank: the environment ``env``, its stdout and stderr into ``log`` (with Python's stacks on a fatal
+    signal), then ``target(rank, *args)``; exits 0 once it returned, 1 with the traceback in ``log`` if it raised."""
+    os.environ.clear()
+    os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -141,20 +159,23 @@ def _exit_reason(code: int | None) -> str:
 
 
 def spawn_ranks(target: Callable[..., None], args: tuple, world: int, log_dir: Path, timeout: float) -> None:
-    """Run ``target(rank, *args)`` for each rank in its own spawned process (``subprocess_env``), as ``mp.spawn``
-    does, each rank's output in ``log_dir/rank{N}.log``. Fails, naming every rank that did not exit 0 (its exit code
+    """Run ``target(rank, *args)`` for each rank in its own process (``subprocess_env``), as ``mp.spawn`` does, each
+    rank's output in ``log_dir/rank{N}.log``. The processes come from multiprocessing's fork server, which imported
+    torch and Lightning once per pytest worker (a spawned rank paid about 6 s importing them). Fails, naming every rank that did not exit 0 (its exit code
     or signal) with the end of its log, once one fails (the others are killed then: they would wait for it in a
     collective until gloo's 30-minute timeout) or when any still runs after ``timeout`` seconds."""
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "lightning", "tests.helpers"])  # before the server's first start
     logs = [Path(log_dir, f"rank{rank}.log") for rank in range(world)]
+    env = subprocess_env()
     processes = [
-        context.Process(target=_rank_main, args=(rank, target, args, str(logs[rank])), name=f"rank{rank}")
+        context.Process(target=_rank_main, args=(rank, target, args, str(logs[rank]), env), name=f"rank{rank}")
         for rank in range(world)
     ]
     deadline = time.monotonic() + timeout
     killed = []
     try:
-        with _environment(subprocess_env()):
+        with _environment(env):  # the fork server's, when this starts it
             for process in processes:
                 process.start()
         while time.monotonic() < deadline and any(p.exitcode is None for p in processes):

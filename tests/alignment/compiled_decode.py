@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from models import fast_decode, generation
 from models.sampling import GenerationOutput
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import run_lantern, subprocess_env
 
 DECODE_LOG = "LANTERN_TEST_DECODE_LOG"
 
@@ -76,9 +75,8 @@ def checked_generate(model, prompts, **kwargs: Any) -> GenerationOutput:
 
 def run_checked(stage: str, *args: str, log: Path) -> list[dict[str, Any]]:
     """``lantern STAGE ARGS`` through this module in a new process (it must succeed); the records it logged."""
-    command = [sys.executable, "-m", "tests.alignment.compiled_decode", stage, *args]
     env = subprocess_env(**{DECODE_LOG: str(log)})
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = run_lantern(stage, *args, module="tests.alignment.compiled_decode", env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-5000:]
     return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
 
@@ -86,8 +84,12 @@ def run_checked(stage: str, *args: str, log: Path) -> list[dict[str, Any]]:
 def main() -> None:
     generation.AUTO_DECODE["cpu"] = "compiled"
     fast_decode.compiled = _counting_compiled
-    # before the stages are imported: they bind ``generate`` by name
+    # the stages bind ``generate`` by name: those imported already (a warm CLI's child, tests/warm_cli.py) are
+    # rebound, the others bind the checked one when imported
     generation.generate = checked_generate
+    for module in list(sys.modules.values()):
+        if getattr(module, "generate", None) is _plain_generate:
+            module.generate = checked_generate
     from alignment.commands.cli import main as lantern
 
     lantern()

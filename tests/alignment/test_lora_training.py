@@ -8,8 +8,6 @@ from __future__ import annotations
 import csv
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -25,7 +23,7 @@ from models.formats.checkpoint import load_checkpoint
 from models.heads import load_scalar_model
 from models.model import Transformer
 from tests.alignment.test_sft import sft_config
-from tests.helpers import run_cli, subprocess_env, words, write_jsonl
+from tests.helpers import run_cli, run_lantern, words, write_jsonl
 from trainer.callbacks import full_state_dict
 from trainer.config import load_config
 
@@ -305,11 +303,9 @@ def test_fsdp_lora_sft_matches_single_process_and_resumes_exactly(demo, tmp_path
         (middle, "peft.kind=none", "holds LoRA adapters but this run has peft.kind=none"),
         (single_file, "peft.kind=lora", "holds LoRA adapters trained by a single process: resume it with"),
     ]:
-        refused = subprocess.run(
-            [sys.executable, "-m", "alignment.commands.cli", "sft", *common, f"run.out_dir={tmp_path / 'refused'}",
-             "trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2", override,
-             f"checkpoint.resume={checkpoint_}"],
-            cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        refused = run_lantern(
+            "sft", *common, f"run.out_dir={tmp_path / 'refused'}", "trainer.strategy=fsdp", "trainer.devices=2",
+            "loader.micro_batch_size=2", override, f"checkpoint.resume={checkpoint_}", timeout=300,
         )  # fmt: skip
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert f"error: {checkpoint_} {message}" in refused.stderr

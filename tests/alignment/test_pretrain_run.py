@@ -10,8 +10,6 @@ from __future__ import annotations
 import csv
 import math
 import struct
-import subprocess
-import sys
 import time
 import warnings
 import zlib
@@ -28,7 +26,7 @@ from data.pretrain.manifest import read_manifest
 from data.pretrain.prepare import prepare
 from data.tokenizer.tokenizer import Tokenizer
 from models.errors import ConfigError, NonFiniteLossError
-from tests.helpers import assert_transformers_loads, subprocess_env
+from tests.helpers import assert_transformers_loads, run_lantern
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -404,23 +402,7 @@ def test_data_prepared_with_another_tokenizer(tmp_path):
 
 
 def test_cli_config_error_is_one_clean_line(tmp_path):
-    env = subprocess_env()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "alignment.commands.cli",
-            "pretrain",
-            str(TINY),
-            "trainer.max_stepz=3",
-            f"run.out_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_lantern("pretrain", str(TINY), "trainer.max_stepz=3", f"run.out_dir={tmp_path}", timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

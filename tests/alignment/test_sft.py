@@ -1,8 +1,6 @@
 import csv
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ from alignment.schemas.sft import SFTConfig
 from alignment.shared.losses import per_example_mean, sft_loss_contribution
 from data.demo.tasks import write_demo_dataset
 from models.formats.checkpoint import load_checkpoint
-from tests.helpers import CaptureGradients, run_cli, subprocess_env
+from tests.helpers import CaptureGradients, run_cli, run_lantern
 from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,11 +170,11 @@ def test_fsdp_validation_with_fewer_examples_than_ranks_does_not_hang(demo, tmp_
     """One validation example over 2 ranks: rank 1 generates nothing, yet must join the single weight gather
     (a gather per generate call left it out, and rank 0 waited forever)."""
     command = [
-        sys.executable, "-m", "alignment.commands.cli", "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={tmp_path}",
+        "sft", str(ROOT / "configs/sft/tiny.yaml"), f"run.out_dir={tmp_path}",
         f"data.train=[{demo['train']}]", f"data.val=[{demo['val']}]", "logger.kind=none", "trainer.max_steps=2",
         "trainer.val_every_n_steps=2", "eval.generations=1", "trainer.accelerator=cpu", "run.name=run",
         "trainer.strategy=fsdp", "trainer.devices=2", "loader.micro_batch_size=2",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    result = run_lantern(*command, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_metric(tmp_path / "run", "accuracy.csv", "val/accuracy")

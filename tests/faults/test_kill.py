@@ -38,6 +38,7 @@ from tests.faults.killing import (
     KillPoint,
     kill_plan,
 )
+from tests.helpers import run_lantern
 from tests.trainer.test_distributed import (
     FSDP,
     assert_same_weights,
@@ -81,10 +82,8 @@ def start(
     data_dir: Path, out_dir: Path, overrides: tuple[str, ...], env: dict[str, str]
 ) -> subprocess.CompletedProcess:
     """One attempt, in its own process group (the kill takes the group: every rank, nothing else)."""
-    return subprocess.run(
-        killable_command(data_dir, out_dir, *overrides), cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=RUN_TIMEOUT, start_new_session=True, check=False,
-    )  # fmt: skip
+    _, _, module, *args = killable_command(data_dir, out_dir, *overrides)
+    return run_lantern(*args, module=module, env=env, timeout=RUN_TIMEOUT)
 
 
 def killed_and_resumed(data_dir: Path, out_dir: Path, plan: list[KillPoint], *overrides: str) -> Path:
@@ -305,10 +304,7 @@ def test_real_model_grpo_killed_mid_run_resumes_to_the_uninterrupted_adapters(sm
 
     def grpo(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
         args = ["grpo", str(ROOT / "configs/grpo/smollm2.yaml"), f"run.out_dir={out}", *overrides]
-        return subprocess.run(
-            [sys.executable, "-m", "tests.faults.killing", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-            timeout=RUN_TIMEOUT, start_new_session=True, check=False,
-        )  # fmt: skip
+        return run_lantern(*args, module="tests.faults.killing", env=env, timeout=RUN_TIMEOUT)
 
     straight = grpo(tmp_path / "straight", environment())
     assert straight.returncode == 0, straight.stderr[-4000:]

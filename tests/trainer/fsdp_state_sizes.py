@@ -1,21 +1,14 @@
-"""Run by tests/trainer/test_plan.py: FSDP2 over a real model on N gloo processes (trainer/parallel.py's
-``apply_fsdp``, trainer/optim.py's AdamW), one optimizer step, then what each rank holds locally (its shards of the
-parameters, gradients and optimizer states) written as JSON to OUT.RANK.
-
-    python -m tests.trainer.fsdp_state_sizes PRESET PRECISION WORLD PORT OUT [key=value ...]
-"""
+"""A rank of tests/trainer/test_plan.py's FSDP2 run (``spawn_ranks(worker, ...)``): FSDP2 over a real model on N
+gloo processes (trainer/parallel.py's ``apply_fsdp``, trainer/optim.py's AdamW), one optimizer step, then what each
+rank holds locally (its shards of the parameters, gradients and optimizer states) written as JSON to OUT.RANK."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from tests.helpers import spawn_ranks
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -61,10 +54,3 @@ def worker(rank: int, world: int, preset: str, precision: str, port: str, out: s
     with open(f"{out}.{rank}", "w", encoding="utf-8") as handle:
         json.dump(sizes, handle)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    preset, precision, world, port, out, *rest = sys.argv[1:]
-    overrides = {key: int(value) for key, value in (item.split("=") for item in rest)}
-    # spawn_ranks: each rank's output kept, and no interpreter teardown after FSDP2 (tests/helpers.py)
-    spawn_ranks(worker, (int(world), preset, precision, port, out, overrides), int(world), Path(out).parent, 900)

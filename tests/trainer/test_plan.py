@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from models.heads import ScalarModel
 from models.memory import GiB
 from models.model import ModelConfig, Transformer
 from models.parameter_shapes import meta_parameters
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import spawn_ranks
+from tests.trainer.fsdp_state_sizes import worker
 from trainer.config import OptimConfig
 from trainer.hardware import COLLECTIVE_EFFICIENCY, GPUS, MFU_FIGURES, gpu_from_device_name, gpu_named, mfu_for
 from trainer.optim import optimizer_from_config
@@ -143,10 +142,7 @@ def test_fsdp2_shards_equal_each_ranks_local_bytes(tmp_path, precision):
     """Two gloo processes, FSDP2 over tiny with an odd vocabulary (4095 rows: rank 0 holds 2048, rank 1 2047): each
     rank's local parameters, gradients and optimizer states are what the plan counts for that rank."""
     out = tmp_path / "sizes"
-    command = [sys.executable, "-m", "tests.trainer.fsdp_state_sizes", "tiny", precision, "2", str(free_port()), str(out),
-               "vocab_size=4095"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    spawn_ranks(worker, (2, "tiny", precision, str(free_port()), str(out), {"vocab_size": 4095}), 2, tmp_path, 600)
     params = meta_parameters(ModelConfig.from_preset("tiny", vocab_size=4095))
     measured = [json.loads((tmp_path / f"sizes.{rank}").read_text()) for rank in range(2)]
     assert measured[0] != measured[1]  # the odd rows fall on rank 1's side
