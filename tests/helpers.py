@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from tests.warm_cli import WarmCLI
+from tests.warm_cli import WarmCLI, import_time_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -99,10 +99,15 @@ def run_lantern(
     own, its output captured, as ``subprocess.run`` gives it: forked from this worker's warm CLI server
     (tests/warm_cli.py), which paid the imports once. ``module``: the CLI, or a test's wrapper of it."""
     global _warm_cli
-    if _warm_cli is None:
-        _warm_cli = WarmCLI(subprocess_env())
+    base = subprocess_env()
+    if _warm_cli is None or import_time_environment(_warm_cli.env) != import_time_environment(base):
+        # this process's own environment moved on (inductor sets TORCHINDUCTOR_CACHE_DIR when it first compiles
+        # here): a server started from the new one, so that runs with it stay warm
+        if _warm_cli is not None:
+            _warm_cli.close()
+        _warm_cli = WarmCLI(base)
         atexit.register(_warm_cli.close)
-    return _warm_cli.run(list(args), env or subprocess_env(), timeout, module)
+    return _warm_cli.run(list(args), env or base, timeout, module)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -61,3 +61,11 @@ def test_a_warm_run_past_its_timeout_is_killed_with_its_session():
     assert run_lantern("--help").returncode == 0  # the server goes on
     left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True)
     assert not left.stdout.strip(), left.stdout
+
+
+def test_runs_stay_warm_when_this_process_environment_moves_on(monkeypatch, tmp_path):
+    """In CI every run after the worker's first compile went cold: inductor had set TORCHINDUCTOR_CACHE_DIR here."""
+    assert run_lantern("--help").returncode == 0
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # as inductor does when it first compiles here
+    answer = json.loads(run_lantern(module="tests.warm_cli_probe").stdout)
+    assert answer["parent"] not in (os.getpid(), 1)  # a warm server's child

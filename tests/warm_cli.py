@@ -10,7 +10,7 @@ directory, stdin from /dev/null, stdout and stderr to files, fresh Python RNG st
 ``SystemExit``, or a traceback and 1.
 
 A run whose environment differs from the server's in a variable a library may read at import (anything but
-``WANDB_*``, ``LANTERN_*`` and ``PYTEST_*``) runs cold, as a new process. Protocol: one JSON line per request on the
+``WANDB_*``, ``LANTERN_*``, ``PYTEST_*`` and ``PL_*``) runs cold, as a new process. Protocol: one JSON line per request on the
 server's stdin; the server answers with the child's pid, then with its wait status.
 """
 
@@ -30,10 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "alignment.commands.cli"
 # read at run time, not when a module is imported: a run may set them without going cold
-RUN_TIME_VARIABLES = ("WANDB_", "LANTERN_", "PYTEST_")
+RUN_TIME_VARIABLES = ("WANDB_", "LANTERN_", "PYTEST_", "PL_")  # PL_: Lightning's seed_everything sets them
 
 
-def _import_time_environment(env: dict[str, str]) -> dict[str, str]:
+def import_time_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less the variables read only at run time."""
     return {key: value for key, value in env.items() if not key.startswith(RUN_TIME_VARIABLES)}
 
 
@@ -84,6 +85,21 @@ def serve() -> None:
         answer.flush()
 
 
+def _run_cold(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` in a new process and session, as a warm run is: its output captured, its session killed past
+    ``timeout``."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 class WarmCLI:
     """The client: one server process, started on first use; ``run`` is ``subprocess.run`` of the CLI."""
 
@@ -120,10 +136,8 @@ class WarmCLI:
         captured; a new process where ``env`` differs from the server's at import; killed (its session) past
         ``timeout``."""
         command = [sys.executable, "-m", module, *args]
-        if _import_time_environment(env) != _import_time_environment(self.env):
-            return subprocess.run(
-                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
-            )
+        if import_time_environment(env) != import_time_environment(self.env):
+            return _run_cold(command, env, timeout)
         if self.server is None or self.server.poll() is not None:
             self.server = self._start()
         with tempfile.TemporaryDirectory(prefix="warm-cli-") as folder:
