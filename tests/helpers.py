@@ -110,6 +110,15 @@ def run_lantern(
     return _warm_cli.run(list(args), env or base, timeout, module)
 
 
+def run_command(
+    command: list[str], env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``command``, written ``[sys.executable, "-m", MODULE, *args]``, through ``run_lantern``."""
+    executable, option, module, *args = command
+    assert (executable, option) == (sys.executable, "-m"), command
+    return run_lantern(*args, env=env, timeout=timeout, module=module)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """``run_lantern(*args)``, which must succeed (the assertion shows the end of its stderr)."""
     result = run_lantern(*args)

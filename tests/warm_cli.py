@@ -10,8 +10,9 @@ directory, stdin from /dev/null, stdout and stderr to files, fresh Python RNG st
 ``SystemExit``, or a traceback and 1.
 
 A run whose environment differs from the server's in a variable a library may read at import (anything but
-``WANDB_*``, ``LANTERN_*``, ``PYTEST_*`` and ``PL_*``) runs cold, as a new process. Protocol: one JSON line per request on the
-server's stdin; the server answers with the child's pid, then with its wait status.
+``WANDB_*``, ``LANTERN_*``, ``PYTEST_*`` and ``PL_*``) runs cold, as a new process. Protocol: one JSON line per
+request on the server's stdin, one JSON line in answer once the child ended: its exit status, or that the server
+killed its session at the request's timeout.
 """
 
 from __future__ import annotations
@@ -78,11 +79,22 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             _child(request)
-        answer.write(json.dumps({"pid": pid}) + "\n")
-        answer.flush()
+        timed_out = _wait(pid, request["timeout"])
         _, status = os.waitpid(pid, 0)
-        answer.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        answer.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n")
         answer.flush()
+
+
+def _wait(pid: int, timeout: float) -> bool:
+    """Wait for child ``pid`` to end (not reaping it); past ``timeout`` seconds kill its session and say so."""
+    ended = os.pidfd_open(pid)  # readable once the process has ended
+    try:
+        if select.select([ended], [], [], timeout)[0]:
+            return False
+    finally:
+        os.close(ended)
+    os.killpg(pid, signal.SIGKILL)
+    return True
 
 
 def _run_cold(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -121,14 +133,6 @@ class WarmCLI:
         assert ready.startswith('{"ready"'), f"the warm CLI server did not start (exit {server.wait()})"
         return server
 
-    def _answer(self, timeout: float | None) -> dict | None:
-        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.server.stdout.readline()
-        assert line, f"the warm CLI server ended (exit {self.server.wait()})"
-        return json.loads(line)
-
     def run(
         self, args: list[str], env: dict[str, str], timeout: float, module: str = CLI
     ) -> subprocess.CompletedProcess:
@@ -149,15 +153,17 @@ class WarmCLI:
                 "cwd": str(ROOT),
                 "stdout": str(stdout),
                 "stderr": str(stderr),
+                "timeout": timeout,
             }
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
-            pid = self._answer(None)["pid"]
-            answer = self._answer(timeout)
-            if answer is None:
-                os.killpg(pid, signal.SIGKILL)
-                self._answer(None)
-                raise subprocess.TimeoutExpired(command, timeout, stdout.read_text(), stderr.read_text())
+            line = self.server.stdout.readline()
+            assert line, f"the warm CLI server ended (exit {self.server.wait()})"
+            answer = json.loads(line)
+            if answer["timed_out"]:
+                raise subprocess.TimeoutExpired(
+                    command, timeout, stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+                )
             return subprocess.CompletedProcess(
                 command, answer["returncode"], stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
             )

@@ -25,6 +25,7 @@ from models.sampling import GenerationOutput
 from tests.helpers import run_lantern, subprocess_env
 
 DECODE_LOG = "LANTERN_TEST_DECODE_LOG"
+LANTERN_PACKAGES = ("alignment.", "trainer.", "data.", "models.")
 
 _compiled_steps = 0
 _plain_compiled = fast_decode.compiled
@@ -87,8 +88,8 @@ def main() -> None:
     # the stages bind ``generate`` by name: those imported already (a warm CLI's child, tests/warm_cli.py) are
     # rebound, the others bind the checked one when imported
     generation.generate = checked_generate
-    for module in list(sys.modules.values()):
-        if getattr(module, "generate", None) is _plain_generate:
+    for name, module in list(sys.modules.items()):
+        if name.startswith(LANTERN_PACKAGES) and getattr(module, "generate", None) is _plain_generate:
             module.generate = checked_generate
     from alignment.commands.cli import main as lantern
 

@@ -38,7 +38,7 @@ from tests.faults.killing import (
     KillPoint,
     kill_plan,
 )
-from tests.helpers import run_lantern
+from tests.helpers import run_command, run_lantern
 from tests.trainer.test_distributed import (
     FSDP,
     assert_same_weights,
@@ -82,8 +82,7 @@ def start(
     data_dir: Path, out_dir: Path, overrides: tuple[str, ...], env: dict[str, str]
 ) -> subprocess.CompletedProcess:
     """One attempt, in its own process group (the kill takes the group: every rank, nothing else)."""
-    _, _, module, *args = killable_command(data_dir, out_dir, *overrides)
-    return run_lantern(*args, module=module, env=env, timeout=RUN_TIMEOUT)
+    return run_command(killable_command(data_dir, out_dir, *overrides), env=env, timeout=RUN_TIMEOUT)
 
 
 def killed_and_resumed(data_dir: Path, out_dir: Path, plan: list[KillPoint], *overrides: str) -> Path:

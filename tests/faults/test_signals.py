@@ -32,7 +32,7 @@ from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from tests.alignment.test_pretrain_run import RUN_NAME, isolate_wandb, read_metrics, tiny_config, wandb_history
 from tests.faults.test_kill import TWO_STEPS, lantern_warnings
-from tests.helpers import run_lantern
+from tests.helpers import run_command
 from tests.trainer.test_distributed import command, environment, wait_for_checkpoint
 from trainer import interrupts
 from trainer.checkpoints import LATEST, checkpoint_problem, checkpoint_step
@@ -69,10 +69,7 @@ def interrupted(
 
 
 def run_again(args: list[str]) -> subprocess.CompletedProcess:
-    """``args`` (``python -m MODULE ...``) to the end, which must succeed."""
-    _, option, module, *rest = args
-    assert option == "-m", args
-    result = run_lantern(*rest, module=module, env=environment(), timeout=RUN_TIMEOUT)
+    result = run_command(args, env=environment(), timeout=RUN_TIMEOUT)
     assert result.returncode == 0, result.stderr[-5000:]
     return result
 

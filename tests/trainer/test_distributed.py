@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import family_block, run_lantern, subprocess_env
+from tests.helpers import family_block, run_command, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def environment() -> dict[str, str]:
 
 
 def run(data_dir: Path, out_dir: Path, *overrides: str, env: dict | None = None) -> Path:
-    result = run_lantern(*command(data_dir, out_dir, *overrides)[3:], env=env or environment())
+    result = run_command(command(data_dir, out_dir, *overrides), env=env or environment())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return out_dir / "run"
 
