@@ -28,11 +28,11 @@ from alignment.shared.responses import response_logprobs
 from data.demo.arithmetic import write_arithmetic_dataset
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import PeftConfig
 from models.adapters import adapters_disabled, add_adapters
 from models.files.atomic import write_atomically
 from models.formats.checkpoint import load_checkpoint
 from models.generation import generate, left_pad
+from models.model_config import PeftConfig
 from models.prefill import shared_prefix_length
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -109,7 +109,7 @@ def summarise(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def decay_steps(steps: int) -> int:
-    return max(1, round(0.2 * steps))  # adamw_wsd's decay_fraction 0.2, as trainer.schedules.decay_length counts it
+    return max(1, round(0.2 * steps))  # adamw_wsd's decay_fraction 0.2, as trainer.optim_config.decay_length counts it
 
 
 def stable_overrides(steps: int, seed: int, common: list[str]) -> list[str]:

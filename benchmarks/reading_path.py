@@ -22,7 +22,13 @@ PACKAGES = ("models", "data", "trainer", "alignment")
 
 
 def _in_function(frame) -> bool:
-    return frame is not None and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
+    """A function's frame, not a module or class body's, nor the import system's (a package ``__getattr__`` that a
+    module body's ``from package import submodule`` asks runs at import)."""
+    return (
+        frame is not None
+        and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
+        and not frame.f_code.co_filename.startswith("<frozen importlib")
+    )
 
 
 def trace(command: list[str]) -> dict[str, list[str]]:

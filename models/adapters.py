@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from models.adapter_config import HF_TARGETS, LORA_TARGETS, PeftConfig, lantern_targets
 from models.errors import ConfigError
+from models.model_config import HF_TARGETS, LORA_TARGETS, PeftConfig, lantern_targets
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -17,18 +17,22 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from models.attention import (
+    ROPE_SCALINGS,
     KVCache,
+    RopeScaling,
+    apply_rope,
     attention_mask,
     document_block_mask,
     flex_attention_kernel,
     positions_from_documents,
+    rope_cos_sin,
+    rope_frequencies,
     sliding_window_mask,
     use_flex_attention,
 )
 from models.families import HF_ARCHITECTURES
 from models.loss import cross_entropy, fused_linear_cross_entropy
 from models.model_config import ATTENTION_BACKENDS, ModelConfig
-from models.rope import ROPE_SCALINGS, RopeScaling, apply_rope, rope_cos_sin, rope_frequencies
 
 __all__ = [
     "ATTENTION_BACKENDS",

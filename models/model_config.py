@@ -1,20 +1,29 @@
 """``ModelConfig``: the decoder's shape and block options, checked where a config is made, with its presets
-(``configs/model/NAME.yaml``) and its parameter and FLOP counts. The families it expresses are models/families.py's."""
+(``configs/model/NAME.yaml``) and its parameter and FLOP counts. The families it expresses are models/families.py's.
+``PeftConfig``: the ``peft`` section of every fine-tuning stage (LoRA adapters) and the layers it may adapt."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from omegaconf import OmegaConf
 
-from models.config_checks import bounded, check_config, read_yaml
+from models.attention import RopeScaling
+from models.config_checks import bounded, check_config, model_preset_path, model_presets, read_yaml
 from models.errors import ConfigError
 from models.families import HF_ARCHITECTURES, family_of
-from models.resources import model_preset_path, model_presets
-from models.rope import RopeScaling
 
-__all__ = ["ATTENTION_BACKENDS", "InvalidModelConfig", "ModelConfig"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "HF_TARGETS",
+    "LORA_TARGETS",
+    "InvalidModelConfig",
+    "ModelConfig",
+    "PeftConfig",
+    "adapter_config",
+    "lantern_targets",
+]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
@@ -165,3 +174,42 @@ class ModelConfig:
         """
         matmul_params = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
         return 6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+# Hugging Face Llama's names for the same layers, accepted in peft.target_modules and written in exported adapters
+HF_TARGETS = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "down_proj": "w2",
+    "up_proj": "w3",
+}
+
+
+@dataclass
+class PeftConfig:
+    """The ``peft`` section of every fine-tuning stage. ``kind: none`` trains every weight."""
+
+    kind: Literal["none", "lora"] = "none"
+    rank: int = bounded(16, ge=1)
+    alpha: float = bounded(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapter's input, in training
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind == "lora"
+
+
+def lantern_targets(config: PeftConfig) -> list[str]:
+    """``target_modules`` in Lantern's layer names (Hugging Face's mapped), in order, without repeats."""
+    return list(dict.fromkeys(HF_TARGETS.get(name, name) for name in config.target_modules))
+
+
+def adapter_config(model: Any) -> PeftConfig | None:
+    """The section a model's adapters were added with, or None for a model without adapters (also under wrappers:
+    FSDP2 keeps the attribute, and compile wraps the blocks only)."""
+    return getattr(model, "adapter_config", None)

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from models.adapter_config import PeftConfig
 from models.model import ModelConfig, Transformer, TransformerBlock
+from models.model_config import PeftConfig
 
 __all__ = ["ParameterShapes", "build_meta_model", "meta_parameters", "parameter_shapes"]
 

@@ -41,7 +41,7 @@ FROM_ELSEWHERE = textwrap.dedent(
     from data.tokenizer.tokenizer import Tokenizer
     from models.model import ModelConfig
     from data.pretrain.sources import resolve_inputs
-    from models.resources import shipped_path
+    from models.config_checks import shipped_path
     from alignment.schemas.pretrain import PretrainConfig
     from trainer.config import load_config
     from alignment.commands.pipeline import Pipeline, PipelineConfig

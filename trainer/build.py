@@ -25,7 +25,7 @@ from trainer.callbacks import (
     Throughput,
     device_peak_flops,
 )
-from trainer.checks import resolve_stage_tokenizer
+from trainer.checks import check_resumable, resolve_resume, resolve_stage_tokenizer
 from trainer.config import (
     CPU_OFFLOAD_NEEDS_GPUS,
     ConfigError,
@@ -40,7 +40,6 @@ from trainer.optim import OptimSettingsOnResume
 from trainer.parallel import FSDP2Strategy
 from trainer.plan import planned_precision
 from trainer.plan_check import PlannedRun, PlanVersusMeasured
-from trainer.resume import check_resumable, resolve_resume
 from trainer.stopping import StoppingDDPStrategy
 from trainer.storage import (
     AtomicCheckpoint,

@@ -18,13 +18,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from data.tokenizer.convert import with_hf_tokenizer_files
-from models.adapter_config import adapter_config
 from models.adapters import merged_state
 from models.files.atomic import check_destination, storage_error
 from models.formats.checkpoint import save_checkpoint
 from models.formats.tokenizer_files import as_tokenizer_files
 from models.heads import ScalarModel, save_scalar_model
 from models.model import Transformer
+from models.model_config import adapter_config
 from trainer.checkpoints import latest_checkpoint
 from trainer.hardware import gpu_from_device_name, peak_flops
 from trainer.parallel import plain_name

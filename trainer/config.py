@@ -24,9 +24,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from models.config_checks import bounded, check_config, read_yaml
+from models.config_checks import bounded, check_config, model_preset_path, model_presets, read_yaml, shipped_path
 from models.errors import ConfigError, one_line
-from models.resources import model_preset_path, model_presets, shipped_path
 from trainer.optim_config import MuonConfig, OptimConfig, check_optim_sections
 
 __all__ = ["MuonConfig", "OptimConfig"]  # the optim section's types live in optim_config.py; stages import them here

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from data.tokenizer.convert import hf_export_files, hf_tokenizer_folder, with_hf_tokenizer_files
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import HF_TARGETS, PeftConfig, lantern_targets
 from models.adapters import add_adapters, base_fingerprint, lora_config, merge_adapters, trained_names
 from models.errors import CheckpointError, one_line
 from models.files.atomic import IfExists, atomic_directory, check_destination
@@ -29,6 +28,7 @@ from models.formats.checkpoint_io import read_torch_file
 from models.formats.gguf_format import check_gguf_destination, write_gguf
 from models.formats.hf_format import native_to_hf_adapter_state, write_hf_adapter
 from models.model import ModelConfig, Transformer
+from models.model_config import HF_TARGETS, PeftConfig, lantern_targets
 from trainer.parallel import plain_name
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from models.adapter_config import PeftConfig, adapter_config, lantern_targets
 from models.adapters import trained_names
 from models.errors import CheckpointError, NonFiniteLossError
+from models.model_config import PeftConfig, adapter_config, lantern_targets
 from trainer.optim import optimizer_from_config
 from trainer.parallel import configure_parallelism, first_non_finite, grad_norm_and_clip, plain_name
 

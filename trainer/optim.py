@@ -1,5 +1,5 @@
 """The optimizer of every stage: AdamW with decay on matrices only, or Muon for the transformer blocks' matrices with
-AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD schedule (``trainer/schedules.py``)."""
+AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD schedule (``trainer/optim_config.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from models.errors import ConfigError
 from trainer.config import OptimConfig
 from trainer.muon import MuonWithAdamW, muon_parameters
-from trainer.schedules import scheduled_lr, warmup_cosine
+from trainer.optim_config import scheduled_lr, warmup_cosine
 
 __all__ = ["OptimSettingsOnResume", "build_optimizer", "optimizer_from_config", "parameter_groups", "warmup_cosine"]
 

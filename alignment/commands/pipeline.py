@@ -39,11 +39,11 @@ from data.demo.tasks import write_demo_dataset
 from data.pretrain.mixture import MIXTURE_RECORD, prepare_data
 from data.records.prompts import PromptDataConfig, load_prompts
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import PeftConfig
 from models.config_checks import bounded
 from models.errors import ConfigError
 from models.files.digests import content_key, folder_fingerprint
 from models.files.folders import claim_folder, lock_folder, release_folder
+from models.model_config import PeftConfig
 from trainer.config import HarnessEvalConfig, load_config, to_yaml
 from trainer.interrupts import checkpoint_note, resume_command, stop_if_received
 from trainer.storage import claim_run_directory

@@ -7,9 +7,9 @@ from typing import Literal
 
 from alignment.schemas.common import StageLoaderConfig
 from data.preference.config import PreferenceDataConfig
-from models.adapter_config import PeftConfig
 from models.config_checks import bounded
 from models.model import ModelConfig
+from models.model_config import PeftConfig
 from trainer.config import (
     CheckpointConfig,
     HarnessEvalConfig,

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from data.records.prompts import PromptDataConfig
-from models.adapter_config import PeftConfig
 from models.config_checks import bounded
 from models.errors import ConfigError
+from models.model_config import PeftConfig
 from trainer.config import (
     CheckpointConfig,
     HarnessEvalConfig,

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from alignment.schemas.common import EvalConfig, InitConfig, StageLoaderConfig
-from data.sft.config import SFTDataConfig
-from models.adapter_config import PeftConfig
+from data.sft.rows import SFTDataConfig
 from models.model import ModelConfig
+from models.model_config import PeftConfig
 from trainer.config import CheckpointConfig, LoggerConfig, OptimConfig, RunConfig, StageConfig, TrainerConfig
 
 

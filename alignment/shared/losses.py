@@ -9,49 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.loss import IGNORE_INDEX
 from models.sampling import scaled_logprobs
-
-
-def per_example_mean(token_losses: Tensor, targets: Tensor, document_ids: Tensor) -> Tensor:
-    """Mean loss of each example (document) over its supervised tokens, (num_examples,).
-
-    Examples are keyed by (row, document id), so packed rows split into their examples; examples without a
-    supervised token do not appear.
-    """
-    batch, seq_len = targets.shape
-    valid = targets != IGNORE_INDEX
-    keys = (torch.arange(batch, device=targets.device)[:, None] * (seq_len + 1) + document_ids)[valid]
-    _, example_index = torch.unique(keys, return_inverse=True)
-    count = int(example_index.max()) + 1 if example_index.numel() else 0
-    sums = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
-        0, example_index, token_losses[valid]
-    )
-    sizes = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
-        0, example_index, torch.ones_like(token_losses[valid])
-    )
-    return sums / sizes
-
-
-def sft_loss_contribution(
-    token_losses: Tensor,
-    targets: Tensor,
-    document_ids: Tensor,
-    *,
-    reduction: Literal["token", "example"],
-    step_tokens: Tensor,
-    step_examples: Tensor,
-) -> Tensor:
-    """This micro-batch's share of the step loss.
-
-    ``token``: every supervised token of the step weighs the same, so a 1-token answer packed beside a
-    200-token answer gets 1/201 of the weight. ``example``: each example's mean token loss weighs the same,
-    whatever its length and whatever it was packed with.
-    """
-    if reduction == "token":
-        return token_losses[targets != IGNORE_INDEX].sum() / step_tokens.clamp(min=1)
-    return per_example_mean(token_losses, targets, document_ids).sum() / step_examples.clamp(min=1)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # PPO. Tensors are (B, N) over response tokens with a (B, N) bool ``mask`` of real (non-pad) tokens.

@@ -10,9 +10,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.adapter_config import PeftConfig
 from models.memory import ActivationEstimate, activation_bytes, attention_path
 from models.model import ModelConfig
+from models.model_config import PeftConfig
 from models.parameter_shapes import meta_parameters
 from trainer.hardware import GPU, HOST_MEMORY_GBS, mfu_for
 from trainer.plan import (

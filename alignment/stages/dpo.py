@@ -26,13 +26,13 @@ from alignment.stages.registry import DPO, Stage
 from alignment.stages.reward import preference_data, preference_stage_callbacks
 from data.preference.dpo import DPODataModule
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import adapter_config
 from models.adapters import adapters_disabled
 from models.errors import ConfigError
 from models.files.atomic import write_atomically
 from models.files.digests import content_key, state_dict_digest
 from models.loss import IGNORE_INDEX
 from models.model import Transformer
+from models.model_config import adapter_config
 from trainer.build import check_stage_config, fit_stage, start_run_directory
 from trainer.callbacks import LossPlot
 from trainer.config import TrainerConfig, to_dict

@@ -8,7 +8,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -17,7 +17,6 @@ from torch import Tensor
 from alignment.schemas.sft import SFTConfig
 from alignment.shared.evaluation import answer_prompts, exact_match
 from alignment.shared.initial_model import add_stage_adapters, load_initial_model
-from alignment.shared.losses import per_example_mean, sft_loss_contribution
 from alignment.stages.registry import SFT, Stage
 from data.sft.datamodule import SFTDataModule
 from data.tokenizer.tokenizer import Tokenizer
@@ -35,6 +34,46 @@ from trainer.plan_check import PlannedRun
 log = logging.getLogger(__name__)
 
 KINDS = ("short", "long")
+
+
+def per_example_mean(token_losses: Tensor, targets: Tensor, document_ids: Tensor) -> Tensor:
+    """Mean loss of each example (document) over its supervised tokens, (num_examples,).
+
+    Examples are keyed by (row, document id), so packed rows split into their examples; examples without a
+    supervised token do not appear.
+    """
+    batch, seq_len = targets.shape
+    valid = targets != IGNORE_INDEX
+    keys = (torch.arange(batch, device=targets.device)[:, None] * (seq_len + 1) + document_ids)[valid]
+    _, example_index = torch.unique(keys, return_inverse=True)
+    count = int(example_index.max()) + 1 if example_index.numel() else 0
+    sums = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
+        0, example_index, token_losses[valid]
+    )
+    sizes = torch.zeros(count, device=token_losses.device, dtype=token_losses.dtype).index_add_(
+        0, example_index, torch.ones_like(token_losses[valid])
+    )
+    return sums / sizes
+
+
+def sft_loss_contribution(
+    token_losses: Tensor,
+    targets: Tensor,
+    document_ids: Tensor,
+    *,
+    reduction: Literal["token", "example"],
+    step_tokens: Tensor,
+    step_examples: Tensor,
+) -> Tensor:
+    """This micro-batch's share of the step loss.
+
+    ``token``: every supervised token of the step weighs the same, so a 1-token answer packed beside a
+    200-token answer gets 1/201 of the weight. ``example``: each example's mean token loss weighs the same,
+    whatever its length and whatever it was packed with.
+    """
+    if reduction == "token":
+        return token_losses[targets != IGNORE_INDEX].sum() / step_tokens.clamp(min=1)
+    return per_example_mean(token_losses, targets, document_ids).sum() / step_examples.clamp(min=1)
 
 
 class SFTModule(LanguageModelModule):

@@ -37,9 +37,9 @@ def build_models(args: argparse.Namespace, config=None):
 
     import torch
 
-    from models.adapter_config import PeftConfig
     from models.adapters import add_adapters
     from models.model import ModelConfig, Transformer
+    from models.model_config import PeftConfig
 
     torch.manual_seed(0)
     policy = Transformer(config or ModelConfig.from_preset(args.preset))

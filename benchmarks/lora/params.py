@@ -22,9 +22,9 @@ def count_preset(preset: str | dict, rank: int, alpha: float) -> dict[str, Any]:
     """Parameters and training-state bytes of full fine-tuning and of LoRA, for a preset name or a model dict."""
     import torch
 
-    from models.adapter_config import PeftConfig
     from models.adapters import add_adapters
     from models.model import ModelConfig, Transformer
+    from models.model_config import PeftConfig
 
     config = ModelConfig.from_dict(preset) if isinstance(preset, dict) else ModelConfig.from_preset(preset)
     with torch.device("meta"):

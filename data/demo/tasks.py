@@ -50,7 +50,7 @@ from data.demo.examples import (
     miscount_line_counts,
     prompt_records,
 )
-from data.tokenizer.utf8 import check_utf8
+from data.tokenizer.base import check_utf8
 from models.errors import DataError
 from models.files.atomic import write_atomically
 from models.files.folders import claim_folder

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from data.preference.config import PreferenceDataConfig
 from data.preference.records import Messages, PreferenceChat, load_chats
-from data.pretrain.config import require_inputs
+from data.pretrain.sources import require_inputs
 from data.records.chat import hold_out
 from data.sft.rows import encode_chats
 from data.tokenizer.tokenizer import Tokenizer

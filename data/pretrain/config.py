@@ -4,7 +4,6 @@ gets where it enters ``data/``."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,10 +75,3 @@ class PrepareConfig:
     def mixture(self) -> bool:
         """Whether this section describes a weighted mixture (``sources``) rather than one corpus (``source``)."""
         return bool(self.sources)
-
-
-def require_inputs(inputs: Sequence[str], where: str, key: str) -> None:
-    """Refuse an empty list of inputs as ``data/`` receives it: the one data rule load cannot check, since a stage
-    may fill the list after load (rejection sampling's samples, the reward model's generated pairs)."""
-    if not inputs:
-        raise ConfigError(f"{where}: `{key}` is empty; give at least one file, glob or hub dataset name")

@@ -25,9 +25,8 @@ import torch
 from torch.utils.data import BatchSampler, ConcatDataset, DataLoader, Sampler
 
 from data.pretrain.manifest import data_fingerprint
-from data.streams.datamodule import StreamDataModule, StreamLoader
+from data.streams.datamodule import PackedDataset, StreamDataModule, StreamLoader, StreamSampler
 from data.streams.mixture import MixtureSampler
-from data.streams.packed import PackedDataset, StreamSampler
 from data.streams.shards import read_manifest
 from models.errors import DataError
 from models.files.atomic import close_lock

@@ -41,7 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from data.pretrain.batches import mapped_in_order, row_batches
-from data.pretrain.config import PrepareConfig, require_inputs
+from data.pretrain.config import PrepareConfig
 from data.pretrain.manifest import MANIFEST_VERSION, describe_inputs, stale_reason, write_json_atomic
 from data.pretrain.prepared_folder import (
     BUILD_KIND,
@@ -56,12 +56,16 @@ from data.pretrain.prepared_folder import (
     prepared_by_lantern,
     read_only_data,
 )
-from data.pretrain.sources import load_source, resolve_inputs, validate_dataset
-from data.pretrain.workers import workers_die_with_this_process
+from data.pretrain.sources import (
+    load_source,
+    require_inputs,
+    resolve_inputs,
+    validate_dataset,
+    workers_die_with_this_process,
+)
 from data.streams.shards import MANIFEST_NAME
-from data.tokenizer.base import TokenizerBase
+from data.tokenizer.base import TokenizerBase, check_utf8
 from data.tokenizer.tokenizer import Tokenizer
-from data.tokenizer.utf8 import check_utf8
 from models.files.atomic import close_lock, storage_error
 from models.files.folders import claim_folder, lock_folder, lock_out_readers, release_folder
 

@@ -18,8 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from data.records.chat import BadRow, as_written, check_messages, field_turns, resolve_sources
 from data.records.files import read_records
-from data.streams.datamodule import StreamDataModule, StreamLoader
-from data.streams.packed import StreamSampler
+from data.streams.datamodule import StreamDataModule, StreamLoader, StreamSampler
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import bounded
 from models.errors import DataError

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from data.sft.rows import SFTRows
-from data.streams.packed import StreamSampler
+from data.streams.datamodule import StreamSampler
 
 log = logging.getLogger("lantern.sft")
 

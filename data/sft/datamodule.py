@@ -37,11 +37,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from data.pretrain.config import require_inputs
+from data.pretrain.sources import require_inputs
 from data.records.chat import hold_out, load_conversations
 from data.sft.batches import SFTBatchPlan, SFTTrainBatches, SFTValBatches
-from data.sft.config import SFTDataConfig
-from data.sft.rows import Example, SFTRows, encode_examples, fit_to_length, make_rows, upsample_short
+from data.sft.rows import Example, SFTDataConfig, SFTRows, encode_examples, fit_to_length, make_rows, upsample_short
 from data.streams.datamodule import PlanDataModule
 from data.tokenizer.tokenizer import Tokenizer
 

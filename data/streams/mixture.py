@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from data.streams.packed import GlobalStream
+from data.streams.datamodule import GlobalStream
 
 log = logging.getLogger("lantern.data")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import rustbpe
 from tqdm import tqdm
 
+from data.tokenizer.base import check_utf8
 from data.tokenizer.tokenizer import LLAMA3_PAT, NUM_SPECIAL_TOKENS, Tokenizer
-from data.tokenizer.utf8 import check_utf8
 from models.errors import DataError
 from models.files.atomic import write_atomically
 

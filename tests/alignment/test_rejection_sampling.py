@@ -23,8 +23,8 @@ from alignment.stages.rejection_sampling import (
     select_best,
 )
 from data.demo.tasks import write_demo_dataset
-from data.sft.config import SFTDataConfig
 from data.sft.datamodule import build_sft_data
+from data.sft.rows import SFTDataConfig
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import numeric_fields, range_of
 from models.errors import ConfigError

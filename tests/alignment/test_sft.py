@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from alignment.schemas.sft import SFTConfig
-from alignment.shared.losses import per_example_mean, sft_loss_contribution
+from alignment.stages.sft import per_example_mean, sft_loss_contribution
 from data.demo.tasks import write_demo_dataset
 from models.formats.checkpoint import load_checkpoint
 from tests.helpers import CaptureGradients, run_cli, run_lantern

@@ -18,7 +18,7 @@ from data.preference.dpo import DPODataModule
 from data.preference.records import load_chats
 from data.records.chat import load_conversations
 from data.records.prompts import PromptDataConfig, load_prompts
-from data.sft.config import SFTDataConfig
+from data.sft.rows import SFTDataConfig
 from models.errors import DataError
 
 SFT_ROW = {"prompt": "What is 2 + 2?", "response": "4"}

@@ -16,10 +16,10 @@ from data.preference.pairs import build_preference_data
 from data.pretrain.config import PrepareConfig
 from data.pretrain.prepare import prepare
 from data.records.prompts import PromptDataConfig, load_prompts
-from data.sft.config import SFTDataConfig
 from data.sft.datamodule import build_sft_data
+from data.sft.rows import SFTDataConfig
+from data.tokenizer.base import check_utf8
 from data.tokenizer.bpe import train_bpe
-from data.tokenizer.utf8 import check_utf8
 from models.errors import DataError
 
 SFT_ROW = {"prompt": "Who speaks first?", "response": "ROMEO"}

@@ -17,12 +17,12 @@ import torch
 from safetensors import SafetensorError
 
 from alignment.commands.cli import main
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters, base_fingerprint, trained_names
 from models.files.atomic import StorageError
 from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.heads import HEAD_WEIGHTS, ScalarModel, save_scalar_model
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=64)
 PEFT = PeftConfig(kind="lora", rank=4, alpha=8.0)

@@ -21,7 +21,7 @@ import pytest
 
 from alignment.commands.cli import main as lantern
 from data.records.chat import resolve_sources
-from data.sft.config import SFTDataConfig
+from data.sft.rows import SFTDataConfig
 from models.files.folders import lock_folder, release_folder
 from tests.faults.test_orphans import DEATH_TIMEOUT, TINY, driven, wait_for_markers, write_corpus
 from tests.helpers import write_jsonl

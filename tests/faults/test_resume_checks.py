@@ -148,7 +148,7 @@ def test_a_resumed_run_trains_at_its_own_optimizer_settings_not_the_checkpoints(
     schedule (Lightning restores the param groups' lr and the scheduler's base rates), while config.yaml said 1e-5,
     so lowering the lr after a divergence, as Lantern advises, could not work. Now the new schedule continues from
     the checkpoint's step, Adam's moments kept, and the change is logged."""
-    from trainer.schedules import scheduled_lr
+    from trainer.optim_config import scheduled_lr
 
     first = ("trainer.max_steps=2", "checkpoint.every_n_steps=2", "optim.lr=1e-3", "optim.warmup_steps=0")
     run_pretrain(tiny_config(data_dir, tmp_path, *QUICK[1:], *first))

@@ -13,7 +13,6 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from alignment.schemas.sft import SFTConfig
-from models.adapter_config import PeftConfig
 from models.adapters import (
     adapters_disabled,
     add_adapters,
@@ -25,6 +24,7 @@ from models.adapters import (
 from models.errors import ConfigError
 from models.heads import ScalarModel
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 from trainer.config import load_config
 from trainer.parallel import apply_activation_checkpointing, apply_compile, plain_name
 

@@ -19,9 +19,9 @@ from alignment.commands.cli import main
 from alignment.stages.sft import run_sft
 from data.demo.tasks import write_demo_dataset
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import LORA_TARGETS
 from models.formats.checkpoint import detect_format, load_checkpoint
 from models.model import ModelConfig, Transformer
+from models.model_config import LORA_TARGETS
 from tests.alignment.test_sft import ROOT, sft_config
 from trainer.export import export_training_checkpoint
 

@@ -19,7 +19,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alignment.shared.responses import response_logprobs
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters
 from models.attention import KVCache
 from models.heads import ScalarModel
@@ -31,6 +30,7 @@ from models.memory import (
     logprob_pass_bytes,
 )
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 from models.parameter_shapes import meta_parameters, parameter_shapes
 from tests.helpers import family_block
 from trainer.parallel import apply_activation_checkpointing, apply_compile

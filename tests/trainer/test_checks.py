@@ -19,9 +19,8 @@ from models.errors import ConfigError
 from models.model import ModelConfig
 from trainer.build import in_save_order, lightning_precision, make_strategy, prepare_trainer
 from trainer.callbacks import DataProgress, ExportFinal, LossPlot
-from trainer.checks import check_initial_model, check_same_tokenizer, check_tokenizer_fits_model
+from trainer.checks import check_initial_model, check_same_tokenizer, check_tokenizer_fits_model, resolve_resume
 from trainer.config import CheckpointConfig, OptimConfig, TrainerConfig
-from trainer.resume import resolve_resume
 from trainer.storage import AtomicCheckpoint
 
 # ---- tokenizer and initial model

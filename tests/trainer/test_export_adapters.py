@@ -15,10 +15,10 @@ import transformers
 from peft import AutoPeftModelForCausalLM, PeftModel
 
 from alignment.commands.cli import main
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters, base_fingerprint, merge_adapters, trained_names
 from models.formats.checkpoint import load_checkpoint, save_checkpoint
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 
 TOL = 1e-4
 # GQA (4 query heads, 2 key/value heads): q's and k's adapters are permuted with different head counts

@@ -12,15 +12,15 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters
 from models.errors import CheckpointError, ConfigError
 from models.heads import ScalarModel
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 from trainer.config import MuonConfig, OptimConfig
 from trainer.muon import MuonWithAdamW, muon_parameters
 from trainer.optim import optimizer_from_config, parameter_groups
-from trainer.schedules import scheduled_lr
+from trainer.optim_config import scheduled_lr
 
 MATRICES = (
     "attention.wq",

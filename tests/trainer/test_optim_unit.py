@@ -12,7 +12,7 @@ import torch
 from models.model import ModelConfig, Transformer
 from trainer.config import OptimConfig
 from trainer.optim import build_optimizer, parameter_groups, warmup_cosine
-from trainer.schedules import decay_length, scheduled_lr, wsd
+from trainer.optim_config import decay_length, scheduled_lr, wsd
 
 
 def tiny(**changes) -> Transformer:
@@ -94,7 +94,7 @@ def test_both_groups_follow_the_schedule_and_adamw_gets_the_settings():
         schedule.step()
 
 
-# ---- WSD: warmup, stable, cooldown (trainer/schedules.py) ----
+# ---- WSD: warmup, stable, cooldown (trainer/optim_config.py) ----
 
 WSD = dict(warmup_steps=10, max_steps=110, lr=1.0, min_lr=0.1, decay_steps=20)
 

@@ -10,12 +10,12 @@ import socket
 import pytest
 import torch
 
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters
 from models.errors import ConfigError
 from models.heads import ScalarModel
 from models.memory import GiB
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 from models.parameter_shapes import meta_parameters
 from tests.helpers import spawn_ranks
 from tests.trainer.fsdp_state_sizes import worker

@@ -15,7 +15,7 @@ from alignment.schemas.pretrain import PretrainConfig
 from alignment.stages.pretrain import run_pretrain
 from models.errors import ConfigError
 from trainer.config import load_config
-from trainer.schedules import check_resumed_optim
+from trainer.optim_config import check_resumed_optim
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"

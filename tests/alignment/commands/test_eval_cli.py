@@ -15,10 +15,10 @@ pytest.importorskip("lm_eval", reason="lantern eval needs lm-eval (the eval extr
 from alignment.commands.cli import main
 from data.demo.harness import write_harness_tasks
 from data.tokenizer.tokenizer import Tokenizer
-from models.adapter_config import PeftConfig
 from models.adapters import add_adapters, base_fingerprint, trained_names
 from models.formats.checkpoint import save_checkpoint
 from models.model import ModelConfig, Transformer
+from models.model_config import PeftConfig
 from trainer.harness_tasks import pass_at_1
 
 CONFIG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=128)

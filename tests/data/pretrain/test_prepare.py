@@ -12,7 +12,7 @@ import pytest
 from data.pretrain.config import PrepareConfig
 from data.pretrain.manifest import check_manifest
 from data.pretrain.prepare import prepare
-from data.streams.packed import PackedDataset
+from data.streams.datamodule import PackedDataset
 from data.streams.shards import TokenStream
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import check_config

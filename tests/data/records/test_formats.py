@@ -11,8 +11,8 @@ from data.preference.pairs import build_preference_data
 from data.preference.records import load_chats, record_to_chat, split_implicit_prompt
 from data.records.chat import BadRow, detect_schema, load_conversations, record_to_messages
 from data.records.prompts import PromptDataConfig, load_prompts, record_to_prompt
-from data.sft.config import SFTDataConfig
 from data.sft.datamodule import build_sft_data
+from data.sft.rows import SFTDataConfig
 from models.config_checks import check_config
 from tests.helpers import write_jsonl
 

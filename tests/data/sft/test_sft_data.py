@@ -13,9 +13,8 @@ import torch
 
 from data.records.chat import load_conversations
 from data.sft.batches import SFTBatchPlan, SFTValBatches
-from data.sft.config import SFTDataConfig
 from data.sft.datamodule import SFTDataModule, build_sft_data
-from data.sft.rows import pack_first_fit_decreasing
+from data.sft.rows import SFTDataConfig, pack_first_fit_decreasing
 from data.tokenizer.tokenizer import Tokenizer
 from models.config_checks import check_config
 from models.errors import DataError

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from data.pretrain.datamodule import PretrainDataModule
+from data.streams.datamodule import StreamSampler
 from data.streams.mixture import PERIOD, MixtureSampler, interleave
-from data.streams.packed import StreamSampler
-from tests.data.streams.test_packed import numbered_docs, write_prepared
+from tests.data.streams.test_datamodule import numbered_docs, write_prepared
 
 
 def shares_over(sampler: MixtureSampler, start: int, n: int = 10_000) -> np.ndarray:

@@ -293,8 +293,8 @@ def test_prepare_packing_upsampling_and_worker_processes_work_with_a_tokenizer_j
 
     from data.pretrain.config import PrepareConfig
     from data.pretrain.prepare import prepare
-    from data.sft.config import SFTDataConfig
     from data.sft.datamodule import build_sft_data
+    from data.sft.rows import SFTDataConfig
     from tests.data.pretrain.test_prepare import split_documents
     from tests.helpers import write_jsonl
 

@@ -1,4 +1,4 @@
-"""Tests for data/streams/packed.py and data/pretrain/datamodule.py on small hand-made token splits."""
+"""Tests for data/streams/datamodule.py and data/pretrain/datamodule.py on small hand-made token splits."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.pretrain.datamodule import PretrainDataModule
-from data.streams.packed import PackedDataset, StreamSampler
+from data.streams.datamodule import PackedDataset, StreamSampler
 from data.streams.shards import TokenStream
 from models.loss import IGNORE_INDEX
 
