@@ -22,12 +22,12 @@ PACKAGES = ("models", "data", "trainer", "alignment")
 
 
 def _in_function(frame) -> bool:
-    """A function's frame, not a module or class body's, nor the import system's (a package ``__getattr__`` that a
-    module body's ``from package import submodule`` asks runs at import)."""
+    """A function's frame, not a module or class body's, nor the import system's: what importlib calls (a package
+    ``__getattr__`` that a module body's ``from package import submodule`` asks) runs at import."""
     return (
         frame is not None
         and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
-        and not frame.f_code.co_filename.startswith("<frozen importlib")
+        and not frame.f_globals.get("__name__", "").startswith("importlib")
     )
 
 

@@ -1,4 +1,6 @@
-"""Checks run before any compute, where two independently configured pieces meet."""
+"""Checks run before any compute, where two independently configured pieces meet; and what a run resumes, checked
+before it does: a checkpoint of this run's model, optimizer and strategy, with steps left to train
+(``resolve_resume`` names the checkpoint: ``checkpoint.resume``, auto, none or a path)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The optimizer of every stage: AdamW with decay on matrices only, or Muon for the transformer blocks' matrices with
-AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD schedule (``trainer/optim_config.py``)."""
+AdamW for the rest (``trainer/muon.py``), under a warmup-cosine, constant or WSD schedule
+(``trainer/optim_config.py``)."""
 
 from __future__ import annotations
 

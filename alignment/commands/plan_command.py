@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from alignment.shared.plan_knobs import ModelResolver, stage_models
+from alignment.shared.plan_models import ModelResolver, stage_models
 from alignment.shared.stage_plan import StagePlan, Target
 from alignment.stages import registry
 from alignment.stages.registry import Stage

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from alignment.shared.episodes import Environment, Episode, episode_rows, generate_sampler, run_episodes
-from alignment.shared.evaluation import HeldOutEvaluation
 from alignment.shared.responses import response_logprobs
 from alignment.shared.rewards import Checker, Reward, build_reward
+from alignment.stages.rl_evaluation import HeldOutEvaluation
 from models.adapters import adapters_disabled
 from models.errors import CheckpointError
 from models.generation import generate, left_pad

@@ -1,5 +1,4 @@
-"""The pretraining data config (one corpus, or a weighted mixture of named sources), and the one check a data config
-gets where it enters ``data/``."""
+"""The pretraining data config: one corpus, or a weighted mixture of named sources."""
 
 from __future__ import annotations
 

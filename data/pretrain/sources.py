@@ -1,6 +1,7 @@
 """Reading data inputs (pretraining, SFT, preference): which files, in what format, loaded through `datasets`, and
-every problem raised before tokenizing with its file and row (or line and byte offset); and the worker processes that
-read them (``datasets``' ``num_proc``), which die with the process that started them, however it dies."""
+every problem raised before tokenizing with its file and row (or line and byte offset); ``require_inputs``, the one
+check a data config gets where it enters ``data/``; and every worker process ``data/`` forks (reading, tokenizing,
+encoding), which dies with the process that started it, however that dies."""
 
 from __future__ import annotations
 

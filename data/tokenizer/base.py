@@ -1,6 +1,7 @@
 """
 What every Lantern tokenizer is, whichever library encodes: the tiktoken rank files and
-Hugging Face ``tokenizer.json``; and ``check_utf8``, the test every text a tokenizer reads passes first.
+Hugging Face ``tokenizer.json``; and ``check_utf8``: whether a text file is UTF-8, naming the line and byte offset
+of the first bad byte.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_a_new_role_declared_in_the_record_alone_is_checked_planned_and_wired(mo
     # the plan resolves the role: a teacher that is not there is named by its key
     assert cli.main(["plan", "configs/sft/tiny.yaml", "--stage", "sft-variant", f"teacher.path={tmp_path / 'no'}"]) == 2
     assert "teacher.path: " in capsys.readouterr().err
-    from alignment.shared.plan_knobs import ModelResolver, stage_models
+    from alignment.shared.plan_models import ModelResolver, stage_models
     from trainer.config import load_config
 
     config = load_config(TeacherSFTConfig, ROOT / "configs/sft/tiny.yaml", [f"teacher.path={setup['policy']}"])
