@@ -80,14 +80,16 @@ def gemma3(tmp_path_factory):
 
 
 # The test files measured slowest (a cold run's --durations on 2 cores), handed out first: pytest-xdist gives each
-# worker whole files in collection order, so the long ones start early and the short ones fill the gaps at the end.
+# worker whole files in collection order (--no-loadscope-reorder: by default it orders files by their number of
+# tests instead), two each at the start, then one to whichever worker runs short, so the long ones start early and
+# the short ones fill the gaps at the end.
 SLOWEST_FILES = (
+    "alignment/test_grpo.py",
     "faults/test_kill.py",
     "alignment/test_lora_training.py",
     "faults/test_sigterm_fsdp.py",
-    "trainer/test_multinode.py",
     "alignment/test_ppo.py",
-    "alignment/test_grpo.py",
+    "trainer/test_multinode.py",
     "trainer/test_distributed.py",
     "alignment/test_gemma3_real_model.py",
     "trainer/test_resume_matrix.py",
