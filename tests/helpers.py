@@ -175,9 +175,10 @@ def _exit_reason(code: int | None) -> str:
 def spawn_ranks(target: Callable[..., None], args: tuple, world: int, log_dir: Path, timeout: float) -> None:
     """Run ``target(rank, *args)`` for each rank in its own process (``subprocess_env``), as ``mp.spawn`` does, each
     rank's output in ``log_dir/rank{N}.log``. The processes come from multiprocessing's fork server, which imported
-    torch and Lightning once per pytest worker (a spawned rank paid about 6 s importing them). Fails, naming every rank that did not exit 0 (its exit code
-    or signal) with the end of its log, once one fails (the others are killed then: they would wait for it in a
-    collective until gloo's 30-minute timeout) or when any still runs after ``timeout`` seconds."""
+    torch and Lightning once per pytest worker (a spawned rank paid about 6 s importing them). Fails, naming every
+    rank that did not exit 0 (its exit code or signal) with the end of its log, once one fails (the others are
+    killed then: they would wait for it in a collective until gloo's 30-minute timeout) or when any still runs after
+    ``timeout`` seconds."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "lightning", "tests.helpers"])  # before the server's first start
     logs = [Path(log_dir, f"rank{rank}.log") for rank in range(world)]

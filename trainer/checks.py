@@ -25,6 +25,7 @@ from trainer.model_sources import source_kind, source_model_config, source_token
 from trainer.optim_config import check_resumed_optim
 
 log = logging.getLogger(__name__)
+resume_log = logging.getLogger("trainer.build")  # where "resuming from" has always been logged
 
 
 class HasVocab(Protocol):
@@ -222,9 +223,6 @@ def check_context_length(lengths: dict[str, int], max_seq_len: int, limit: str) 
         needed = " + ".join(f"{key} ({tokens})" for key, tokens in lengths.items())
         verb = "exceeds" if len(lengths) == 1 else "exceed"
         raise ConfigError(f"{needed} {verb} {limit} ({max_seq_len})")
-
-
-resume_log = logging.getLogger("trainer.build")  # where "resuming from" has always been logged
 
 
 def check_steps_left(checkpoint: Path, step: int, config: Any) -> None:
