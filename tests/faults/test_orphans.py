@@ -150,6 +150,7 @@ from models.files.folders import lock_folder
 lock_folder(Path(sys.argv[1]), what="run folder", hint="")
 child = os.fork()
 if child == 0:
+    print("forked", flush=True)  # fork() has returned here: the child's at-fork hooks (closing the lock) have run
     time.sleep(120)  # a worker that outlives its parent
     os._exit(0)
 print(child, flush=True)
@@ -170,7 +171,8 @@ def test_a_folder_lock_ends_with_its_holder_not_with_the_children_it_forked(tmp_
         start_new_session=True,
     )
     try:
-        child = int(holder.stdout.readline())  # printed once the lock is held and the child forked
+        lines = {holder.stdout.readline().strip() for _ in range(2)}  # the holder's and its child's, in either order
+        child = int((lines - {"forked"}).pop())  # the holder prints it once the lock is held and the child forked
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=DEATH_TIMEOUT)
         assert living_in_group(holder.pid) == [child]  # the child lives on...
